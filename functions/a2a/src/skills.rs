@@ -1,0 +1,78 @@
+//! What an agent offers: its card description and the skills it runs.
+
+use async_trait::async_trait;
+use serde_json::Value;
+
+/// How much harm a skill can do; published on the card as the tag `risk:<level>` so callers and
+/// policy can gate on it without trusting the skill's free-text description.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Risk {
+    Read,
+    Write,
+    Destructive,
+}
+
+impl Risk {
+    /// The card tag for this level, e.g. `risk:write`.
+    pub fn tag(self) -> &'static str {
+        match self {
+            Risk::Read => "risk:read",
+            Risk::Write => "risk:write",
+            Risk::Destructive => "risk:destructive",
+        }
+    }
+}
+
+/// One skill as advertised on the card.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkillSpec {
+    pub id: String,
+    pub name: String,
+    pub description: String,
+    pub risk: Risk,
+    /// Extra tags; the risk tag is added by the card builder.
+    pub tags: Vec<String>,
+    pub examples: Vec<String>,
+}
+
+/// The agent as advertised on the card. `name` is also the agent's key in the task store
+/// (`a2a_task` items are `<name>:<messageId>`), so it should be the short agent name (`zulip`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentSpec {
+    pub name: String,
+    pub description: String,
+    pub version: String,
+    pub skills: Vec<SkillSpec>,
+}
+
+/// A skill that did not produce an output. `retryable` tells the caller whether the same call may
+/// succeed later (a timeout, a 5xx of the app) or will fail again (bad arguments, a 4xx).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct SkillError {
+    pub message: String,
+    pub retryable: bool,
+}
+
+impl SkillError {
+    pub fn retryable(message: impl Into<String>) -> Self {
+        SkillError {
+            message: message.into(),
+            retryable: true,
+        }
+    }
+
+    pub fn permanent(message: impl Into<String>) -> Self {
+        SkillError {
+            message: message.into(),
+            retryable: false,
+        }
+    }
+}
+
+/// An agent's skills: `skill` + JSON `args` -> JSON output (see docs/contracts.md "Skills").
+#[async_trait]
+pub trait Skills: Send + Sync + 'static {
+    fn card(&self) -> AgentSpec;
+    async fn invoke(&self, skill: &str, args: Value) -> Result<Value, SkillError>;
+}

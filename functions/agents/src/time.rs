@@ -1,0 +1,114 @@
+//! RFC 3339 <-> epoch milliseconds, UTC only: the apps speak ISO timestamps and the contracts speak epoch ms.
+
+const DAY_MS: i64 = 86_400_000;
+
+// Howard Hinnant's days-from-civil algorithm (proleptic Gregorian).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (m + if m > 2 { -3 } else { 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+fn civil_from_days(z: i64) -> (i64, i64, i64) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    (if m <= 2 { yoe + era * 400 + 1 } else { yoe + era * 400 }, m, d)
+}
+
+/// Parses `YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)`; `None` for anything else.
+pub(crate) fn parse_rfc3339_ms(s: &str) -> Option<i64> {
+    let s = s.trim();
+    let b = s.as_bytes();
+    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || !(b[10] == b'T' || b[10] == b't' || b[10] == b' ') {
+        return None;
+    }
+    if b[13] != b':' || b[16] != b':' {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| -> Option<i64> {
+        let part = s.get(r)?;
+        if part.bytes().all(|c| c.is_ascii_digit()) { part.parse().ok() } else { None }
+    };
+    let (y, mo, d, h, mi, sec) = (num(0..4)?, num(5..7)?, num(8..10)?, num(11..13)?, num(14..16)?, num(17..19)?);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
+        return None;
+    }
+    let mut rest = &s[19..];
+    let mut millis = 0;
+    if let Some(frac) = rest.strip_prefix('.') {
+        let digits = frac.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 {
+            return None;
+        }
+        let padded: String = frac[..digits].chars().chain("00".chars()).take(3).collect();
+        millis = padded.parse::<i64>().ok()?;
+        rest = &frac[digits..];
+    }
+    let offset_ms = match rest {
+        "Z" | "z" => 0,
+        _ => {
+            let sign = match rest.as_bytes().first()? {
+                b'+' => 1,
+                b'-' => -1,
+                _ => return None,
+            };
+            let hh: i64 = rest.get(1..3)?.parse().ok()?;
+            let mm: i64 = rest.get(4..6)?.parse().ok()?;
+            if rest.len() != 6 || rest.as_bytes()[3] != b':' {
+                return None;
+            }
+            sign * (hh * 3_600_000 + mm * 60_000)
+        }
+    };
+    let ms = days_from_civil(y, mo, d) * DAY_MS + h * 3_600_000 + mi * 60_000 + sec * 1000 + millis;
+    Some(ms - offset_ms)
+}
+
+/// `YYYY-MM-DD HH:MM:SS` in UTC (OpenPanel's `startDate` / `endDate` form).
+pub(crate) fn format_utc_seconds(ms: i64) -> String {
+    let (y, m, d) = civil_from_days(ms.div_euclid(DAY_MS));
+    let rem = ms.rem_euclid(DAY_MS) / 1000;
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
+pub(crate) fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_apps_timestamp_forms() {
+        assert_eq!(parse_rfc3339_ms("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(parse_rfc3339_ms("2026-11-30T14:31:05.123Z"), Some(1_796_049_065_123));
+        assert_eq!(parse_rfc3339_ms("2026-11-30T14:31:05.123456Z"), Some(1_796_049_065_123));
+        assert_eq!(parse_rfc3339_ms("2026-11-30T15:31:05.123+01:00"), Some(1_796_049_065_123));
+        assert_eq!(parse_rfc3339_ms("2000-02-29T00:00:00-00:30"), Some(951_784_200_000));
+        for bad in ["", "2026-11-30", "2026-13-01T00:00:00Z", "2026-11-30T14:31:05", "2026-11-30T14:31:05.Z", "x026-11-30T14:31:05Z"] {
+            assert_eq!(parse_rfc3339_ms(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn formats_and_round_trips() {
+        assert_eq!(format_utc_seconds(0), "1970-01-01 00:00:00");
+        assert_eq!(format_utc_seconds(1_796_049_065_123), "2026-11-30 14:31:05");
+        for ms in [0, 951_782_400_000, 1_796_049_065_000, 4_102_444_800_000] {
+            let iso = format_utc_seconds(ms).replace(' ', "T") + "Z";
+            assert_eq!(parse_rfc3339_ms(&iso), Some(ms));
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! ApprovalService: list and read approvals, hand out single-use challenges, and accept signed decisions.
+//!
+//! A decision changes state only after `loams_factory::approval::check_decision` accepted it, and in this order:
+//! the challenge is marked used (conditional on the version read, so of two concurrent decisions over one challenge
+//! only one passes), the approval is settled (conditional on its version), and the run is told through the queue.
+//! A refusal writes nothing.
+
+use aws_lc_rs::rand::{SecureRandom, SystemRandom};
+use loams_factory::Input;
+use loams_factory::approval::{self, Approval, ApprovalState, Challenge, DecisionRequest, Device, Refusal};
+use loams_platform::{Cond, Item, Page};
+use loams_proto::approvals::v1 as pa;
+use loams_proto::connect::{CallContext, Router};
+
+use crate::factory::{enqueue, id_arg, page_size, page_token};
+use crate::{ApiError, ApiState, Caller, convert, idem};
+
+const SERVICE: &str = "/loams.approvals.v1.ApprovalService/";
+/// Bytes of randomness in a challenge.
+const CHALLENGE_BYTES: usize = 32;
+/// A DER P-256 signature is at most 72 bytes; anything much larger is not one.
+const MAX_SIGNATURE: usize = 128;
+const MAX_CONFIRMATION: usize = 256;
+/// Challenge items outlive their expiry by this much, so a late decision is told "expired" rather than "unknown".
+const CHALLENGE_KEEP_MS: i64 = 24 * 60 * 60 * 1000;
+
+pub(crate) fn parse<T: serde::de::DeserializeOwned>(item: &Item) -> Result<T, ApiError> {
+    serde_json::from_slice(&item.body)
+        .map_err(|e| ApiError::Internal(format!("stored {} {} is malformed: {e}", item.kind, item.id)))
+}
+
+pub(crate) fn to_body<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, ApiError> {
+    serde_json::to_vec(value).map_err(|e| ApiError::Internal(format!("encoding record: {e}")))
+}
+
+async fn load_approval(state: &ApiState, caller: &Caller, id: &str) -> Result<(Item, Approval), ApiError> {
+    id_arg("approval_id", id)?;
+    let item = state
+        .store
+        .get_item(&caller.org, "approval", id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("approval {id} not found")))?;
+    let approval: Approval = parse(&item)?;
+    Ok((item, approval))
+}
+
+/// The caller's own, unrevoked device; anyone else's device reads as unknown.
+async fn callers_device(state: &ApiState, caller: &Caller, id: &str) -> Result<(Item, Device), ApiError> {
+    id_arg("device_id", id)?;
+    let unknown = || ApiError::from(Refusal::DeviceUnknown);
+    let item = state.store.get_item(&caller.org, "device", id).await?.ok_or_else(unknown)?;
+    let device: Device = parse(&item)?;
+    if device.user != caller.user {
+        return Err(unknown());
+    }
+    Ok((item, device))
+}
+
+async fn list(state: &ApiState, caller: &Caller, req: pa::ListApprovalsRequest) -> Result<pa::ListApprovalsResponse, ApiError> {
+    let wanted = pa::ApprovalState::try_from(req.state)
+        .map_err(|_| ApiError::InvalidArgument(format!("unknown approval state {}", req.state)))?;
+    // Pending approvals have their own index; other states are filtered from the full list.
+    let index = (wanted == pa::ApprovalState::Pending).then_some("pending");
+    let page = Page { cursor: page_token(&req.page_token)?, limit: page_size(req.page_size) };
+    let paged = state.store.list_items(&caller.org, "approval", index, page).await?;
+    let now = state.now_ms();
+    let mut approvals = Vec::with_capacity(paged.items.len());
+    for item in &paged.items {
+        let a: Approval = parse(item)?;
+        let shown = convert::approval(&a, now);
+        // The index still lists a pending approval whose time ran out; it reads as expired, so it is left out.
+        if wanted == pa::ApprovalState::Unspecified || shown.state == wanted as i32 {
+            approvals.push(shown);
+        }
+    }
+    Ok(pa::ListApprovalsResponse { approvals, next_page_token: paged.next.unwrap_or_default() })
+}
+
+async fn challenge(state: &ApiState, caller: &Caller, req: pa::GetChallengeRequest) -> Result<pa::GetChallengeResponse, ApiError> {
+    let (_, approval) = load_approval(state, caller, &req.approval_id).await?;
+    let (_, device) = callers_device(state, caller, &req.device_id).await?;
+    if device.revoked {
+        return Err(Refusal::DeviceRevoked.into());
+    }
+    let now = state.now_ms();
+    if approval.effective_state(now) != ApprovalState::Pending {
+        return Err(ApiError::FailedPrecondition(format!("approval is {}", approval.effective_state(now).as_str())));
+    }
+    let mut value = [0u8; CHALLENGE_BYTES];
+    SystemRandom::new().fill(&mut value).map_err(|_| ApiError::Internal("random challenge".into()))?;
+    let expires_at_ms = now + state.config.challenge_ttl_ms;
+    let record = Challenge {
+        value: value.to_vec(),
+        approval_id: approval.id.clone(),
+        device_id: Some(device.id.clone()),
+        expires_at_ms,
+        used: false,
+    };
+    let item = Item {
+        org: caller.org.clone(),
+        kind: "challenge".into(),
+        id: hex::encode(value),
+        version: 0,
+        index: None,
+        body: to_body(&record)?,
+        expires_ms: Some(expires_at_ms + CHALLENGE_KEEP_MS),
+    };
+    state.store.put_item(&item, Cond::Absent).await?;
+    Ok(pa::GetChallengeResponse { challenge: value.to_vec(), expires_at_ms })
+}
+
+fn validate_decide(req: &pa::DecideRequest) -> Result<bool, ApiError> {
+    let approve = match pa::Decision::try_from(req.decision) {
+        Ok(pa::Decision::Approve) => true,
+        Ok(pa::Decision::Deny) => false,
+        _ => return Err(ApiError::InvalidArgument("decision must be APPROVE or DENY".into())),
+    };
+    if req.challenge.len() != CHALLENGE_BYTES {
+        return Err(ApiError::InvalidArgument(format!("challenge must be {CHALLENGE_BYTES} bytes")));
+    }
+    if req.signature.is_empty() || req.signature.len() > MAX_SIGNATURE {
+        return Err(ApiError::InvalidArgument(format!("signature must be 1..={MAX_SIGNATURE} bytes")));
+    }
+    if req.typed_confirmation.len() > MAX_CONFIRMATION {
+        return Err(ApiError::InvalidArgument(format!("typed_confirmation is longer than {MAX_CONFIRMATION} bytes")));
+    }
+    Ok(approve)
+}
+
+async fn settled_input(state: &ApiState, caller: &Caller, a: &Approval, approve: bool, by: &str) -> Result<(), ApiError> {
+    let input = Input::ApprovalSettled { approval_id: a.id.clone(), approved: approve, by: by.to_owned() };
+    enqueue(state, &caller.org, &a.run_id, input).await
+}
+
+async fn decide(state: &ApiState, caller: &Caller, req: pa::DecideRequest) -> Result<pa::DecideResponse, ApiError> {
+    let approve = validate_decide(&req)?;
+    id_arg("approval_id", &req.approval_id)?;
+    idem::once(state, caller, "Decide", &req.idempotency_key, || async {
+        let now = state.now_ms();
+        let (approval_item, approval) = load_approval(state, caller, &req.approval_id).await?;
+        let (_, device) = callers_device(state, caller, &req.device_id).await?;
+
+        // A decision already recorded from this very request (same device, challenge and signature) means an
+        // earlier attempt stopped after settling: tell the run again (the worker drops the duplicate) and answer.
+        if let Some(proof) = &approval.decision
+            && proof.device_id == device.id
+            && proof.challenge == req.challenge
+            && proof.signature == req.signature
+        {
+            settled_input(state, caller, &approval, approval.state == ApprovalState::Approved, &proof.decided_by).await?;
+            return Ok(pa::DecideResponse { approval: Some(convert::approval(&approval, now)) });
+        }
+
+        // Settled or timed out: say so before looking for the challenge, whose record may be gone by then.
+        match approval.effective_state(now) {
+            ApprovalState::Pending => {}
+            ApprovalState::Expired => return Err(Refusal::Expired.into()),
+            ApprovalState::Approved | ApprovalState::Denied => return Err(Refusal::AlreadyDecided.into()),
+        }
+        let challenge_id = hex::encode(&req.challenge);
+        let challenge_item = state
+            .store
+            .get_item(&caller.org, "challenge", &challenge_id)
+            .await?
+            .ok_or(ApiError::from(Refusal::ChallengeMismatch))?;
+        let challenge: Challenge = parse(&challenge_item)?;
+
+        let action_hash = hex::decode(&approval.action_hash).map_err(|_| ApiError::from(Refusal::ActionHashMismatch))?;
+        let decision = if approve { pa::Decision::Approve } else { pa::Decision::Deny };
+        let bytes = loams_proto::canonical_decision_bytes(
+            &approval.id,
+            &action_hash,
+            decision,
+            &device.id,
+            &req.challenge,
+            req.decided_at_ms,
+        );
+        let request = DecisionRequest {
+            approval_id: req.approval_id.clone(),
+            approve,
+            device_id: req.device_id.clone(),
+            challenge: req.challenge.clone(),
+            decided_at_ms: req.decided_at_ms,
+            confirmation: (!req.typed_confirmation.is_empty()).then(|| req.typed_confirmation.clone()),
+            signature: req.signature.clone(),
+        };
+        approval::check_decision(&approval, &device, &challenge, &request, &bytes, now)?;
+
+        let used = Item { body: to_body(&Challenge { used: true, ..challenge })?, ..challenge_item.clone() };
+        match state.store.put_item(&used, Cond::Version(challenge_item.version)).await {
+            Ok(_) => {}
+            Err(loams_platform::StoreError::Conflict) => return Err(Refusal::ChallengeUsed.into()),
+            Err(e) => return Err(e.into()),
+        }
+
+        let settled = approval::settle(&approval, &device, &request);
+        // Leaving the `pending` index takes it off every phone's to-do list.
+        let item = Item { body: to_body(&settled)?, index: None, ..approval_item.clone() };
+        match state.store.put_item(&item, Cond::Version(approval_item.version)).await {
+            Ok(_) => {}
+            Err(loams_platform::StoreError::Conflict) => return Err(Refusal::AlreadyDecided.into()),
+            Err(e) => return Err(e.into()),
+        }
+        tracing::info!(approval = %settled.id, run = %settled.run_id, approved = approve, by = %device.user, "approval settled");
+        settled_input(state, caller, &settled, approve, &device.user).await?;
+        Ok(pa::DecideResponse { approval: Some(convert::approval(&settled, now)) })
+    })
+    .await
+}
+
+pub(crate) fn routes(state: ApiState, router: Router) -> Router {
+    let s = state.clone();
+    let router = router.unary(&format!("{SERVICE}ListApprovals"), move |ctx: CallContext, req: pa::ListApprovalsRequest| {
+        let s = s.clone();
+        async move {
+            let caller = s.caller(&ctx).await?;
+            Ok(list(&s, &caller, req).await?)
+        }
+    });
+    let s = state.clone();
+    let router = router.unary(&format!("{SERVICE}GetApproval"), move |ctx: CallContext, req: pa::GetApprovalRequest| {
+        let s = s.clone();
+        async move {
+            let caller = s.caller(&ctx).await?;
+            let (_, a) = load_approval(&s, &caller, &req.approval_id).await?;
+            Ok(pa::GetApprovalResponse { approval: Some(convert::approval(&a, s.now_ms())) })
+        }
+    });
+    let s = state.clone();
+    let router = router.unary(&format!("{SERVICE}GetChallenge"), move |ctx: CallContext, req: pa::GetChallengeRequest| {
+        let s = s.clone();
+        async move {
+            let caller = s.caller(&ctx).await?;
+            Ok(challenge(&s, &caller, req).await?)
+        }
+    });
+    let s = state;
+    router.unary(&format!("{SERVICE}Decide"), move |ctx: CallContext, req: pa::DecideRequest| {
+        let s = s.clone();
+        async move {
+            let caller = s.caller(&ctx).await?;
+            Ok(decide(&s, &caller, req).await?)
+        }
+    })
+}

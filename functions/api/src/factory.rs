@@ -1,0 +1,226 @@
+//! FactoryService: runs, timelines, the run kill switch and the live watch.
+
+use std::time::Duration;
+
+use futures::Stream;
+use loams_factory::{Envelope, Input};
+use loams_platform::{Cond, Item, Page};
+use loams_proto::connect::{CallContext, ConnectError, Router};
+use loams_proto::factory::v1 as pf;
+use serde::{Deserialize, Serialize};
+
+use crate::{ApiError, ApiState, Caller, convert, idem};
+
+const SERVICE: &str = "/loams.factory.v1.FactoryService/";
+pub(crate) const DEFAULT_PAGE: u32 = 50;
+pub(crate) const MAX_PAGE: u32 = 200;
+/// Longest kill reason kept.
+const MAX_REASON: usize = 500;
+/// Run states after which nothing more happens, so a watch can end.
+const TERMINAL: [&str; 3] = ["succeeded", "failed", "killed"];
+
+/// The kill switch item (kind `kill`, id `run:<id>`), read by the worker before every step.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct KillSwitch {
+    pub reason: String,
+    pub by: String,
+    pub at_ms: i64,
+}
+
+pub(crate) fn page_size(requested: u32) -> u32 {
+    if requested == 0 { DEFAULT_PAGE } else { requested.min(MAX_PAGE) }
+}
+
+pub(crate) fn page_token(token: &str) -> Result<Option<String>, ApiError> {
+    if token.len() > loams_platform::limits::MAX_TOKEN {
+        return Err(ApiError::InvalidArgument("page_token too long".into()));
+    }
+    Ok((!token.is_empty()).then(|| token.to_owned()))
+}
+
+pub(crate) fn id_arg(what: &str, value: &str) -> Result<(), ApiError> {
+    if value.is_empty() || value.len() > loams_factory::MAX_ID || value.chars().any(char::is_control) {
+        return Err(ApiError::InvalidArgument(format!("{what} is required (1..={} bytes)", loams_factory::MAX_ID)));
+    }
+    Ok(())
+}
+
+/// Sends one input for `run` to the worker.
+pub(crate) async fn enqueue(state: &ApiState, org: &str, run: &str, input: Input) -> Result<(), ApiError> {
+    let envelope = Envelope { org: org.to_owned(), run: run.to_owned(), input: Some(input) };
+    let body = serde_json::to_vec(&envelope).map_err(|e| ApiError::Internal(format!("encoding envelope: {e}")))?;
+    state.queue.send(&body, 0).await?;
+    Ok(())
+}
+
+async fn load_run(state: &ApiState, caller: &Caller, id: &str) -> Result<pf::Run, ApiError> {
+    id_arg("run_id", id)?;
+    // Keys start with the caller's org, so another org's run is simply not there.
+    let row = state
+        .store
+        .get_run(&caller.org, id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("run {id} not found")))?;
+    convert::run(&row)
+}
+
+async fn list_runs(state: &ApiState, caller: &Caller, req: pf::ListRunsRequest) -> Result<pf::ListRunsResponse, ApiError> {
+    let filter = (!req.state.is_empty()).then_some(req.state.as_str());
+    if let Some(s) = filter {
+        loams_platform::limits::name("state", s)?;
+    }
+    let page = Page { cursor: page_token(&req.page_token)?, limit: page_size(req.page_size) };
+    let paged = state.store.list_runs(&caller.org, filter, page).await?;
+    let runs = paged.items.iter().map(convert::run).collect::<Result<_, _>>()?;
+    Ok(pf::ListRunsResponse { runs, next_page_token: paged.next.unwrap_or_default() })
+}
+
+async fn timeline(
+    state: &ApiState,
+    caller: &Caller,
+    req: pf::GetTimelineRequest,
+) -> Result<pf::GetTimelineResponse, ApiError> {
+    load_run(state, caller, &req.run_id).await?;
+    let limit = page_size(req.page_size);
+    // One more than asked tells whether more follow without a second query.
+    let mut rows = state.store.events(&caller.org, &req.run_id, req.after_seq, limit + 1).await?;
+    let has_more = rows.len() > limit as usize;
+    rows.truncate(limit as usize);
+    Ok(pf::GetTimelineResponse { events: rows.iter().map(convert::event).collect(), has_more })
+}
+
+async fn kill(state: &ApiState, caller: &Caller, req: pf::KillRunRequest) -> Result<pf::KillRunResponse, ApiError> {
+    load_run(state, caller, &req.run_id).await?;
+    if req.reason.len() > MAX_REASON {
+        return Err(ApiError::InvalidArgument(format!("reason is longer than {MAX_REASON} bytes")));
+    }
+    let reason = if req.reason.trim().is_empty() { format!("killed by {}", caller.user) } else { req.reason.clone() };
+    idem::once(state, caller, "KillRun", &req.idempotency_key, || async {
+        let switch = KillSwitch { reason: reason.clone(), by: caller.user.clone(), at_ms: state.now_ms() };
+        let item = Item {
+            org: caller.org.clone(),
+            kind: "kill".into(),
+            id: format!("run:{}", req.run_id),
+            version: 0,
+            index: None,
+            body: serde_json::to_vec(&switch).map_err(|e| ApiError::Internal(e.to_string()))?,
+            expires_ms: None,
+        };
+        // The switch is what stops the run (the worker reads it before every step); the input only wakes a
+        // waiting run so it notices now instead of at its next timer.
+        state.store.put_item(&item, Cond::Any).await?;
+        enqueue(state, &caller.org, &req.run_id, Input::Kill { reason: reason.clone(), by: caller.user.clone() })
+            .await?;
+        Ok(pf::KillRunResponse { run: Some(load_run(state, caller, &req.run_id).await?) })
+    })
+    .await
+}
+
+enum Watch {
+    Snapshot,
+    Events { after: u64, pending: std::collections::VecDeque<pf::TimelineEvent>, finished: bool },
+    Done,
+}
+
+/// Snapshot first, then every event after `after_seq` as it is appended; ends once a finished run's log is drained.
+fn watch(
+    state: ApiState,
+    caller: Caller,
+    req: pf::WatchRunRequest,
+) -> impl Stream<Item = Result<pf::WatchRunResponse, ConnectError>> + Send + 'static {
+    use pf::watch_run_response::Item as W;
+    let poll = Duration::from_millis(state.config.watch_poll_ms.max(10));
+    futures::stream::unfold(Watch::Snapshot, move |mut step| {
+        let (state, caller, req) = (state.clone(), caller.clone(), req.clone());
+        async move {
+            loop {
+                match step {
+                    Watch::Done => return None,
+                    Watch::Snapshot => {
+                        return Some(match load_run(&state, &caller, &req.run_id).await {
+                            Ok(run) => (
+                                Ok(pf::WatchRunResponse { item: Some(W::Snapshot(run)) }),
+                                Watch::Events { after: req.after_seq, pending: Default::default(), finished: false },
+                            ),
+                            Err(e) => (Err(e.into()), Watch::Done),
+                        });
+                    }
+                    Watch::Events { after, mut pending, finished } => {
+                        if let Some(ev) = pending.pop_front() {
+                            let after = ev.seq;
+                            return Some((
+                                Ok(pf::WatchRunResponse { item: Some(W::Event(ev)) }),
+                                Watch::Events { after, pending, finished },
+                            ));
+                        }
+                        if finished {
+                            return None;
+                        }
+                        // Read the state before the events: a run seen terminal here has all its events below.
+                        let run = match state.store.get_run(&caller.org, &req.run_id).await {
+                            Ok(Some(r)) => r,
+                            Ok(None) => return Some((Err(ApiError::NotFound("run gone".into()).into()), Watch::Done)),
+                            Err(e) => return Some((Err(ApiError::from(e).into()), Watch::Done)),
+                        };
+                        let finished = TERMINAL.contains(&run.state.as_str());
+                        let rows = match state.store.events(&caller.org, &req.run_id, after, MAX_PAGE).await {
+                            Ok(rows) => rows,
+                            Err(e) => return Some((Err(ApiError::from(e).into()), Watch::Done)),
+                        };
+                        let got_all = rows.len() < MAX_PAGE as usize;
+                        let pending: std::collections::VecDeque<_> = rows.iter().map(convert::event).collect();
+                        if pending.is_empty() && !finished {
+                            tokio::time::sleep(poll).await;
+                        }
+                        step = Watch::Events { after, pending, finished: finished && got_all };
+                    }
+                }
+            }
+        }
+    })
+}
+
+pub(crate) fn routes(state: ApiState, router: Router) -> Router {
+    let s = state.clone();
+    let router = router.unary(&format!("{SERVICE}ListRuns"), move |ctx: CallContext, req: pf::ListRunsRequest| {
+        let s = s.clone();
+        async move {
+            let caller = s.caller(&ctx).await?;
+            Ok(list_runs(&s, &caller, req).await?)
+        }
+    });
+    let s = state.clone();
+    let router = router.unary(&format!("{SERVICE}GetRun"), move |ctx: CallContext, req: pf::GetRunRequest| {
+        let s = s.clone();
+        async move {
+            let caller = s.caller(&ctx).await?;
+            Ok(pf::GetRunResponse { run: Some(load_run(&s, &caller, &req.run_id).await?) })
+        }
+    });
+    let s = state.clone();
+    let router = router.unary(&format!("{SERVICE}GetTimeline"), move |ctx: CallContext, req: pf::GetTimelineRequest| {
+        let s = s.clone();
+        async move {
+            let caller = s.caller(&ctx).await?;
+            Ok(timeline(&s, &caller, req).await?)
+        }
+    });
+    let s = state.clone();
+    let router = router.unary(&format!("{SERVICE}KillRun"), move |ctx: CallContext, req: pf::KillRunRequest| {
+        let s = s.clone();
+        async move {
+            let caller = s.caller(&ctx).await?;
+            Ok(kill(&s, &caller, req).await?)
+        }
+    });
+    let s = state;
+    router.server_stream(&format!("{SERVICE}WatchRun"), move |ctx: CallContext, req: pf::WatchRunRequest| {
+        let s = s.clone();
+        async move {
+            let caller = s.caller(&ctx).await?;
+            // Fail before the stream starts for a run that is not there, so the client sees a plain error.
+            load_run(&s, &caller, &req.run_id).await?;
+            Ok(watch(s, caller, req))
+        }
+    })
+}

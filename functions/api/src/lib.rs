@@ -1,0 +1,82 @@
+//! loams-api: the HTTP surface of the factory. Connect services (FactoryService, ApprovalService, DeviceService) on
+//! loams-proto's Connect server, bearer-token auth (ES256 JWT, JWKS), the GlitchTip alert webhook and the dev
+//! issuer's JWKS.
+//!
+//! Every Connect call needs `Authorization: Bearer <jwt>` and sees only the organisation its token names: a record of
+//! another organisation answers exactly as a missing one does. Every write takes an idempotency key; a repeat with
+//! the same key returns the first response and changes nothing.
+
+mod approvals;
+pub mod auth;
+mod convert;
+mod devices;
+mod error;
+mod factory;
+mod idem;
+mod webhook;
+
+use std::sync::Arc;
+
+use axum::routing::get;
+use loams_platform::{Clock, Queue, Store};
+
+pub use auth::{Caller, Claims, Issuer, Verifier};
+pub use factory::KillSwitch;
+pub use error::ApiError;
+pub use webhook::{GlitchtipHook, MAX_WEBHOOK_BYTES, RunOpener};
+
+/// Settings read once at start.
+#[derive(Clone, Debug)]
+pub struct ApiConfig {
+    /// GlitchTip alert webhooks: each secret URL token opens runs in one organisation.
+    pub glitchtip_hooks: Vec<GlitchtipHook>,
+    /// How long a decision challenge stays usable.
+    pub challenge_ttl_ms: i64,
+    /// How often WatchRun looks for new events.
+    pub watch_poll_ms: u64,
+    /// Idempotency lease of a write in progress.
+    pub write_lease_ms: u64,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self { glitchtip_hooks: Vec::new(), challenge_ttl_ms: 5 * 60 * 1000, watch_poll_ms: 500, write_lease_ms: 30_000 }
+    }
+}
+
+/// Everything the handlers share.
+#[derive(Clone)]
+pub struct ApiState {
+    pub store: Arc<dyn Store>,
+    pub queue: Arc<dyn Queue>,
+    pub verifier: Verifier,
+    pub clock: Arc<dyn Clock>,
+    pub config: Arc<ApiConfig>,
+    /// Opens runs for webhook signals (wired to the worker by the binary).
+    pub opener: Arc<dyn RunOpener>,
+    /// Served at `/.well-known/jwks.json` when set (the `loams dev` issuer's keys).
+    pub jwks: Option<Arc<jsonwebtoken::jwk::JwkSet>>,
+}
+
+impl ApiState {
+    async fn caller(&self, ctx: &loams_proto::connect::CallContext) -> Result<Caller, ApiError> {
+        self.verifier.verify_header(ctx.header("authorization")).await
+    }
+
+    fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
+    }
+}
+
+/// The whole HTTP surface: the Connect services, the webhooks and (when configured) the JWKS.
+pub fn router(state: ApiState) -> axum::Router {
+    let connect = factory::routes(state.clone(), loams_proto::connect::Router::new());
+    let connect = approvals::routes(state.clone(), connect);
+    let connect = devices::routes(state.clone(), connect);
+    let mut extra = axum::Router::new().merge(webhook::routes(state.clone()));
+    if let Some(jwks) = state.jwks.clone() {
+        extra = extra.route("/.well-known/jwks.json", get(move || async move { axum::Json((*jwks).clone()) }));
+    }
+    // The Connect router carries the fallback (unknown procedure => `unimplemented`), so it is merged last.
+    extra.merge(connect.into_axum_router())
+}

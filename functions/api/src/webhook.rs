@@ -1,0 +1,211 @@
+//! GlitchTip alert webhook (notes/apps.md 4.3): a Slack-compatible JSON body, no signature, so the URL carries a
+//! secret token. Each alert opens (or finds) the run of its issue; a repeated delivery opens nothing.
+
+use async_trait::async_trait;
+use aws_lc_rs::{constant_time, digest};
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::routing::post;
+use loams_factory::Signal;
+use loams_platform::{Cond, Item, StoreError};
+use serde::Deserialize;
+
+use crate::{ApiError, ApiState};
+
+/// Largest webhook body read; GlitchTip's alerts are a few KiB.
+pub const MAX_WEBHOOK_BYTES: usize = 64 * 1024;
+/// How long a delivery is remembered for dedupe.
+const DEDUPE_MS: i64 = 7 * 24 * 60 * 60 * 1000;
+const MAX_ISSUE_ID: usize = 64;
+
+/// One configured GlitchTip webhook: its secret URL token opens runs in `org` / `env`.
+#[derive(Clone, Debug)]
+pub struct GlitchtipHook {
+    pub org: String,
+    pub env: String,
+    pub token: String,
+}
+
+/// Opens the run of a signal; the binary wires it to the worker (which owns run creation and the cooldown).
+#[async_trait]
+pub trait RunOpener: Send + Sync {
+    /// Opens or finds the run for `signal`; returns its id. Opening the same signal twice is a no-op.
+    async fn open(&self, org: &str, env: &str, signal: Signal) -> Result<String, ApiError>;
+}
+
+#[derive(Deserialize)]
+struct Alert {
+    #[serde(default)]
+    attachments: Vec<Attachment>,
+}
+
+#[derive(Deserialize)]
+struct Attachment {
+    #[serde(default)]
+    title: String,
+    #[serde(default)]
+    title_link: String,
+}
+
+fn find_hook<'a>(hooks: &'a [GlitchtipHook], token: &str) -> Option<&'a GlitchtipHook> {
+    // Compare against every hook, in constant time each, so timing reveals neither a token nor how many exist.
+    let mut found = None;
+    for hook in hooks {
+        if constant_time::verify_slices_are_equal(hook.token.as_bytes(), token.as_bytes()).is_ok() {
+            found = Some(hook);
+        }
+    }
+    found
+}
+
+/// The signal of an alert body, or why it is not one.
+fn signal_of(body: &[u8]) -> Result<Signal, String> {
+    let alert: Alert = serde_json::from_slice(body).map_err(|e| format!("not a GlitchTip alert: {e}"))?;
+    let first = alert.attachments.first().ok_or("the alert has no attachments")?;
+    let link = first.title_link.trim();
+    let issue_id = link.trim_end_matches('/').rsplit('/').next().unwrap_or_default();
+    let id_ok = !issue_id.is_empty()
+        && issue_id.len() <= MAX_ISSUE_ID
+        && issue_id.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_');
+    if !id_ok || !(link.starts_with("https://") || link.starts_with("http://")) || link.len() > loams_factory::MAX_ID {
+        return Err("attachments[0].title_link is not a GlitchTip issue URL".into());
+    }
+    // The title is untrusted text: kept as data, cut to the engine's limit.
+    let mut title: String = first.title.chars().filter(|c| !c.is_control()).collect();
+    if title.len() > loams_factory::MAX_TITLE {
+        let mut cut = loams_factory::MAX_TITLE;
+        while !title.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        title.truncate(cut);
+    }
+    Ok(Signal {
+        source: "glitchtip".into(),
+        fingerprint: format!("glitchtip:{issue_id}"),
+        title,
+        link: link.to_owned(),
+        glitchtip_issue_id: Some(issue_id.to_owned()),
+        severity: "error".into(),
+        generation: 1,
+        parent_run: None,
+    })
+}
+
+fn reply(status: StatusCode, body: serde_json::Value) -> (StatusCode, Json<serde_json::Value>) {
+    (status, Json(body))
+}
+
+async fn glitchtip(
+    State(state): State<ApiState>,
+    Path(token): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> (StatusCode, Json<serde_json::Value>) {
+    let Some(hook) = find_hook(&state.config.glitchtip_hooks, &token) else {
+        // Same answer as an unknown path: the URL is the secret.
+        return reply(StatusCode::NOT_FOUND, serde_json::json!({"error": "not found"}));
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    let too_large = || reply(StatusCode::PAYLOAD_TOO_LARGE, serde_json::json!({"error": "body larger than 64 KiB"}));
+    if declared.is_some_and(|n| n > MAX_WEBHOOK_BYTES) {
+        return too_large();
+    }
+    let Ok(body) = axum::body::to_bytes(body, MAX_WEBHOOK_BYTES).await else {
+        return too_large();
+    };
+    let signal = match signal_of(&body) {
+        Ok(s) => s,
+        Err(msg) => return reply(StatusCode::BAD_REQUEST, serde_json::json!({"error": msg})),
+    };
+    match deliver(&state, state.opener.as_ref(), hook, &body, signal).await {
+        Ok(Some(run)) => reply(StatusCode::ACCEPTED, serde_json::json!({"run": run})),
+        Ok(None) => reply(StatusCode::OK, serde_json::json!({"duplicate": true})),
+        Err(e) => {
+            tracing::warn!(error = %e, org = %hook.org, "glitchtip webhook failed");
+            reply(StatusCode::SERVICE_UNAVAILABLE, serde_json::json!({"error": "try again later"}))
+        }
+    }
+}
+
+/// Records the delivery and opens the run; `None` for a delivery seen before.
+async fn deliver(
+    state: &ApiState,
+    opener: &dyn RunOpener,
+    hook: &GlitchtipHook,
+    body: &[u8],
+    signal: Signal,
+) -> Result<Option<String>, ApiError> {
+    // GlitchTip sends no delivery id; a redelivery carries the same bytes, so the body's hash identifies it.
+    let hash = digest::digest(&digest::SHA256, body);
+    let item = Item {
+        org: hook.org.clone(),
+        kind: "webhook".into(),
+        id: format!("glitchtip:{}", hex::encode(hash.as_ref())),
+        version: 0,
+        index: None,
+        body: Vec::new(),
+        expires_ms: Some(state.now_ms() + DEDUPE_MS),
+    };
+    match state.store.put_item(&item, Cond::Absent).await {
+        Ok(_) => {}
+        Err(StoreError::Conflict) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    match opener.open(&hook.org, &hook.env, signal).await {
+        Ok(run) => Ok(Some(run)),
+        Err(e) => {
+            // Forget the delivery so a resend is not mistaken for a duplicate of one that opened nothing.
+            if let Err(d) = state.store.delete_item(&hook.org, "webhook", &item.id).await {
+                tracing::warn!(error = %d, "forgetting a failed webhook delivery failed");
+            }
+            Err(e)
+        }
+    }
+}
+
+pub(crate) fn routes(state: ApiState) -> axum::Router {
+    axum::Router::new().route("/webhooks/glitchtip/{token}", post(glitchtip)).with_state(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signal_from_slack_style_alert() {
+        let body = serde_json::json!({
+            "alias": "GlitchTip", "text": "GlitchTip Alert",
+            "attachments": [{"title": "ZeroDivisionError: checkout", "title_link": "https://gt.example/acme/issues/4217",
+                             "text": "checkout.total", "fields": []}]
+        });
+        let s = signal_of(&serde_json::to_vec(&body).unwrap()).unwrap();
+        assert_eq!(s.fingerprint, "glitchtip:4217");
+        assert_eq!(s.glitchtip_issue_id.as_deref(), Some("4217"));
+        assert_eq!(s.title, "ZeroDivisionError: checkout");
+        assert_eq!(s.link, "https://gt.example/acme/issues/4217");
+    }
+
+    #[test]
+    fn rejects_bodies_that_are_not_alerts() {
+        assert!(signal_of(b"{").is_err());
+        assert!(signal_of(br#"{"attachments": []}"#).is_err());
+        assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "https://gt/acme/issues/"}]}"#).is_err());
+        assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "javascript:alert(1)/5"}]}"#).is_err());
+        assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "https://gt/a/issues/1;rm"}]}"#).is_err());
+    }
+
+    #[test]
+    fn hook_lookup_needs_the_exact_token() {
+        let hooks = vec![
+            GlitchtipHook { org: "a".into(), env: "prod".into(), token: "token-aaaaaaaaaaaa".into() },
+            GlitchtipHook { org: "b".into(), env: "prod".into(), token: "token-bbbbbbbbbbbb".into() },
+        ];
+        assert_eq!(find_hook(&hooks, "token-bbbbbbbbbbbb").map(|h| h.org.as_str()), Some("b"));
+        assert!(find_hook(&hooks, "token-bbbbbbbbbbb").is_none());
+        assert!(find_hook(&hooks, "").is_none());
+    }
+}

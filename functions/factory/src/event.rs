@@ -1,0 +1,146 @@
+//! The events of a run's append-only log. Folding them with [`crate::Run::apply`] rebuilds the run exactly, so every
+//! event carries whatever the transition needed from outside (times, outputs, token counts, costs).
+
+use serde::{Deserialize, Serialize};
+
+use crate::effect::ApprovalRequest;
+use crate::patch::FileContent;
+use crate::review::Finding;
+use crate::run::RunState;
+use crate::{CiReport, Config, Signal};
+
+/// Why a run stopped (snake_case on the wire).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// Attempts exhausted: handed to a person (draft PR labelled `factory:needs-human`).
+    FailSafe,
+    /// The same CI failure twice in a row, or a patch identical to the previous attempt's.
+    NoProgress,
+    /// A check that passed in an earlier attempt fails now.
+    Oscillation,
+    /// Tokens or money of the run spent.
+    Budget,
+    /// A wait went past its timeout.
+    Stalled,
+    PolicyDenied,
+    ApprovalDenied,
+    TriageRejected,
+    /// A step failed for good (not retryable, retries exhausted, or an output that does not match the contract).
+    StepFailed,
+    Killed,
+    Regressed,
+}
+
+impl Reason {
+    /// Reasons that hand the work to a person instead of undoing it.
+    pub fn hands_off(self) -> bool {
+        matches!(self, Reason::FailSafe | Reason::NoProgress | Reason::Oscillation | Reason::Budget)
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitKind {
+    /// Stall timeout of the wait for a triage decision.
+    Triage,
+    /// The next CI poll.
+    Ci,
+    /// Expiry of a pending approval.
+    Approval,
+    /// End of the observe window.
+    Observe,
+    /// Stall timeout of the wait for a person's verdict.
+    Verdict,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ObserveVerdict {
+    Resolved,
+    Regressed,
+    Inconclusive,
+}
+
+/// One step of a run's ending (close, compensation or hand-off), performed in order, each its own step.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishStep {
+    ClosePr,
+    DraftPr,
+    Revert,
+    Resolve,
+    CompleteIssue,
+    Comment,
+    Post,
+}
+
+impl FinishStep {
+    pub fn action(self) -> &'static str {
+        match self {
+            FinishStep::ClosePr => "close_pr",
+            FinishStep::DraftPr => "draft_pr",
+            FinishStep::Revert => "revert",
+            FinishStep::Resolve => "resolve",
+            FinishStep::CompleteIssue => "set_state",
+            FinishStep::Comment => "comment",
+            FinishStep::Post => "post",
+        }
+    }
+}
+
+/// A regressed run asks the worker to open a new run: `open(signal, ctx)` with this signal (generation + 1,
+/// parent_run set).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct FollowUp {
+    pub generation: u32,
+    pub parent_run: String,
+    pub signal: Signal,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Event {
+    Opened {
+        id: String,
+        org: String,
+        env: String,
+        signal: Signal,
+        owner: Option<String>,
+        config: Config,
+        at_ms: i64,
+    },
+    StepFailed { step: String, error: String, retryable: bool },
+    WaitStarted { timer_id: String, kind: WaitKind, due_ms: i64 },
+    TimerScheduled { timer_id: String },
+    TimerFired { timer_id: String },
+    ThreadOpened { message_id: u64, url: String },
+    TriageDecided { accept: bool, automatic: bool, by: String },
+    IssueCreated { id: String, key: String, url: String },
+    IssueLinked { message_id: u64 },
+    AttemptStarted { attempt: u32 },
+    FilesRead { files: Vec<FileContent> },
+    ModelAnswered { step: String, purpose: String, input_tokens: u64, output_tokens: u64, cost_micros: u64 },
+    PatchProposed { files: Vec<FileContent>, patch_hash: String },
+    Committed { sha: String },
+    PrOpened { number: u64, url: String, head_sha: String },
+    CiPending { poll: u32 },
+    CiFinished { passed: bool, report: CiReport },
+    LeadReviewed { approved: bool, report: String },
+    SecurityAudited { approved: bool, findings: Vec<Finding>, report: String },
+    /// The attempt failed; `feedback` (CI log tail, review report, findings, parse error) goes to the next one.
+    AttemptFailed { attempt: u32, reason: String, feedback: String },
+    GateOpened { request: ApprovalRequest },
+    ApprovalRequested { approval_id: String },
+    ApprovalSettled { approval_id: String, approved: bool, by: String },
+    Merged { merge_sha: String, at_ms: i64 },
+    IssueEventsRead { count: u64, last_seen_ms: Option<i64> },
+    SeriesRead { total: u64 },
+    VerdictReached { verdict: ObserveVerdict, by: Option<String> },
+    /// The run stops for `reason`; what follows (compensation, hand-off, revert) is derived from the run's links.
+    /// A stop while already ending only turns the ending into `killed` when it is a kill.
+    Abandoned { state: RunState, reason: Reason, detail: String },
+    FinishStepDone { step: String, action: FinishStep, url: Option<String> },
+    FinishStepSkipped { step: String, action: FinishStep, reason: String },
+    Ended { state: RunState, reason: Option<Reason>, verdict: Option<ObserveVerdict>, follow_up: Option<FollowUp> },
+}

@@ -1,0 +1,111 @@
+//! Deterministic identifiers (docs/contracts.md, "Identifiers") and the approval action hash.
+
+use aws_lc_rs::digest;
+
+use crate::approval::ApprovalAction;
+
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
+    let d = digest::digest(&digest::SHA256, bytes);
+    d.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `r-` + the first 16 hex characters of SHA-256(`org \n fingerprint \n generation`).
+pub fn run_id(org: &str, fingerprint: &str, generation: u32) -> String {
+    let h = sha256_hex(format!("{org}\n{fingerprint}\n{generation}").as_bytes());
+    format!("r-{}", &h[..16])
+}
+
+/// `<run>:<stage>:<attempt>:<action>`, the A2A messageId and idempotency key of one effect.
+pub fn step_id(run: &str, stage: &str, attempt: u32, action: &str) -> String {
+    format!("{run}:{stage}:{attempt}:{action}")
+}
+
+/// Hex SHA-256 over the canonical JSON of the action: keys sorted at every level, no insignificant whitespace.
+/// serde_json's own map order depends on a cargo feature another crate may switch on, so the order is made explicit.
+pub fn action_hash(action: &ApprovalAction) -> String {
+    let mut out = String::new();
+    let value = serde_json::json!({
+        "agent": action.agent,
+        "skill": action.skill,
+        "args": action.args,
+        "target_commit": action.target_commit,
+    });
+    canonical(&value, &mut out);
+    sha256_hex(out.as_bytes())
+}
+
+fn canonical(v: &serde_json::Value, out: &mut String) {
+    use serde_json::Value;
+    match v {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push(':');
+                if let Some(inner) = map.get(k) {
+                    canonical(inner, out);
+                }
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical(item, out);
+            }
+            out.push(']');
+        }
+        scalar => out.push_str(&scalar.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn run_id_is_derived_from_org_fingerprint_generation() {
+        let a = run_id("acme", "fp-1", 1);
+        assert_eq!(a.len(), 18);
+        assert!(a.starts_with("r-"));
+        assert_eq!(a, run_id("acme", "fp-1", 1));
+        assert_ne!(a, run_id("acme", "fp-1", 2));
+        assert_ne!(a, run_id("other", "fp-1", 1));
+        assert_eq!(&a[2..], &sha256_hex(b"acme\nfp-1\n1")[..16]);
+    }
+
+    #[test]
+    fn step_id_shape() {
+        assert_eq!(step_id("r-0123456789abcdef", "fix", 2, "open_pr"), "r-0123456789abcdef:fix:2:open_pr");
+    }
+
+    #[test]
+    fn action_hash_ignores_key_order_but_not_values() {
+        let a = ApprovalAction {
+            agent: "forgejo".into(),
+            skill: "merge".into(),
+            args: json!({"number": 7, "head_sha": "abc"}),
+            target_commit: Some("abc".into()),
+        };
+        let mut b = a.clone();
+        b.args = serde_json::from_str(r#"{"head_sha":"abc","number":7}"#).unwrap();
+        assert_eq!(action_hash(&a), action_hash(&b));
+        b.args = json!({"number": 8, "head_sha": "abc"});
+        assert_ne!(action_hash(&a), action_hash(&b));
+        let mut c = a.clone();
+        c.target_commit = Some("def".into());
+        assert_ne!(action_hash(&a), action_hash(&c));
+        let mut s = String::new();
+        canonical(&json!({"b": [1, {"z": 1, "a": "x"}], "a": null}), &mut s);
+        assert_eq!(s, r#"{"a":null,"b":[1,{"a":"x","z":1}]}"#);
+    }
+}

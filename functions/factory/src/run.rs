@@ -1,0 +1,820 @@
+//! The run record, its fold over events, and the effect it asks for next.
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::approval::{ApprovalAction, ApprovalState};
+use crate::effect::{ApprovalRequest, Effect};
+use crate::event::{Event, FinishStep, FollowUp, ObserveVerdict, Reason, WaitKind};
+use crate::ids::{action_hash, step_id};
+use crate::patch::FileContent;
+use crate::policy::{Risk, risk_of};
+use crate::{CiReport, Config, Rejection, Signal, prompts};
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum RunState {
+    Open,
+    Waiting,
+    Succeeded,
+    Failed,
+    Killed,
+}
+
+impl RunState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunState::Open => "open",
+            RunState::Waiting => "waiting",
+            RunState::Succeeded => "succeeded",
+            RunState::Failed => "failed",
+            RunState::Killed => "killed",
+        }
+    }
+
+    pub fn is_terminal(self) -> bool {
+        matches!(self, RunState::Succeeded | RunState::Failed | RunState::Killed)
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    Triage,
+    Plan,
+    Fix,
+    Review,
+    Approve,
+    Deploy,
+    Observe,
+    Close,
+}
+
+impl Stage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Triage => "triage",
+            Stage::Plan => "plan",
+            Stage::Fix => "fix",
+            Stage::Review => "review",
+            Stage::Approve => "approve",
+            Stage::Deploy => "deploy",
+            Stage::Observe => "observe",
+            Stage::Close => "close",
+        }
+    }
+}
+
+/// Where in its stage the run is.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Cursor {
+    OpenThread,
+    AwaitTriage,
+    CreateIssue,
+    PostIssueLink,
+    ReadFiles,
+    ProposeFix,
+    CommitPatch,
+    OpenPr,
+    CiStatus,
+    AwaitCi,
+    LeadReview,
+    SecurityAudit,
+    Merge,
+    AwaitObserve,
+    IssueEvents,
+    Series,
+    AwaitVerdict,
+    /// Performing `Run::finish` in order; the run ends when it is empty.
+    Finishing,
+    Done,
+}
+
+impl Cursor {
+    /// Cursors that wait for something from outside, with a timer the engine starts on arrival.
+    pub(crate) fn wait_kind(self) -> Option<WaitKind> {
+        match self {
+            Cursor::AwaitTriage => Some(WaitKind::Triage),
+            Cursor::AwaitCi => Some(WaitKind::Ci),
+            Cursor::AwaitObserve => Some(WaitKind::Observe),
+            Cursor::AwaitVerdict => Some(WaitKind::Verdict),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Links {
+    pub thread_message_id: Option<u64>,
+    pub thread_url: Option<String>,
+    pub issue_id: Option<String>,
+    pub issue_key: Option<String>,
+    pub issue_url: Option<String>,
+    pub commit_sha: Option<String>,
+    pub pr_number: Option<u64>,
+    pub pr_url: Option<String>,
+    pub head_sha: Option<String>,
+    /// The merge commit: with GitOps the merge is the deploy.
+    pub deploy_ref: Option<String>,
+    pub merged_at_ms: Option<i64>,
+    /// The revert PR, or the draft PR of a hand-off.
+    pub follow_pr_url: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct TriageRecord {
+    pub accept: bool,
+    pub automatic: bool,
+    pub by: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct AttemptRecord {
+    pub attempt: u32,
+    pub patch_hash: Option<String>,
+    pub ci: Option<CiReport>,
+    pub ci_passed: Option<bool>,
+    pub failure: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct ApprovalRecord {
+    pub id: String,
+    pub skill: String,
+    pub action_hash: String,
+    pub state: ApprovalState,
+    pub by: Option<String>,
+}
+
+/// An approval the run waits for before a gated call.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Gate {
+    pub request: ApprovalRequest,
+    pub approval_id: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct PendingWait {
+    pub timer_id: String,
+    pub kind: WaitKind,
+    pub due_ms: i64,
+    /// The worker confirmed the timer is stored; until then `next_effect` keeps asking for it.
+    pub scheduled: bool,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Budget {
+    pub limit_tokens: u64,
+    pub limit_micros: u64,
+    pub tokens: u64,
+    pub micros: u64,
+}
+
+impl Budget {
+    pub fn exhausted(&self) -> bool {
+        self.tokens >= self.limit_tokens || self.micros >= self.limit_micros
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observation {
+    pub count: Option<u64>,
+    pub last_seen_ms: Option<i64>,
+    pub series_total: Option<u64>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Ending {
+    pub state: RunState,
+    pub reason: Option<Reason>,
+    pub detail: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Run {
+    pub id: String,
+    pub org: String,
+    pub env: String,
+    pub generation: u32,
+    pub parent_run: Option<String>,
+    pub signal: Signal,
+    pub owner: Option<String>,
+    pub config: Config,
+    pub state: RunState,
+    pub stage: Stage,
+    pub cursor: Cursor,
+    /// Current fix attempt (0 before the fix stage).
+    pub attempt: u32,
+    /// Failed tries of the current step; part of the step id so a retry is a new A2A message.
+    pub retries: u32,
+    pub ci_polls: u32,
+    pub observe_round: u32,
+    pub links: Links,
+    pub triage: Option<TriageRecord>,
+    /// The repository files read for the current attempt.
+    pub files: Vec<FileContent>,
+    /// The files the current attempt proposes.
+    pub patch: Vec<FileContent>,
+    /// What went wrong in the previous attempt (CI log tail, review report, audit findings).
+    pub feedback: Option<String>,
+    pub attempts: Vec<AttemptRecord>,
+    pub approvals: Vec<ApprovalRecord>,
+    pub gate: Option<Gate>,
+    pub wait: Option<PendingWait>,
+    pub budget: Budget,
+    pub observation: Observation,
+    pub verdict: Option<ObserveVerdict>,
+    pub ending: Option<Ending>,
+    pub finish: Vec<FinishStep>,
+    pub follow_up: Option<FollowUp>,
+    pub started_at_ms: i64,
+    /// Number of events folded into this record.
+    pub version: u64,
+}
+
+impl Run {
+    fn opened(id: &str, org: &str, env: &str, signal: &Signal, owner: &Option<String>, config: &Config, at: i64) -> Run {
+        Run {
+            id: id.into(),
+            org: org.into(),
+            env: env.into(),
+            generation: signal.generation,
+            parent_run: signal.parent_run.clone(),
+            signal: signal.clone(),
+            owner: owner.clone(),
+            config: config.clone(),
+            state: RunState::Open,
+            stage: Stage::Triage,
+            cursor: Cursor::OpenThread,
+            attempt: 0,
+            retries: 0,
+            ci_polls: 0,
+            observe_round: 0,
+            links: Links::default(),
+            triage: None,
+            files: Vec::new(),
+            patch: Vec::new(),
+            feedback: None,
+            attempts: Vec::new(),
+            approvals: Vec::new(),
+            gate: None,
+            wait: None,
+            budget: Budget {
+                limit_tokens: config.budget_tokens,
+                limit_micros: config.budget_micros,
+                tokens: 0,
+                micros: 0,
+            },
+            observation: Observation::default(),
+            verdict: None,
+            ending: None,
+            finish: Vec::new(),
+            follow_up: None,
+            started_at_ms: at,
+            version: 0,
+        }
+    }
+
+    /// Rebuilds a run from its event log (the first event must be `Opened`).
+    pub fn from_events(events: &[Event]) -> Result<Run, Rejection> {
+        let Some(Event::Opened { id, org, env, signal, owner, config, at_ms }) = events.first() else {
+            return Err(Rejection::InvalidInput("an event log starts with `opened`".into()));
+        };
+        let mut run = Run::opened(id, org, env, signal, owner, config, *at_ms);
+        run.version = 1;
+        for e in &events[1..] {
+            run.apply(e);
+        }
+        Ok(run)
+    }
+
+    /// Folds one event into the record. Applying `Opened` resets the record to the opened run.
+    pub fn apply(&mut self, e: &Event) {
+        let progress = !matches!(e, Event::StepFailed { .. });
+        match e {
+            Event::Opened { id, org, env, signal, owner, config, at_ms } => {
+                *self = Run::opened(id, org, env, signal, owner, config, *at_ms);
+            }
+            Event::StepFailed { .. } => self.retries += 1,
+            Event::WaitStarted { timer_id, kind, due_ms } => {
+                self.wait = Some(PendingWait { timer_id: timer_id.clone(), kind: *kind, due_ms: *due_ms, scheduled: false });
+            }
+            Event::TimerScheduled { timer_id } => {
+                if let Some(w) = self.wait.as_mut().filter(|w| &w.timer_id == timer_id) {
+                    w.scheduled = true;
+                }
+            }
+            Event::TimerFired { timer_id } => {
+                if let Some(w) = self.wait.take_if(|w| &w.timer_id == timer_id) {
+                    match w.kind {
+                        WaitKind::Ci => {
+                            self.ci_polls += 1;
+                            self.cursor = Cursor::CiStatus;
+                        }
+                        WaitKind::Observe => {
+                            self.cursor = if self.signal.glitchtip_issue_id.is_some() {
+                                Cursor::IssueEvents
+                            } else {
+                                Cursor::Series
+                            };
+                        }
+                        WaitKind::Approval => self.gate = None,
+                        WaitKind::Triage | WaitKind::Verdict => {}
+                    }
+                }
+            }
+            Event::ThreadOpened { message_id, url } => {
+                self.links.thread_message_id = Some(*message_id);
+                self.links.thread_url = Some(url.clone());
+                self.cursor = Cursor::AwaitTriage;
+            }
+            Event::TriageDecided { accept, automatic, by } => {
+                self.triage = Some(TriageRecord { accept: *accept, automatic: *automatic, by: by.clone() });
+                self.wait = None;
+                if *accept {
+                    self.cursor = Cursor::CreateIssue;
+                }
+            }
+            Event::IssueCreated { id, key, url } => {
+                self.links.issue_id = Some(id.clone());
+                self.links.issue_key = Some(key.clone());
+                self.links.issue_url = Some(url.clone());
+                self.cursor = Cursor::PostIssueLink;
+            }
+            Event::IssueLinked { .. } => {}
+            Event::AttemptStarted { attempt } => {
+                self.attempt = *attempt;
+                self.files.clear();
+                self.patch.clear();
+                self.ci_polls = 0;
+                self.attempts.push(AttemptRecord {
+                    attempt: *attempt,
+                    patch_hash: None,
+                    ci: None,
+                    ci_passed: None,
+                    failure: None,
+                });
+                self.cursor = Cursor::ReadFiles;
+            }
+            Event::FilesRead { files } => {
+                self.files = files.clone();
+                self.cursor = Cursor::ProposeFix;
+            }
+            Event::ModelAnswered { input_tokens, output_tokens, cost_micros, .. } => {
+                self.budget.tokens = self.budget.tokens.saturating_add(input_tokens.saturating_add(*output_tokens));
+                self.budget.micros = self.budget.micros.saturating_add(*cost_micros);
+            }
+            Event::PatchProposed { files, patch_hash } => {
+                self.patch = files.clone();
+                if let Some(a) = self.attempts.last_mut() {
+                    a.patch_hash = Some(patch_hash.clone());
+                }
+                self.cursor = Cursor::CommitPatch;
+            }
+            Event::Committed { sha } => {
+                self.links.commit_sha = Some(sha.clone());
+                self.cursor = Cursor::OpenPr;
+            }
+            Event::PrOpened { number, url, head_sha } => {
+                self.links.pr_number = Some(*number);
+                self.links.pr_url = Some(url.clone());
+                self.links.head_sha = Some(head_sha.clone());
+                self.ci_polls = 0;
+                self.cursor = Cursor::CiStatus;
+            }
+            Event::CiPending { .. } => self.cursor = Cursor::AwaitCi,
+            Event::CiFinished { passed, report } => {
+                if let Some(a) = self.attempts.last_mut() {
+                    a.ci = Some(report.clone());
+                    a.ci_passed = Some(*passed);
+                }
+                if *passed {
+                    self.cursor = Cursor::LeadReview;
+                }
+            }
+            Event::LeadReviewed { approved, .. } => {
+                if *approved {
+                    self.cursor = Cursor::SecurityAudit;
+                }
+            }
+            Event::SecurityAudited { approved, .. } => {
+                if *approved {
+                    self.cursor = Cursor::Merge;
+                }
+            }
+            Event::AttemptFailed { reason, feedback, .. } => {
+                if let Some(a) = self.attempts.last_mut() {
+                    a.failure = Some(reason.clone());
+                }
+                self.feedback = Some(feedback.clone());
+            }
+            Event::GateOpened { request } => {
+                self.gate = Some(Gate { request: request.clone(), approval_id: None });
+            }
+            Event::ApprovalRequested { approval_id } => {
+                if let Some(g) = self.gate.as_mut() {
+                    g.approval_id = Some(approval_id.clone());
+                    self.approvals.push(ApprovalRecord {
+                        id: approval_id.clone(),
+                        skill: g.request.action.skill.clone(),
+                        action_hash: g.request.action_hash.clone(),
+                        state: ApprovalState::Pending,
+                        by: None,
+                    });
+                    self.wait = Some(PendingWait {
+                        timer_id: format!("{}.wait", g.request.id),
+                        kind: WaitKind::Approval,
+                        due_ms: g.request.expires_at_ms,
+                        scheduled: false,
+                    });
+                }
+            }
+            Event::ApprovalSettled { approval_id, approved, by } => {
+                let state = if *approved { ApprovalState::Approved } else { ApprovalState::Denied };
+                if let Some(g) = self.gate.take() {
+                    let ids = [Some(&g.request.id), g.approval_id.as_ref()];
+                    match self.approvals.iter_mut().find(|a| ids.contains(&Some(&a.id))) {
+                        Some(rec) => {
+                            rec.state = state;
+                            rec.by = Some(by.clone());
+                        }
+                        None => self.approvals.push(ApprovalRecord {
+                            id: approval_id.clone(),
+                            skill: g.request.action.skill.clone(),
+                            action_hash: g.request.action_hash.clone(),
+                            state,
+                            by: Some(by.clone()),
+                        }),
+                    }
+                }
+                self.wait.take_if(|w| w.kind == WaitKind::Approval);
+            }
+            Event::Merged { merge_sha, at_ms } => {
+                self.links.deploy_ref = Some(merge_sha.clone());
+                self.links.merged_at_ms = Some(*at_ms);
+                self.observe_round = 1;
+                self.cursor = Cursor::AwaitObserve;
+            }
+            Event::IssueEventsRead { count, last_seen_ms } => {
+                self.observation.count = Some(*count);
+                self.observation.last_seen_ms = *last_seen_ms;
+                self.cursor = Cursor::Series;
+            }
+            Event::SeriesRead { total } => self.observation.series_total = Some(*total),
+            Event::VerdictReached { verdict, .. } => {
+                self.verdict = Some(*verdict);
+                self.wait = None;
+                match verdict {
+                    ObserveVerdict::Resolved => {
+                        let mut steps = Vec::new();
+                        if self.signal.glitchtip_issue_id.is_some() {
+                            steps.push(FinishStep::Resolve);
+                        }
+                        if self.links.issue_id.is_some() {
+                            steps.push(FinishStep::CompleteIssue);
+                        }
+                        steps.push(FinishStep::Post);
+                        self.start_finish(RunState::Succeeded, None, String::new(), steps);
+                    }
+                    ObserveVerdict::Regressed => {
+                        let steps = self.tell(vec![FinishStep::Revert]);
+                        self.start_finish(RunState::Failed, Some(Reason::Regressed), String::new(), steps);
+                    }
+                    ObserveVerdict::Inconclusive if self.observe_round < 2 => {
+                        self.observe_round += 1;
+                        self.cursor = Cursor::AwaitObserve;
+                    }
+                    ObserveVerdict::Inconclusive => self.cursor = Cursor::AwaitVerdict,
+                }
+            }
+            Event::Abandoned { state, reason, detail } => match self.ending.as_mut() {
+                Some(ending) => {
+                    if *state == RunState::Killed {
+                        ending.state = RunState::Killed;
+                    }
+                }
+                None => {
+                    let first = if self.links.deploy_ref.is_some() {
+                        (*reason == Reason::Killed).then_some(FinishStep::Revert)
+                    } else if reason.hands_off() {
+                        self.links.commit_sha.is_some().then_some(FinishStep::DraftPr)
+                    } else {
+                        self.links.pr_number.is_some().then_some(FinishStep::ClosePr)
+                    };
+                    let steps = self.tell(first.into_iter().collect());
+                    self.start_finish(*state, Some(*reason), detail.clone(), steps);
+                }
+            },
+            Event::FinishStepDone { url, action, .. } => {
+                if matches!(action, FinishStep::Revert | FinishStep::DraftPr) {
+                    self.links.follow_pr_url = url.clone();
+                }
+                if !self.finish.is_empty() {
+                    self.finish.remove(0);
+                }
+            }
+            Event::FinishStepSkipped { .. } => {
+                if !self.finish.is_empty() {
+                    self.finish.remove(0);
+                }
+                self.gate = None;
+                self.wait = None;
+            }
+            Event::Ended { state, verdict, follow_up, .. } => {
+                self.state = *state;
+                if verdict.is_some() {
+                    self.verdict = *verdict;
+                }
+                self.follow_up = follow_up.clone();
+                self.cursor = Cursor::Done;
+                self.gate = None;
+                self.wait = None;
+            }
+        }
+        if progress {
+            self.retries = 0;
+        }
+        self.version += 1;
+        self.refresh();
+    }
+
+    /// Appends the comment and post that tell people, where an issue and a thread exist.
+    fn tell(&self, mut steps: Vec<FinishStep>) -> Vec<FinishStep> {
+        if self.links.issue_id.is_some() {
+            steps.push(FinishStep::Comment);
+        }
+        if self.links.thread_message_id.is_some() {
+            steps.push(FinishStep::Post);
+        }
+        steps
+    }
+
+    fn start_finish(&mut self, state: RunState, reason: Option<Reason>, detail: String, steps: Vec<FinishStep>) {
+        self.ending = Some(Ending { state, reason, detail });
+        self.finish = steps;
+        self.cursor = Cursor::Finishing;
+        self.gate = None;
+        self.wait = None;
+    }
+
+    fn refresh(&mut self) {
+        if self.state.is_terminal() {
+            return;
+        }
+        self.stage = match self.cursor {
+            Cursor::OpenThread | Cursor::AwaitTriage => Stage::Triage,
+            Cursor::CreateIssue | Cursor::PostIssueLink => Stage::Plan,
+            Cursor::ReadFiles
+            | Cursor::ProposeFix
+            | Cursor::CommitPatch
+            | Cursor::OpenPr
+            | Cursor::CiStatus
+            | Cursor::AwaitCi => Stage::Fix,
+            Cursor::LeadReview | Cursor::SecurityAudit => Stage::Review,
+            Cursor::Merge => match self.planned() {
+                Some(call) if self.approval_for(&call).is_some() => Stage::Deploy,
+                _ => Stage::Approve,
+            },
+            Cursor::AwaitObserve | Cursor::IssueEvents | Cursor::Series | Cursor::AwaitVerdict => Stage::Observe,
+            Cursor::Finishing | Cursor::Done => Stage::Close,
+        };
+        let waiting = self.wait.is_some()
+            || self.gate.is_some()
+            || matches!(self.cursor, Cursor::AwaitTriage | Cursor::AwaitVerdict);
+        self.state = if waiting { RunState::Waiting } else { RunState::Open };
+    }
+
+    /// The `<attempt>` part of step ids: the fix attempt, or the observe round while observing.
+    fn slot(&self) -> u32 {
+        match self.stage {
+            Stage::Triage | Stage::Plan => 0,
+            Stage::Observe => self.observe_round,
+            _ => self.attempt,
+        }
+    }
+
+    /// The step id of `action` at the run's current position.
+    pub fn step(&self, action: &str) -> String {
+        let action =
+            if self.retries > 0 { format!("{action}~{}", self.retries + 1) } else { action.to_string() };
+        step_id(&self.id, self.stage.as_str(), self.slot(), &action)
+    }
+
+    pub fn branch(&self) -> String {
+        format!("factory/{}", self.id)
+    }
+
+    /// The Zulip topic of the run's thread: the signal title, cut to Zulip's 60 characters.
+    pub fn topic(&self) -> String {
+        self.signal.title.chars().take(60).collect()
+    }
+
+    /// The settled, approved approval whose action hash matches this call.
+    pub(crate) fn approval_for(&self, call: &Effect) -> Option<&ApprovalRecord> {
+        let action = gated_action(call)?;
+        let hash = action_hash(&action);
+        self.approvals.iter().find(|a| a.state == ApprovalState::Approved && a.action_hash == hash)
+    }
+
+    /// What the worker must do next, or `None` while the run waits or has ended. A destructive call is returned only
+    /// once an approval with the matching action hash is settled (the safety wall), whatever the policy says.
+    pub fn next_effect(&self) -> Option<Effect> {
+        if self.state.is_terminal() {
+            return None;
+        }
+        if let Some(w) = &self.wait {
+            return (!w.scheduled).then(|| Effect::Wait {
+                step: w.timer_id.clone(),
+                timer_id: w.timer_id.clone(),
+                due_ms: w.due_ms,
+            });
+        }
+        if let Some(g) = &self.gate {
+            return g
+                .approval_id
+                .is_none()
+                .then(|| Effect::RequestApproval { step: g.request.id.clone(), approval: g.request.clone() });
+        }
+        let mut effect = self.planned()?;
+        if let Effect::Call { agent, skill, .. } = &effect {
+            let granted = self.approval_for(&effect).map(|a| a.id.clone());
+            if risk_of(agent, skill) == Risk::Destructive && granted.is_none() {
+                return None;
+            }
+            if let Effect::Call { approval_id, .. } = &mut effect {
+                *approval_id = granted;
+            }
+        }
+        Some(effect)
+    }
+
+    fn call(&self, action: &str, agent: &str, skill: &str, args: serde_json::Value) -> Option<Effect> {
+        Some(Effect::Call { step: self.step(action), agent: agent.into(), skill: skill.into(), args, approval_id: None })
+    }
+
+    /// The effect of the cursor, before gates and walls.
+    pub(crate) fn planned(&self) -> Option<Effect> {
+        let c = &self.config;
+        let l = &self.links;
+        match self.cursor {
+            Cursor::OpenThread => self.call(
+                "open_thread",
+                "zulip",
+                "open_thread",
+                json!({"channel": c.channel, "topic": self.topic(), "content": prompts::triage_evidence(self)}),
+            ),
+            Cursor::CreateIssue => self.call(
+                "create_issue",
+                "plane",
+                "create_issue",
+                json!({
+                    "external_id": format!("factory:{}", self.id),
+                    "title": self.topic(),
+                    "description": prompts::issue_description(self),
+                }),
+            ),
+            Cursor::PostIssueLink => self.call(
+                "post_issue",
+                "zulip",
+                "post",
+                json!({"channel": c.channel, "topic": self.topic(), "content": prompts::issue_link(self)}),
+            ),
+            Cursor::ReadFiles => {
+                let reference = if l.commit_sha.is_some() { self.branch() } else { c.base_branch.clone() };
+                self.call("read_files", "forgejo", "read_files", json!({"paths": c.target_files, "ref": reference}))
+            }
+            Cursor::ProposeFix => Some(Effect::Model {
+                step: self.step("propose"),
+                purpose: "fix".into(),
+                messages: prompts::fix_messages(self),
+            }),
+            Cursor::CommitPatch => self.call(
+                "commit_patch",
+                "forgejo",
+                "commit_patch",
+                json!({
+                    "branch": self.branch(),
+                    "base": c.base_branch,
+                    "files": self.patch,
+                    "message": format!("factory: fix attempt {} for {}", self.attempt, self.id),
+                }),
+            ),
+            Cursor::OpenPr => self.call(
+                "open_pr",
+                "forgejo",
+                "open_pr",
+                json!({
+                    "branch": self.branch(),
+                    "base": c.base_branch,
+                    "title": format!("factory: {}", self.topic()),
+                    "body": prompts::pr_body(self),
+                }),
+            ),
+            Cursor::CiStatus => self.call(
+                &format!("ci_status.{}", self.ci_polls),
+                "forgejo",
+                "ci_status",
+                json!({"sha": l.commit_sha}),
+            ),
+            Cursor::LeadReview => Some(Effect::Model {
+                step: self.step("lead_review"),
+                purpose: "lead_review".into(),
+                messages: prompts::lead_messages(self),
+            }),
+            Cursor::SecurityAudit => Some(Effect::Model {
+                step: self.step("security_audit"),
+                purpose: "security_audit".into(),
+                messages: prompts::audit_messages(self),
+            }),
+            Cursor::Merge => {
+                self.call("merge", "forgejo", "merge", json!({"number": l.pr_number, "head_sha": l.head_sha}))
+            }
+            Cursor::IssueEvents => self.call(
+                "issue_events",
+                "glitchtip",
+                "issue_events",
+                json!({"issue_id": self.signal.glitchtip_issue_id, "since_ms": l.merged_at_ms}),
+            ),
+            Cursor::Series => self.call(
+                "series",
+                "analytics",
+                "series",
+                json!({"project_id": c.analytics_project_id, "event": c.analytics_event, "since_ms": l.merged_at_ms}),
+            ),
+            Cursor::Finishing => self.finish_effect(*self.finish.first()?),
+            Cursor::AwaitTriage | Cursor::AwaitCi | Cursor::AwaitObserve | Cursor::AwaitVerdict | Cursor::Done => {
+                None
+            }
+        }
+    }
+
+    fn finish_effect(&self, step: FinishStep) -> Option<Effect> {
+        let c = &self.config;
+        let l = &self.links;
+        let action = step.action();
+        match step {
+            FinishStep::ClosePr => {
+                self.call(action, "forgejo", "close_pr", json!({"number": l.pr_number, "branch": self.branch()}))
+            }
+            FinishStep::DraftPr => self.call(
+                action,
+                "forgejo",
+                "open_pr",
+                json!({
+                    "branch": self.branch(),
+                    "base": c.base_branch,
+                    "title": format!("factory (needs a person): {}", self.topic()),
+                    "body": prompts::pr_body(self),
+                    "draft": true,
+                    "labels": ["factory:needs-human"],
+                }),
+            ),
+            FinishStep::Revert => self.call(
+                action,
+                "forgejo",
+                "revert",
+                json!({
+                    "merge_sha": l.deploy_ref,
+                    "branch": format!("{}-revert", self.branch()),
+                    "base": c.base_branch,
+                    "title": format!("Revert factory fix for {}", self.topic()),
+                }),
+            ),
+            FinishStep::Resolve => {
+                self.call(action, "glitchtip", "resolve", json!({"issue_id": self.signal.glitchtip_issue_id}))
+            }
+            FinishStep::CompleteIssue => {
+                self.call(action, "plane", "set_state", json!({"issue_id": l.issue_id, "state": "completed"}))
+            }
+            FinishStep::Comment => self.call(
+                action,
+                "plane",
+                "comment",
+                json!({"issue_id": l.issue_id, "body": prompts::finish_text(self)}),
+            ),
+            FinishStep::Post => self.call(
+                action,
+                "zulip",
+                "post",
+                json!({"channel": c.channel, "topic": self.topic(), "content": prompts::finish_text(self)}),
+            ),
+        }
+    }
+}
+
+/// The action an approval for this call is about (target commit bound where the call has one).
+pub(crate) fn gated_action(call: &Effect) -> Option<ApprovalAction> {
+    let Effect::Call { agent, skill, args, .. } = call else { return None };
+    let target = match skill.as_str() {
+        "merge" => args.get("head_sha"),
+        "revert" => args.get("merge_sha"),
+        _ => None,
+    };
+    Some(ApprovalAction {
+        agent: agent.clone(),
+        skill: skill.clone(),
+        args: args.clone(),
+        target_commit: target.and_then(|v| v.as_str()).map(str::to_string),
+    })
+}

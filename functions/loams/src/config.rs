@@ -1,0 +1,292 @@
+//! `loams dev` configuration: one typed struct read once at start from a TOML file and flags.
+//!
+//! Every setting has a default that runs the whole stack on 127.0.0.1 with the sandbox apps and the replay model,
+//! so `loams dev` with no arguments works; a bad value fails at start with a message naming the setting.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Largest configuration file accepted; a real one is a few hundred bytes.
+const MAX_CONFIG_BYTES: u64 = 256 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path} is larger than {MAX_CONFIG_BYTES} bytes")]
+    TooLarge { path: PathBuf },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("setting `{setting}`: {message}")]
+    Invalid { setting: &'static str, message: String },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address of the HTTP API (Connect services, webhooks, JWKS).
+    pub listen: SocketAddr,
+    /// Directory of the embedded store (created if absent).
+    pub data_dir: PathBuf,
+    /// The organisation this single-process deployment serves.
+    pub org: String,
+    /// Environment name runs are opened in (policy decides per environment).
+    pub env: String,
+    /// Shared secret in the GlitchTip alert webhook URL (`/webhooks/glitchtip/<token>`).
+    pub webhook_token: String,
+    pub model: ModelSettings,
+    pub factory: FactorySettings,
+    /// App endpoints and credentials. Absent: the sandbox apps are started in-process.
+    pub apps: Option<AppSettings>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSettings {
+    /// A recorded cassette to replay instead of calling a model (the demo and the tests use one).
+    pub cassette: Option<PathBuf>,
+    pub base_url: String,
+    pub model: String,
+    /// Name of the environment variable holding the API key (the key itself never sits in a file).
+    pub api_key_env: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FactorySettings {
+    pub max_attempts: u32,
+    pub max_generations: u32,
+    pub observe_window_ms: u64,
+    pub ci_poll_ms: u64,
+    pub auto_triage: bool,
+    pub budget_micros: u64,
+    pub budget_tokens: u64,
+    pub cooldown_ms: u64,
+    /// Files of the repository the fix stage shows the model.
+    pub target_files: Vec<String>,
+    /// Zulip channel for triage threads.
+    pub channel: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AppSettings {
+    pub zulip: ZulipSettings,
+    pub plane: PlaneSettings,
+    pub forgejo: ForgejoSettings,
+    pub glitchtip: GlitchtipSettings,
+    pub analytics: AnalyticsSettings,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZulipSettings {
+    pub url: String,
+    pub email: String,
+    pub api_key: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlaneSettings {
+    pub url: String,
+    pub api_key: String,
+    pub workspace: String,
+    pub project_id: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForgejoSettings {
+    pub url: String,
+    pub token: String,
+    pub owner: String,
+    pub repo: String,
+    pub base: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GlitchtipSettings {
+    pub url: String,
+    pub token: String,
+    pub org: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AnalyticsSettings {
+    pub url: String,
+    pub client_id: String,
+    pub client_secret: String,
+    pub project_id: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            data_dir: PathBuf::from(".loams"),
+            org: "acme".into(),
+            env: "production".into(),
+            webhook_token: "dev-webhook-token".into(),
+            model: ModelSettings::default(),
+            factory: FactorySettings::default(),
+            apps: None,
+        }
+    }
+}
+
+impl Default for ModelSettings {
+    fn default() -> Self {
+        ModelSettings {
+            cassette: None,
+            base_url: "https://api.deepseek.com".into(),
+            model: "deepseek-chat".into(),
+            api_key_env: "DEEPSEEK_API_KEY".into(),
+        }
+    }
+}
+
+impl Default for FactorySettings {
+    fn default() -> Self {
+        FactorySettings {
+            max_attempts: 3,
+            max_generations: 2,
+            observe_window_ms: 60_000,
+            ci_poll_ms: 2_000,
+            auto_triage: false,
+            budget_micros: 2_000_000,
+            budget_tokens: 400_000,
+            cooldown_ms: 600_000,
+            target_files: vec!["src/checkout.py".into()],
+            channel: "factory".into(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads `path` (TOML) over the defaults; `None` means defaults only.
+    pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+        let config = match path {
+            None => Config::default(),
+            Some(path) => {
+                let meta = std::fs::metadata(path)
+                    .map_err(|source| ConfigError::Read { path: path.into(), source })?;
+                if meta.len() > MAX_CONFIG_BYTES {
+                    return Err(ConfigError::TooLarge { path: path.into() });
+                }
+                let text = std::fs::read_to_string(path)
+                    .map_err(|source| ConfigError::Read { path: path.into(), source })?;
+                Config::parse(&text).map_err(|message| ConfigError::Parse { path: path.into(), message })?
+            }
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn parse(text: &str) -> Result<Config, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |setting, message: &str| Err(ConfigError::Invalid { setting, message: message.into() });
+        let org_ok = !self.org.is_empty()
+            && self.org.len() <= 63
+            && self.org.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !self.org.starts_with('-');
+        if !org_ok {
+            return invalid("org", "must be 1-63 characters of a-z, 0-9 and '-', not starting with '-'");
+        }
+        if self.env.is_empty() {
+            return invalid("env", "must not be empty");
+        }
+        if self.webhook_token.len() < 16 {
+            return invalid("webhook_token", "must be at least 16 characters");
+        }
+        let f = &self.factory;
+        if !(1..=10).contains(&f.max_attempts) {
+            return invalid("factory.max_attempts", "must be between 1 and 10");
+        }
+        if !(1..=10).contains(&f.max_generations) {
+            return invalid("factory.max_generations", "must be between 1 and 10");
+        }
+        if f.ci_poll_ms == 0 {
+            return invalid("factory.ci_poll_ms", "must be above 0");
+        }
+        if f.target_files.is_empty() {
+            return invalid("factory.target_files", "must name at least one file");
+        }
+        if f.channel.is_empty() {
+            return invalid("factory.channel", "must not be empty");
+        }
+        if self.model.cassette.is_none() {
+            if !self.model.base_url.starts_with("https://") && !self.model.base_url.starts_with("http://") {
+                return invalid("model.base_url", "must be an http(s) URL");
+            }
+            if self.model.model.is_empty() {
+                return invalid("model.model", "must not be empty");
+            }
+        }
+        if let Some(apps) = &self.apps {
+            for (setting, url) in [
+                ("apps.zulip.url", &apps.zulip.url),
+                ("apps.plane.url", &apps.plane.url),
+                ("apps.forgejo.url", &apps.forgejo.url),
+                ("apps.glitchtip.url", &apps.glitchtip.url),
+                ("apps.analytics.url", &apps.analytics.url),
+            ] {
+                if !url.starts_with("https://") && !url.starts_with("http://") {
+                    return invalid(setting, "must be an http(s) URL");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The model API key, read from the environment variable the config names.
+    pub fn model_api_key(&self) -> Result<String, ConfigError> {
+        std::env::var(&self.model.api_key_env).map_err(|_| ConfigError::Invalid {
+            setting: "model.api_key_env",
+            message: format!("environment variable {} is not set (or set model.cassette to replay)", self.model.api_key_env),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        Config::default().validate().unwrap();
+    }
+
+    #[test]
+    fn unknown_setting_is_named() {
+        let err = Config::parse("listen = \"127.0.0.1:1\"\nlisten_port = 3\n").unwrap_err();
+        assert!(err.contains("listen_port"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_their_setting() {
+        let cases = [
+            ("org = \"Acme\"", "org"),
+            ("webhook_token = \"short\"", "webhook_token"),
+            ("[factory]\nmax_attempts = 0", "factory.max_attempts"),
+            ("[model]\nbase_url = \"ftp://x\"", "model.base_url"),
+        ];
+        for (text, setting) in cases {
+            let err = Config::parse(text).unwrap().validate().unwrap_err().to_string();
+            assert!(err.contains(setting), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn malformed_toml_is_a_parse_error() {
+        assert!(Config::parse("listen = ").is_err());
+        assert!(Config::parse("listen = \"not an address\"").is_err());
+    }
+}

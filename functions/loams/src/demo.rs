@@ -1,0 +1,272 @@
+//! `loams demo` and the end-to-end scenarios: start everything in one process, post a GlitchTip alert for the
+//! seeded bug, and follow the run(s) through the Connect API the phones use, deciding approvals on a simulated
+//! phone, until every run has ended.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, bail};
+use loams_model::Replay;
+use loams_proto::connect::ConnectClient;
+use loams_proto::factory::v1 as factory;
+use loams_sandbox::{Sandbox, SandboxConfig};
+
+use crate::config::Config;
+use crate::phone::Phone;
+use crate::stack::{Stack, sandbox_apps};
+
+/// The recorded model answers of the demo: a first fix that fails CI, a second that passes, a lead review and a
+/// security audit that approve.
+pub const DEMO_CASSETTE: &str = include_str!("../demo/cassette.json");
+
+const FACTORY: &str = "/loams.factory.v1.FactoryService";
+/// How often the watcher polls the API.
+const POLL: Duration = Duration::from_millis(50);
+/// How long every run must have stayed ended before the scenario is over (a regressed run opens its successor
+/// right after it ends).
+const SETTLE: Duration = Duration::from_millis(400);
+
+/// What the simulated phone does with an approval request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PhoneAnswer {
+    Approve,
+    Deny,
+}
+
+/// One end-to-end scenario.
+pub struct Scenario {
+    pub cassette: String,
+    pub sandbox: SandboxConfig,
+    pub config: Config,
+    pub phone: PhoneAnswer,
+    /// Kill the first run (through the API) once it reaches this stage.
+    pub kill_at_stage: Option<String>,
+    /// Give up after this long.
+    pub deadline: Duration,
+}
+
+impl Scenario {
+    /// The demo: auto-triage, a short observe window, fast CI polling, the phone approves.
+    pub fn demo(data_dir: PathBuf) -> Scenario {
+        let mut config = Config::default();
+        config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        config.data_dir = data_dir;
+        config.factory.auto_triage = true;
+        config.factory.observe_window_ms = 1_500;
+        config.factory.ci_poll_ms = 100;
+        let mut sandbox = SandboxConfig::default();
+        sandbox.ci.delay_ms = 150;
+        Scenario {
+            cassette: DEMO_CASSETTE.to_string(),
+            sandbox,
+            config,
+            phone: PhoneAnswer::Approve,
+            kill_at_stage: None,
+            deadline: Duration::from_secs(120),
+        }
+    }
+}
+
+/// What a scenario left behind, read back through the API and the sandbox.
+pub struct Report {
+    pub runs: Vec<(factory::Run, Vec<factory::TimelineEvent>)>,
+    /// The sandbox's counters (messages, issues, PRs, merges, ...), for duplicate checks.
+    pub sandbox_state: serde_json::Value,
+    pub approvals_decided: usize,
+}
+
+impl Report {
+    pub fn first(&self) -> &factory::Run {
+        &self.runs[0].0
+    }
+}
+
+/// `loams demo`.
+pub async fn run(data_dir: Option<PathBuf>) -> anyhow::Result<()> {
+    let tmp;
+    let data_dir = match data_dir {
+        Some(dir) => dir,
+        None => {
+            tmp = tempfile::tempdir().context("creating a temporary data directory")?;
+            tmp.path().to_path_buf()
+        }
+    };
+    let mut out = std::io::stdout();
+    let report = play(Scenario::demo(data_dir), &mut out).await?;
+    let run = report.first();
+    if run.state != "succeeded" {
+        bail!("the demo run ended {} (expected succeeded)", run.state);
+    }
+    Ok(())
+}
+
+/// Plays a scenario, printing the runs live to `out`; returns once every run has ended.
+pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Report> {
+    let started = Instant::now();
+    let sandbox = Sandbox::start(scenario.sandbox.clone()).await.context("starting the sandbox apps")?;
+    let model = Arc::new(Replay::from_json_str(&scenario.cassette).context("reading the cassette")?);
+    let config = &scenario.config;
+    let stack = Stack::start(config, &sandbox_apps(&sandbox.info()), model).await?;
+    writeln!(out, "loams demo: API {}  store {}", stack.api_url, config.data_dir.display())?;
+
+    // The approver's phone, and the on-call engineer's view of the runs (the run acts on their behalf, so they
+    // cannot approve its actions themselves).
+    let phone = Phone::register(&stack.api_url, &stack.token("alice", &config.org)?, "alice-phone").await?;
+    let oncall = ConnectClient::new(stack.api_url.clone())
+        .with_header("authorization", format!("Bearer {}", stack.token("oncall", &config.org)?))?;
+
+    let alert = sandbox.alert_payload();
+    let hook = format!("{}/webhooks/glitchtip/{}", stack.api_url, config.webhook_token);
+    let response = reqwest::Client::new().post(&hook).json(&alert).send().await.context("posting the alert")?;
+    let status = response.status();
+    let body: serde_json::Value = response.json().await.unwrap_or_default();
+    let first_run = body["run"].as_str().ok_or_else(|| anyhow!("webhook answered {status}: {body}"))?.to_string();
+    writeln!(out, "GlitchTip alert posted: {}  ->  run {first_run}\n", alert["attachments"][0]["title"])?;
+
+    let mut seen: Vec<(String, u64)> = Vec::new();
+    let mut decided = std::collections::HashSet::new();
+    let mut killed = false;
+    let mut ended_since: Option<Instant> = None;
+    loop {
+        if started.elapsed() > scenario.deadline {
+            bail!("scenario did not finish within {:?}", scenario.deadline);
+        }
+        let runs: factory::ListRunsResponse = oncall
+            .unary(&format!("{FACTORY}/ListRuns"), &factory::ListRunsRequest { page_size: 100, ..Default::default() })
+            .await?;
+        let mut all_ended = !runs.runs.is_empty();
+        for run in runs.runs.iter().rev() {
+            let after = match seen.iter().position(|(id, _)| *id == run.id) {
+                Some(i) => seen[i].1,
+                None => {
+                    seen.push((run.id.clone(), 0));
+                    0
+                }
+            };
+            let timeline: factory::GetTimelineResponse = oncall
+                .unary(
+                    &format!("{FACTORY}/GetTimeline"),
+                    &factory::GetTimelineRequest { run_id: run.id.clone(), after_seq: after, page_size: 200 },
+                )
+                .await?;
+            for event in &timeline.events {
+                let at = Duration::from_millis((event.at_ms - run.started_at_ms).max(0) as u64);
+                writeln!(
+                    out,
+                    "{:>7.2}s  {} g{}  {:<8} {:<22} {}",
+                    at.as_secs_f64(),
+                    short(&run.id),
+                    run.generation,
+                    event.stage,
+                    event.r#type,
+                    event.summary
+                )?;
+            }
+            if let Some(last) = timeline.events.last() {
+                if let Some(entry) = seen.iter_mut().find(|(id, _)| *id == run.id) {
+                    entry.1 = last.seq;
+                }
+            }
+            if !is_ended(&run.state) {
+                all_ended = false;
+            }
+            if !killed && run.id == first_run && scenario.kill_at_stage.as_deref() == Some(run.stage.as_str()) {
+                let _: factory::KillRunResponse = oncall
+                    .unary(
+                        &format!("{FACTORY}/KillRun"),
+                        &factory::KillRunRequest {
+                            run_id: run.id.clone(),
+                            reason: "stopped by the on-call engineer".into(),
+                            idempotency_key: format!("kill-{}", run.id),
+                        },
+                    )
+                    .await?;
+                killed = true;
+                writeln!(out, "           kill switch pulled for run {}", short(&run.id))?;
+            }
+        }
+        for approval in phone.pending().await? {
+            if decided.insert(approval.id.clone()) {
+                let approve = scenario.phone == PhoneAnswer::Approve;
+                writeln!(
+                    out,
+                    "           phone {}: {} ({})",
+                    if approve { "approves" } else { "denies" },
+                    approval.summary.lines().next().unwrap_or_default(),
+                    approval.id
+                )?;
+                phone.decide(&approval.id, approve).await?;
+            }
+        }
+        if all_ended {
+            let since = *ended_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= SETTLE {
+                break;
+            }
+        } else {
+            ended_since = None;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+
+    let mut report_runs = Vec::new();
+    let runs: factory::ListRunsResponse = oncall
+        .unary(&format!("{FACTORY}/ListRuns"), &factory::ListRunsRequest { page_size: 100, ..Default::default() })
+        .await?;
+    for run in runs.runs.into_iter().rev() {
+        let timeline: factory::GetTimelineResponse = oncall
+            .unary(
+                &format!("{FACTORY}/GetTimeline"),
+                &factory::GetTimelineRequest { run_id: run.id.clone(), after_seq: 0, page_size: 1000 },
+            )
+            .await?;
+        report_runs.push((run, timeline.events));
+    }
+    let sandbox_state = sandbox_counts(&sandbox.info().urls.forgejo).await.unwrap_or_default();
+    writeln!(out)?;
+    for (run, timeline) in &report_runs {
+        let links = run.links.clone().unwrap_or_default();
+        let took = Duration::from_millis((run.updated_at_ms - run.started_at_ms).max(0) as u64);
+        writeln!(
+            out,
+            "run {} (generation {}): {} {} after {} events in {:.1}s",
+            run.id,
+            run.generation,
+            run.state,
+            if run.verdict.is_empty() { String::new() } else { format!("[{}]", run.verdict) },
+            timeline.len(),
+            took.as_secs_f64()
+        )?;
+        writeln!(out, "  thread: {}", or_none(&links.thread))?;
+        writeln!(out, "  issue:  {}", or_none(&links.issue))?;
+        writeln!(out, "  pr:     {}", or_none(&links.pr))?;
+        writeln!(out, "  deploy: {}", or_none(&links.deploy_ref))?;
+        if let Some(budget) = &run.budget {
+            writeln!(out, "  spent:  {} tokens, ${:.4}", budget.tokens_spent, budget.spent_micros as f64 / 1e6)?;
+        }
+    }
+    writeln!(out, "finished in {:.1}s", started.elapsed().as_secs_f64())?;
+    stack.shutdown().await;
+    sandbox.shutdown().await;
+    Ok(Report { runs: report_runs, sandbox_state, approvals_decided: decided.len() })
+}
+
+fn is_ended(state: &str) -> bool {
+    matches!(state, "succeeded" | "failed" | "killed")
+}
+
+fn short(run: &str) -> &str {
+    run.get(..8).unwrap_or(run)
+}
+
+fn or_none(s: &str) -> &str {
+    if s.is_empty() { "-" } else { s }
+}
+
+/// The sandbox's counters, read from its control endpoint.
+pub async fn sandbox_counts(any_app_url: &str) -> anyhow::Result<serde_json::Value> {
+    let url = format!("{any_app_url}/_sandbox/state");
+    Ok(reqwest::get(&url).await?.error_for_status()?.json().await?)
+}

@@ -1,0 +1,6 @@
+//! The `loams` binary's parts, as a library so the end-to-end tests drive the same code the binary runs.
+
+pub mod config;
+pub mod demo;
+pub mod phone;
+pub mod stack;

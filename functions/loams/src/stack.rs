@@ -1,0 +1,342 @@
+//! Wires the whole backend into one process: embedded store, the five agents (each its own A2A server), the
+//! worker and scheduler, and the HTTP API. `loams dev` keeps it up; `loams demo` drives one run through it.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow};
+use async_trait::async_trait;
+use loams_a2a::{A2aClient, CardSigner, Skills};
+use loams_agents::{
+    AnalyticsAgent, AnalyticsConfig, ForgejoAgent, ForgejoConfig, GlitchTipAgent, GlitchTipConfig, PlaneAgent,
+    PlaneConfig, ZulipAgent, ZulipConfig,
+};
+use loams_api::{ApiConfig, ApiError, ApiState, GlitchtipHook, Issuer, RunOpener};
+use loams_factory::Signal;
+use loams_model::{ChatModel, ModelConfig, OpenAiCompatible, Replay};
+use loams_platform::{Clock, Sqlite, SystemClock};
+use loams_sandbox::{Sandbox, SandboxConfig, SandboxInfo};
+use loams_worker::{A2aAgents, Scheduler, Worker, WorkerDeps};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::{
+    AnalyticsSettings, AppSettings, Config, ForgejoSettings, GlitchtipSettings, PlaneSettings, ZulipSettings,
+};
+
+/// Timeout of every app call an agent makes.
+const APP_TIMEOUT: Duration = Duration::from_secs(15);
+/// How often the scheduler looks for due timers.
+const SCHEDULER_TICK: Duration = Duration::from_millis(20);
+/// Queue workers running side by side in this process.
+const WORKERS: usize = 2;
+/// Issuer and audience of the tokens `loams dev` issues and accepts.
+pub const DEV_ISSUER: &str = "loams-dev";
+pub const DEV_AUDIENCE: &str = "loams-api";
+
+/// The running backend.
+pub struct Stack {
+    pub api_url: String,
+    pub worker: Arc<Worker>,
+    pub store: Arc<Sqlite>,
+    pub issuer: Issuer,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Stack {
+    pub async fn start(config: &Config, apps: &AppSettings, model: Arc<dyn ChatModel>) -> anyhow::Result<Stack> {
+        std::fs::create_dir_all(&config.data_dir)
+            .with_context(|| format!("setting `data_dir`: cannot create {}", config.data_dir.display()))?;
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let db = config.data_dir.join("loams.db");
+        let store = Arc::new(
+            Sqlite::open(&db, clock.clone()).with_context(|| format!("opening the store {}", db.display()))?,
+        );
+        let (stop, stop_rx) = watch::channel(false);
+        let mut tasks = Vec::new();
+
+        let mut clients = HashMap::new();
+        for (name, skills) in agents(apps)? {
+            let (url, task) = serve_agent(name, skills, store.clone(), &config.org, stop_rx.clone()).await?;
+            tasks.push(task);
+            clients.insert(name.to_string(), url);
+        }
+        let mut directory = HashMap::new();
+        for (name, (url, jwks)) in clients {
+            let client = A2aClient::new(&url, &jwks).await.with_context(|| format!("connecting to agent {name}"))?;
+            directory.insert(name, client);
+        }
+
+        let mut factory = loams_factory::Config::default();
+        let f = &config.factory;
+        factory.max_attempts = f.max_attempts;
+        factory.max_generations = f.max_generations;
+        factory.observe_window_ms = f.observe_window_ms;
+        factory.ci_poll_ms = f.ci_poll_ms;
+        factory.budget_micros = f.budget_micros;
+        factory.budget_tokens = f.budget_tokens;
+        factory.cooldown_ms = f.cooldown_ms;
+        factory.target_files = f.target_files.clone();
+        factory.channel = f.channel.clone();
+        factory.base_branch = apps.forgejo.base.clone();
+        factory.analytics_project_id = apps.analytics.project_id.clone();
+        let mut policy = loams_factory::Policy::default();
+        policy.auto_triage = f.auto_triage;
+
+        let worker = Arc::new(Worker::new(WorkerDeps {
+            store: store.clone(),
+            queue: store.clone(),
+            timers: store.clone(),
+            clock: clock.clone(),
+            agents: Arc::new(A2aAgents::new(directory)),
+            model,
+            env: config.env.clone(),
+            config: factory,
+            policy,
+            prices: loams_factory::Prices::default(),
+            owner: Some("oncall".into()),
+        }));
+        for _ in 0..WORKERS {
+            let worker = worker.clone();
+            let stop = stop_rx.clone();
+            tasks.push(tokio::spawn(async move { worker.run(stop).await }));
+        }
+        let scheduler = Scheduler::new(store.clone(), store.clone(), clock.clone());
+        let mut scheduler_stop = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            while !*scheduler_stop.borrow() {
+                if let Err(e) = scheduler.fire_due().await {
+                    tracing::warn!(error = %e, "scheduler pass failed");
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(SCHEDULER_TICK) => {}
+                    _ = scheduler_stop.changed() => {}
+                }
+            }
+        }));
+
+        let issuer = Issuer::generate(DEV_ISSUER, DEV_AUDIENCE).map_err(|e| anyhow!("dev issuer: {e}"))?;
+        let state = ApiState {
+            store: store.clone(),
+            queue: store.clone(),
+            verifier: issuer.verifier(),
+            clock: clock.clone(),
+            config: Arc::new(ApiConfig {
+                glitchtip_hooks: vec![GlitchtipHook {
+                    org: config.org.clone(),
+                    env: config.env.clone(),
+                    token: config.webhook_token.clone(),
+                }],
+                ..ApiConfig::default()
+            }),
+            opener: Arc::new(WorkerOpener(worker.clone())),
+            jwks: Some(Arc::new(issuer.jwks())),
+        };
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("setting `listen`: cannot bind {}", config.listen))?;
+        let api_url = format!("http://{}", listener.local_addr()?);
+        tasks.push(serve(listener, loams_api::router(state), stop_rx.clone()));
+
+        Ok(Stack { api_url, worker, store, issuer, stop, tasks })
+    }
+
+    /// A bearer token of the dev issuer for `user` in `org`, valid for an hour.
+    pub fn token(&self, user: &str, org: &str) -> anyhow::Result<String> {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
+        self.issuer.issue(user, org, "runs approvals devices", now, 3600).map_err(|e| anyhow!("issuing a token: {e}"))
+    }
+
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// The webhook opens runs through the worker, which owns run creation and the cooldown.
+struct WorkerOpener(Arc<Worker>);
+
+#[async_trait]
+impl RunOpener for WorkerOpener {
+    async fn open(&self, org: &str, _env: &str, signal: Signal) -> Result<String, ApiError> {
+        self.0.open(org, signal).await.map(|opened| opened.run_id).map_err(|e| ApiError::Unavailable(e.to_string()))
+    }
+}
+
+fn agents(apps: &AppSettings) -> anyhow::Result<Vec<(&'static str, Arc<dyn Skills>)>> {
+    let zulip = ZulipAgent::new(&ZulipConfig {
+        base_url: apps.zulip.url.clone(),
+        email: apps.zulip.email.clone(),
+        api_key: apps.zulip.api_key.clone(),
+        timeout: APP_TIMEOUT,
+    })?;
+    let plane = PlaneAgent::new(&PlaneConfig {
+        base_url: apps.plane.url.clone(),
+        api_key: apps.plane.api_key.clone(),
+        workspace_slug: apps.plane.workspace.clone(),
+        project_id: apps.plane.project_id.clone(),
+        web_url: None,
+        timeout: APP_TIMEOUT,
+    })?;
+    let forgejo = ForgejoAgent::new(&ForgejoConfig {
+        base_url: apps.forgejo.url.clone(),
+        token: apps.forgejo.token.clone(),
+        owner: apps.forgejo.owner.clone(),
+        repo: apps.forgejo.repo.clone(),
+        timeout: APP_TIMEOUT,
+    })?;
+    let glitchtip = GlitchTipAgent::new(&GlitchTipConfig {
+        base_url: apps.glitchtip.url.clone(),
+        token: apps.glitchtip.token.clone(),
+        org_slug: apps.glitchtip.org.clone(),
+        timeout: APP_TIMEOUT,
+    })?;
+    let analytics = AnalyticsAgent::new(&AnalyticsConfig {
+        base_url: apps.analytics.url.clone(),
+        client_id: apps.analytics.client_id.clone(),
+        client_secret: apps.analytics.client_secret.clone(),
+        project_id: apps.analytics.project_id.clone(),
+        timeout: APP_TIMEOUT,
+    })?;
+    Ok(vec![
+        ("zulip", Arc::new(zulip)),
+        ("plane", Arc::new(plane)),
+        ("forgejo", Arc::new(forgejo)),
+        ("glitchtip", Arc::new(glitchtip)),
+        ("analytics", Arc::new(analytics)),
+    ])
+}
+
+/// Serves one agent on its own 127.0.0.1 port (its card lives at the root of its origin); returns its URL and the
+/// public keys its card is signed with.
+async fn serve_agent(
+    name: &str,
+    skills: Arc<dyn Skills>,
+    store: Arc<Sqlite>,
+    org: &str,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<((String, loams_a2a::Jwks), JoinHandle<()>)> {
+    let listener = TcpListener::bind(("127.0.0.1", 0)).await.with_context(|| format!("binding agent {name}"))?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let signer = CardSigner::generate().map_err(|e| anyhow!("agent {name} card key: {e}"))?;
+    let jwks = signer.jwks().map_err(|e| anyhow!("agent {name} card key: {e}"))?;
+    let router = loams_a2a::router(skills, store, org.to_string(), signer, url.clone());
+    Ok(((url, jwks), serve(listener, router, stop)))
+}
+
+fn serve(listener: TcpListener, router: axum::Router, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let shutdown = async move {
+            while !*stop.borrow() {
+                if stop.changed().await.is_err() {
+                    break;
+                }
+            }
+        };
+        if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(shutdown).await {
+            tracing::error!(error = %e, "server stopped");
+        }
+    })
+}
+
+/// The model the config asks for: a replayed cassette, or an OpenAI-compatible endpoint.
+pub fn model(config: &Config) -> anyhow::Result<Arc<dyn ChatModel>> {
+    if let Some(path) = &config.model.cassette {
+        let replay = Replay::from_file(path).with_context(|| format!("setting `model.cassette`: {}", path.display()))?;
+        return Ok(Arc::new(replay));
+    }
+    let client = OpenAiCompatible::new(ModelConfig {
+        base_url: config.model.base_url.clone(),
+        model: config.model.model.clone(),
+        api_key: config.model_api_key()?,
+        timeout: Duration::from_secs(120),
+    })
+    .context("setting `model`")?;
+    Ok(Arc::new(client))
+}
+
+/// App settings pointing at a running sandbox.
+pub fn sandbox_apps(info: &SandboxInfo) -> AppSettings {
+    let t = &info.tokens;
+    AppSettings {
+        zulip: ZulipSettings { url: info.urls.zulip.clone(), email: t.zulip_email.clone(), api_key: t.zulip_api_key.clone() },
+        plane: PlaneSettings {
+            url: info.urls.plane.clone(),
+            api_key: t.plane_api_key.clone(),
+            workspace: info.plane_workspace.clone(),
+            project_id: info.plane_project_id.clone(),
+        },
+        forgejo: ForgejoSettings {
+            url: info.urls.forgejo.clone(),
+            token: t.forgejo_token.clone(),
+            owner: info.forgejo_owner.clone(),
+            repo: info.forgejo_repo.clone(),
+            base: info.forgejo_base.clone(),
+        },
+        glitchtip: GlitchtipSettings {
+            url: info.urls.glitchtip.clone(),
+            token: t.glitchtip_token.clone(),
+            org: info.glitchtip_org.clone(),
+        },
+        analytics: AnalyticsSettings {
+            url: info.urls.openpanel.clone(),
+            client_id: t.openpanel_client_id.clone(),
+            client_secret: t.openpanel_client_secret.clone(),
+            project_id: info.openpanel_project_id.clone(),
+        },
+    }
+}
+
+/// `loams dev`: the stack on the configured apps (or an in-process sandbox), up until Ctrl-C.
+pub async fn dev(config: Config, sandbox_state: Option<PathBuf>) -> anyhow::Result<()> {
+    let model = model(&config)?;
+    let (apps, sandbox) = match &config.apps {
+        Some(apps) => (apps.clone(), None),
+        None => {
+            let sandbox = Sandbox::start(SandboxConfig { state_file: sandbox_state, ..SandboxConfig::default() })
+                .await
+                .context("starting the sandbox apps")?;
+            (sandbox_apps(&sandbox.info()), Some(sandbox))
+        }
+    };
+    let stack = Stack::start(&config, &apps, model).await?;
+    println!("loams dev: API on {}", stack.api_url);
+    println!("  JWKS:     {}/.well-known/jwks.json", stack.api_url);
+    println!("  webhook:  {}/webhooks/glitchtip/<webhook_token>", stack.api_url);
+    println!("  token:    {}", stack.token("dev", &config.org)?);
+    if let Some(sandbox) = &sandbox {
+        println!("  sandbox:  {}", serde_json::to_string(&sandbox.info().urls)?);
+    }
+    tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
+    stack.shutdown().await;
+    if let Some(sandbox) = sandbox {
+        sandbox.shutdown().await;
+    }
+    Ok(())
+}
+
+/// `loams sandbox`: the fake apps alone, in their own process, so they outlive a killed `loams`.
+pub async fn sandbox_only(state: Option<PathBuf>, urls_file: Option<PathBuf>) -> anyhow::Result<()> {
+    let sandbox = Sandbox::start(SandboxConfig { state_file: state, ..SandboxConfig::default() })
+        .await
+        .context("starting the sandbox apps")?;
+    let info = serde_json::to_string_pretty(&sandbox.info())?;
+    match urls_file {
+        Some(path) => {
+            // Written whole then renamed, so a reader never sees half a file.
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, &info)?;
+            std::fs::rename(&tmp, &path)?;
+        }
+        None => println!("{info}"),
+    }
+    tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
+    sandbox.shutdown().await;
+    Ok(())
+}

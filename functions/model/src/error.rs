@@ -1,0 +1,35 @@
+use std::time::Duration;
+
+/// Everything that can go wrong asking a model. Messages never contain the API key.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// Connect, TLS, timeout or a broken body: the request may not have reached the model; retry.
+    #[error("transport error: {0}")]
+    Transport(String),
+    /// A non-success HTTP status; `body` is a short excerpt of the answer.
+    #[error("model endpoint answered HTTP {status}: {body}")]
+    Status { status: u16, body: String },
+    /// HTTP 429; `retry_after` is the server's Retry-After (seconds form) when it sent one.
+    #[error("rate limited by the model endpoint (retry after {retry_after:?})")]
+    RateLimited { retry_after: Option<Duration> },
+    /// A 2xx answer that is not a usable chat completion (bad JSON, no choice, too large).
+    #[error("bad response from the model endpoint: {0}")]
+    BadResponse(String),
+    /// The replay cassette has no more completions recorded for this purpose.
+    #[error("cassette exhausted: no more completions recorded for purpose `{purpose}`")]
+    CassetteExhausted { purpose: String },
+    /// Bad configuration or an unreadable cassette; retrying will not help.
+    #[error("model configuration error: {0}")]
+    Config(String),
+}
+
+impl ModelError {
+    /// Whether the same request may succeed later: transport failures, 429 and 5xx.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ModelError::Transport(_) | ModelError::RateLimited { .. } => true,
+            ModelError::Status { status, .. } => *status >= 500,
+            ModelError::BadResponse(_) | ModelError::CassetteExhausted { .. } | ModelError::Config(_) => false,
+        }
+    }
+}

@@ -1,0 +1,243 @@
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use reqwest::header::{AUTHORIZATION, HeaderValue, RETRY_AFTER};
+use serde::{Deserialize, Serialize};
+use tracing::Instrument;
+
+use crate::{ChatMessage, ChatModel, ChatRequest, ChatResponse, ModelError};
+
+pub const DEFAULT_BASE_URL: &str = "https://api.deepseek.com";
+/// The contract's default. DeepSeek has announced this name as a legacy alias of its V4 model, so deployments
+/// should set the model explicitly; the default only keeps the zero-config path working while the alias lives.
+pub const DEFAULT_MODEL: &str = "deepseek-chat";
+/// Upper bound on a completion body we accept; a chat answer is far smaller, so more means a broken or hostile peer.
+pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+/// How much of an error body is kept in [`ModelError::Status`].
+const ERROR_EXCERPT_CHARS: usize = 512;
+
+/// Where and how to reach an OpenAI-compatible endpoint.
+#[derive(Clone)]
+pub struct ModelConfig {
+    /// Without the `/chat/completions` suffix, e.g. `https://api.deepseek.com`.
+    pub base_url: String,
+    pub model: String,
+    /// Sent as `Authorization: Bearer`; empty means no header (local servers). Never logged.
+    pub api_key: String,
+    /// Whole-request timeout, body included.
+    pub timeout: Duration,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            base_url: DEFAULT_BASE_URL.into(),
+            model: DEFAULT_MODEL.into(),
+            api_key: String::new(),
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+// Hand-written so the key cannot reach a log through `{:?}`.
+impl fmt::Debug for ModelConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ModelConfig")
+            .field("base_url", &self.base_url)
+            .field("model", &self.model)
+            .field("api_key", &if self.api_key.is_empty() { "<none>" } else { "<redacted>" })
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// Client for `POST {base_url}/chat/completions` (non-streaming).
+pub struct OpenAiCompatible {
+    http: reqwest::Client,
+    endpoint: reqwest::Url,
+    model: String,
+    api_key: String,
+}
+
+impl fmt::Debug for OpenAiCompatible {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpenAiCompatible")
+            .field("endpoint", &self.endpoint.as_str())
+            .field("model", &self.model)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Serialize)]
+struct WireRequest<'a> {
+    model: &'a str,
+    messages: &'a [ChatMessage],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u32>,
+    stream: bool,
+}
+
+// Only the fields we use; serde skips the rest (DeepSeek adds `reasoning_content`, cache-hit usage, ...).
+#[derive(Deserialize)]
+struct WireResponse {
+    #[serde(default)]
+    model: Option<String>,
+    choices: Vec<WireChoice>,
+    usage: Option<WireUsage>,
+}
+
+#[derive(Deserialize)]
+struct WireChoice {
+    message: WireMessage,
+}
+
+#[derive(Deserialize)]
+struct WireMessage {
+    content: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct WireUsage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+}
+
+impl OpenAiCompatible {
+    pub fn new(config: ModelConfig) -> Result<Self, ModelError> {
+        let base = config.base_url.trim_end_matches('/');
+        let endpoint = reqwest::Url::parse(&format!("{base}/chat/completions"))
+            .map_err(|e| ModelError::Config(format!("invalid base_url `{}`: {e}", config.base_url)))?;
+        if !matches!(endpoint.scheme(), "http" | "https") {
+            return Err(ModelError::Config(format!("base_url must be http(s), got `{}`", config.base_url)));
+        }
+        if config.model.trim().is_empty() {
+            return Err(ModelError::Config("model name is empty".into()));
+        }
+        if config.timeout.is_zero() {
+            return Err(ModelError::Config("timeout must be positive".into()));
+        }
+        if HeaderValue::from_str(&format!("Bearer {}", config.api_key)).is_err() {
+            // Do not echo the key: say only what is wrong with it.
+            return Err(ModelError::Config("api_key contains characters not allowed in an HTTP header".into()));
+        }
+        let http = reqwest::Client::builder()
+            .timeout(config.timeout)
+            .connect_timeout(config.timeout.min(Duration::from_secs(10)))
+            .build()
+            .map_err(|e| ModelError::Config(format!("cannot build HTTP client: {e}")))?;
+        Ok(Self { http, endpoint, model: config.model, api_key: config.api_key })
+    }
+
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    async fn send(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
+        let body = WireRequest { model: &self.model, messages: &req.messages, max_tokens: req.max_tokens, stream: false };
+        let mut builder = self.http.post(self.endpoint.clone()).json(&body);
+        if !self.api_key.is_empty() {
+            let mut value = HeaderValue::from_str(&format!("Bearer {}", self.api_key))
+                .map_err(|_| ModelError::Config("api_key is not a valid header value".into()))?;
+            // Keeps the value out of reqwest/hyper debug output.
+            value.set_sensitive(true);
+            builder = builder.header(AUTHORIZATION, value);
+        }
+        let mut resp = builder.send().await.map_err(|e| ModelError::Transport(e.without_url().to_string()))?;
+        let status = resp.status();
+        let retry_after = resp
+            .headers()
+            .get(RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        let bytes = read_limited(&mut resp, MAX_RESPONSE_BYTES).await;
+        if status.as_u16() == 429 {
+            return Err(ModelError::RateLimited { retry_after });
+        }
+        if !status.is_success() {
+            let body = match bytes {
+                Ok(b) => self.excerpt(&b),
+                Err(_) => String::from("<unreadable body>"),
+            };
+            return Err(ModelError::Status { status: status.as_u16(), body });
+        }
+        let bytes = bytes?;
+        let parsed: WireResponse = serde_json::from_slice(&bytes)
+            .map_err(|e| ModelError::BadResponse(format!("not a chat completion: {e}")))?;
+        let choice = parsed.choices.into_iter().next().ok_or_else(|| ModelError::BadResponse("no choices".into()))?;
+        let text = choice.message.content.ok_or_else(|| ModelError::BadResponse("choice has no content".into()))?;
+        let usage = parsed.usage.ok_or_else(|| ModelError::BadResponse("no usage".into()))?;
+        Ok(ChatResponse {
+            text,
+            model: parsed.model.unwrap_or_else(|| self.model.clone()),
+            input_tokens: usage.prompt_tokens,
+            output_tokens: usage.completion_tokens,
+        })
+    }
+
+    /// A short, key-free excerpt of an error body (some providers echo the presented key back).
+    fn excerpt(&self, body: &[u8]) -> String {
+        let text = String::from_utf8_lossy(body);
+        let text: String = text.chars().take(ERROR_EXCERPT_CHARS).collect();
+        if self.api_key.is_empty() { text } else { text.replace(&self.api_key, "<redacted>") }
+    }
+}
+
+/// Reads the body, refusing more than `limit` bytes so a hostile peer cannot exhaust memory.
+async fn read_limited(resp: &mut reqwest::Response, limit: usize) -> Result<Vec<u8>, ModelError> {
+    if resp.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(ModelError::BadResponse(format!("response larger than {limit} bytes")));
+    }
+    let mut out = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| ModelError::Transport(e.without_url().to_string()))? {
+        if out.len() + chunk.len() > limit {
+            return Err(ModelError::BadResponse(format!("response larger than {limit} bytes")));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out)
+}
+
+#[async_trait]
+impl ChatModel for OpenAiCompatible {
+    async fn complete(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
+        // GenAI semantic-convention span; usage is recorded once known.
+        let span = tracing::info_span!(
+            "chat",
+            otel.name = %format!("chat {}", self.model),
+            otel.kind = "client",
+            gen_ai.operation.name = "chat",
+            gen_ai.request.model = %self.model,
+            loams.purpose = %req.purpose,
+            server.address = self.endpoint.host_str().unwrap_or_default(),
+            gen_ai.response.model = tracing::field::Empty,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        let result = self.send(req).instrument(span.clone()).await;
+        match &result {
+            Ok(r) => {
+                span.record("gen_ai.response.model", r.model.as_str());
+                span.record("gen_ai.usage.input_tokens", r.input_tokens);
+                span.record("gen_ai.usage.output_tokens", r.output_tokens);
+            }
+            Err(e) => {
+                span.record("error.type", error_type(e));
+            }
+        }
+        result
+    }
+}
+
+fn error_type(e: &ModelError) -> &'static str {
+    match e {
+        ModelError::Transport(_) => "transport",
+        ModelError::Status { .. } => "http_status",
+        ModelError::RateLimited { .. } => "rate_limited",
+        ModelError::BadResponse(_) => "bad_response",
+        ModelError::CassetteExhausted { .. } => "cassette_exhausted",
+        ModelError::Config(_) => "config",
+    }
+}

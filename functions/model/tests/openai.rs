@@ -1,0 +1,166 @@
+//! OpenAiCompatible against a local mock of `/chat/completions`.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use loams_model::{ChatMessage, ChatModel, ChatRequest, ModelConfig, ModelError, OpenAiCompatible};
+use serde_json::{Value, json};
+
+const KEY: &str = "sk-test-secret-key-123";
+
+#[derive(Clone, Default)]
+struct Seen(Arc<Mutex<Vec<Value>>>);
+
+async fn handler(Path(scenario): Path<String>, State(seen): State<Seen>, headers: HeaderMap, body: String) -> Response {
+    let auth = headers.get("authorization").and_then(|v| v.to_str().ok()).unwrap_or_default();
+    if auth != format!("Bearer {KEY}") {
+        return (StatusCode::UNAUTHORIZED, format!("{{\"error\":\"bad key {auth}\"}}")).into_response();
+    }
+    let Ok(v) = serde_json::from_str::<Value>(&body) else {
+        return (StatusCode::BAD_REQUEST, "not json").into_response();
+    };
+    seen.0.lock().unwrap().push(v);
+    match scenario.as_str() {
+        // DeepSeek's shape, with its extra fields, to prove they are tolerated.
+        "ok" => Json(json!({
+            "id": "cmpl-1", "object": "chat.completion", "created": 1, "model": "deepseek-chat",
+            "system_fingerprint": "fp_x",
+            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": null,
+                "message": {"role": "assistant", "content": "the patch", "reasoning_content": "thinking..."}}],
+            "usage": {"prompt_tokens": 120, "completion_tokens": 34, "total_tokens": 154,
+                "prompt_cache_hit_tokens": 100, "prompt_cache_miss_tokens": 20,
+                "completion_tokens_details": {"reasoning_tokens": 10}}
+        }))
+        .into_response(),
+        "rate" => (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "7")], "slow down").into_response(),
+        "fail" => (StatusCode::INTERNAL_SERVER_ERROR, format!("upstream exploded; key was {KEY}")).into_response(),
+        "malformed" => (StatusCode::OK, [("content-type", "application/json")], "{\"choices\": [").into_response(),
+        "nochoice" => Json(json!({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 0}})).into_response(),
+        "huge" => (StatusCode::OK, "x".repeat(loams_model::MAX_RESPONSE_BYTES + 1)).into_response(),
+        _ => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
+async fn mock() -> (String, Seen) {
+    let seen = Seen::default();
+    let app = axum::Router::new().route("/{scenario}/chat/completions", post(handler)).with_state(seen.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}"), seen)
+}
+
+fn client(base: &str, scenario: &str, key: &str) -> OpenAiCompatible {
+    OpenAiCompatible::new(ModelConfig {
+        base_url: format!("{base}/{scenario}/"),
+        model: "deepseek-chat".into(),
+        api_key: key.into(),
+        timeout: Duration::from_secs(10),
+    })
+    .unwrap()
+}
+
+fn request() -> ChatRequest {
+    ChatRequest {
+        purpose: "fix".into(),
+        messages: vec![ChatMessage::system("you fix bugs"), ChatMessage::user("fix it")],
+        max_tokens: Some(256),
+    }
+}
+
+#[tokio::test]
+async fn success_parses_content_and_usage_and_sends_openai_shape() {
+    let (base, seen) = mock().await;
+    let resp = client(&base, "ok", KEY).complete(&request()).await.unwrap();
+    assert_eq!(resp.text, "the patch");
+    assert_eq!(resp.model, "deepseek-chat");
+    assert_eq!((resp.input_tokens, resp.output_tokens), (120, 34));
+    let sent = seen.0.lock().unwrap().pop().unwrap();
+    assert_eq!(
+        sent,
+        json!({"model": "deepseek-chat", "stream": false, "max_tokens": 256, "messages": [
+            {"role": "system", "content": "you fix bugs"}, {"role": "user", "content": "fix it"}]})
+    );
+}
+
+#[tokio::test]
+async fn wrong_key_is_a_status_error_without_the_key() {
+    let (base, seen) = mock().await;
+    let err = client(&base, "ok", "sk-wrong").complete(&request()).await.unwrap_err();
+    match &err {
+        ModelError::Status { status, body } => {
+            assert_eq!(*status, 401);
+            // The mock echoes the presented key; the excerpt must not carry it.
+            assert!(!body.contains("sk-wrong"), "{body}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(!err.is_retryable());
+    assert!(seen.0.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn rate_limit_carries_retry_after() {
+    let (base, _) = mock().await;
+    let err = client(&base, "rate", KEY).complete(&request()).await.unwrap_err();
+    assert!(matches!(err, ModelError::RateLimited { retry_after: Some(d) } if d == Duration::from_secs(7)), "{err:?}");
+    assert!(err.is_retryable());
+}
+
+#[tokio::test]
+async fn server_error_is_retryable_and_redacted() {
+    let (base, _) = mock().await;
+    let err = client(&base, "fail", KEY).complete(&request()).await.unwrap_err();
+    let ModelError::Status { status, body } = &err else { panic!("unexpected {err:?}") };
+    assert_eq!(*status, 500);
+    assert!(body.starts_with("upstream exploded"));
+    assert!(!body.contains(KEY) && !err.to_string().contains(KEY));
+    assert!(err.is_retryable());
+}
+
+#[tokio::test]
+async fn malformed_and_empty_answers_are_bad_responses() {
+    let (base, _) = mock().await;
+    for scenario in ["malformed", "nochoice", "huge"] {
+        let err = client(&base, scenario, KEY).complete(&request()).await.unwrap_err();
+        assert!(matches!(err, ModelError::BadResponse(_)), "{scenario}: {err:?}");
+        assert!(!err.is_retryable());
+    }
+}
+
+#[tokio::test]
+async fn unreachable_endpoint_is_a_retryable_transport_error() {
+    // Bind then drop to get a port nobody listens on.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    let err = client(&format!("http://{addr}"), "ok", KEY).complete(&request()).await.unwrap_err();
+    assert!(matches!(err, ModelError::Transport(_)), "{err:?}");
+    assert!(err.is_retryable());
+}
+
+#[test]
+fn config_is_validated_and_debug_hides_the_key() {
+    let cfg = ModelConfig { api_key: KEY.into(), ..ModelConfig::default() };
+    assert_eq!(cfg.base_url, "https://api.deepseek.com");
+    assert_eq!(cfg.model, "deepseek-chat");
+    assert!(!format!("{cfg:?}").contains(KEY));
+    let client = OpenAiCompatible::new(cfg.clone()).unwrap();
+    assert!(!format!("{client:?}").contains(KEY));
+    for bad in [
+        ModelConfig { base_url: "not a url".into(), ..cfg.clone() },
+        ModelConfig { base_url: "ftp://x".into(), ..cfg.clone() },
+        ModelConfig { model: " ".into(), ..cfg.clone() },
+        ModelConfig { timeout: Duration::ZERO, ..cfg.clone() },
+        ModelConfig { api_key: "bad\nkey".into(), ..cfg.clone() },
+    ] {
+        let err = OpenAiCompatible::new(bad).unwrap_err();
+        assert!(matches!(err, ModelError::Config(_)), "{err:?}");
+        assert!(!err.to_string().contains("bad\nkey"));
+    }
+}

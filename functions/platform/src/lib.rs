@@ -1,0 +1,23 @@
+//! loams-platform: the ports the factory's runtime talks to (`Store`, `Queue`, `Timers`, `Clock`) and their
+//! embedded SQLite adapter.
+//!
+//! Bodies (run snapshots, events, items, queue messages, timer payloads, idempotency results) are opaque bytes:
+//! this crate knows nothing about the factory's types, so every adapter stores exactly what it is given.
+//! Every stored key starts with the org, so no call can read or write across tenants.
+//!
+//! `conformance` holds the behaviour every adapter must show; the SQLite adapter runs it in `tests/`, the
+//! DynamoDB/SQS adapters are meant to run the same functions.
+
+pub mod clock;
+pub mod conformance;
+mod error;
+pub mod limits;
+mod ports;
+mod sqlite;
+mod types;
+
+pub use clock::{Clock, ManualClock, SystemClock, TimeControl};
+pub use error::{Result, StoreError};
+pub use ports::{Queue, Store, Timers};
+pub use sqlite::{DEFAULT_MAX_RECEIVES, Sqlite};
+pub use types::{Claim, Cond, Delivery, EventRow, Item, Page, Paged, RunRow, Timer};

@@ -1,0 +1,488 @@
+use async_trait::async_trait;
+use rusqlite::{OptionalExtension, TransactionBehavior, params};
+
+use super::{Sqlite, db, to_i64, to_u64};
+use crate::limits::{
+    self, MAX_APPEND_BYTES, MAX_BODY, MAX_EVENTS_PER_APPEND, MAX_LEASE_MS, MAX_PAGE,
+};
+use crate::{Claim, Cond, EventRow, Item, Page, Paged, Result, RunRow, Store, StoreError};
+
+const RUN_COLUMNS: &str = "org, id, version, state, snapshot, updated_ms, created_ms";
+const ITEM_COLUMNS: &str = "org, kind, id, version, idx, body, expires_ms";
+
+/// A run row plus its created_ms, which the list cursor needs.
+fn run_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(RunRow, i64, i64)> {
+    Ok((
+        RunRow {
+            org: r.get(0)?,
+            id: r.get(1)?,
+            version: 0,
+            state: r.get(3)?,
+            snapshot: r.get(4)?,
+            updated_ms: r.get(5)?,
+        },
+        r.get(2)?,
+        r.get(6)?,
+    ))
+}
+
+fn finish_run((mut row, version, _): (RunRow, i64, i64)) -> Result<RunRow> {
+    row.version = to_u64("run version", version)?;
+    Ok(row)
+}
+
+fn item_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(Item, i64)> {
+    Ok((
+        Item {
+            org: r.get(0)?,
+            kind: r.get(1)?,
+            id: r.get(2)?,
+            version: 0,
+            index: r.get(4)?,
+            body: r.get(5)?,
+            expires_ms: r.get(6)?,
+        },
+        r.get(3)?,
+    ))
+}
+
+fn finish_item((mut item, version): (Item, i64)) -> Result<Item> {
+    item.version = to_u64("item version", version)?;
+    Ok(item)
+}
+
+/// Run cursors are `<created_ms>:<id>` of the last row returned.
+fn parse_run_cursor(cursor: &str) -> Result<(i64, String)> {
+    let bad = || StoreError::Invalid("malformed cursor".into());
+    let (ms, id) = cursor.split_once(':').ok_or_else(bad)?;
+    Ok((ms.parse().map_err(|_| bad())?, id.to_owned()))
+}
+
+fn check_page(page: &Page) -> Result<i64> {
+    if let Some(c) = &page.cursor {
+        limits::token("cursor", c)?;
+    }
+    Ok(i64::from(limits::count(
+        "page limit",
+        page.limit,
+        MAX_PAGE,
+    )?))
+}
+
+#[async_trait]
+impl Store for Sqlite {
+    async fn create_run(
+        &self,
+        org: &str,
+        id: &str,
+        state: &str,
+        snapshot: &[u8],
+        first_event: &[u8],
+        now_ms: i64,
+    ) -> Result<bool> {
+        limits::org(org)?;
+        limits::key("run id", id)?;
+        limits::name("state", state)?;
+        limits::body("snapshot", snapshot, MAX_BODY)?;
+        limits::body("event", first_event, MAX_BODY)?;
+        let (org, id, state, snapshot, event) = (
+            org.to_owned(),
+            id.to_owned(),
+            state.to_owned(),
+            snapshot.to_vec(),
+            first_event.to_vec(),
+        );
+        self.with_conn(move |conn, _| {
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(db)?;
+            let inserted = tx
+                .execute(
+                    "INSERT INTO runs (org, id, version, state, snapshot, created_ms, updated_ms)
+                     VALUES (?1, ?2, 1, ?3, ?4, ?5, ?5) ON CONFLICT (org, id) DO NOTHING",
+                    params![org, id, state, snapshot, now_ms],
+                )
+                .map_err(db)?;
+            if inserted == 0 {
+                return Ok(false);
+            }
+            tx.execute(
+                "INSERT INTO events (org, run, seq, body) VALUES (?1, ?2, 1, ?3)",
+                params![org, id, event],
+            )
+            .map_err(db)?;
+            tx.commit().map_err(db)?;
+            Ok(true)
+        })
+        .await
+    }
+
+    async fn append(
+        &self,
+        org: &str,
+        id: &str,
+        expected_version: u64,
+        state: &str,
+        snapshot: &[u8],
+        events: &[Vec<u8>],
+        now_ms: i64,
+    ) -> Result<u64> {
+        limits::org(org)?;
+        limits::key("run id", id)?;
+        limits::name("state", state)?;
+        limits::body("snapshot", snapshot, MAX_BODY)?;
+        if events.is_empty() || events.len() > MAX_EVENTS_PER_APPEND {
+            return Err(StoreError::Invalid(format!(
+                "an append takes 1..={MAX_EVENTS_PER_APPEND} events, got {}",
+                events.len()
+            )));
+        }
+        let mut total = snapshot.len();
+        for e in events {
+            limits::body("event", e, MAX_BODY)?;
+            total += e.len();
+        }
+        if total > MAX_APPEND_BYTES {
+            return Err(StoreError::Invalid(format!(
+                "append of {total} bytes exceeds {MAX_APPEND_BYTES}"
+            )));
+        }
+        let expected = to_i64("expected version", expected_version)?;
+        // events.len() <= 99, so the sum only overflows for an expected version near i64::MAX.
+        let new_version = expected
+            .checked_add(events.len() as i64)
+            .ok_or_else(|| StoreError::Invalid("version overflow".into()))?;
+        let (org, id, state, snapshot, events) = (
+            org.to_owned(),
+            id.to_owned(),
+            state.to_owned(),
+            snapshot.to_vec(),
+            events.to_vec(),
+        );
+        self.with_conn(move |conn, _| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(db)?;
+            let current: Option<i64> = tx
+                .query_row("SELECT version FROM runs WHERE org = ?1 AND id = ?2", params![org, id], |r| r.get(0))
+                .optional()
+                .map_err(db)?;
+            match current {
+                None => return Err(StoreError::NotFound),
+                Some(v) if v != expected => return Err(StoreError::Conflict),
+                Some(_) => {}
+            }
+            {
+                let mut insert =
+                    tx.prepare("INSERT INTO events (org, run, seq, body) VALUES (?1, ?2, ?3, ?4)").map_err(db)?;
+                for (seq, body) in (expected + 1..).zip(&events) {
+                    insert.execute(params![org, id, seq, body]).map_err(db)?;
+                }
+            }
+            tx.execute(
+                "UPDATE runs SET version = ?3, state = ?4, snapshot = ?5, updated_ms = ?6 WHERE org = ?1 AND id = ?2",
+                params![org, id, new_version, state, snapshot, now_ms],
+            )
+            .map_err(db)?;
+            tx.commit().map_err(db)?;
+            to_u64("run version", new_version)
+        })
+        .await
+    }
+
+    async fn get_run(&self, org: &str, id: &str) -> Result<Option<RunRow>> {
+        limits::org(org)?;
+        limits::key("run id", id)?;
+        let (org, id) = (org.to_owned(), id.to_owned());
+        self.with_conn(move |conn, _| {
+            conn.query_row(
+                &format!("SELECT {RUN_COLUMNS} FROM runs WHERE org = ?1 AND id = ?2"),
+                params![org, id],
+                run_row,
+            )
+            .optional()
+            .map_err(db)?
+            .map(finish_run)
+            .transpose()
+        })
+        .await
+    }
+
+    async fn list_runs(&self, org: &str, state: Option<&str>, page: Page) -> Result<Paged<RunRow>> {
+        limits::org(org)?;
+        if let Some(s) = state {
+            limits::name("state", s)?;
+        }
+        let limit = check_page(&page)?;
+        // Newest first; the cursor is the (created_ms, id) of the last row, and ids break ties so paging neither
+        // skips nor repeats runs created in the same millisecond.
+        let (after_ms, after_id) = match &page.cursor {
+            Some(c) => parse_run_cursor(c)?,
+            None => (i64::MAX, String::new()),
+        };
+        let first = page.cursor.is_none();
+        let (org, state) = (org.to_owned(), state.map(str::to_owned));
+        self.with_conn(move |conn, _| {
+            let sql = format!(
+                "SELECT {RUN_COLUMNS} FROM runs
+                 WHERE org = ?1 AND (?2 IS NULL OR state = ?2)
+                   AND (?5 OR created_ms < ?3 OR (created_ms = ?3 AND id < ?4))
+                 ORDER BY created_ms DESC, id DESC LIMIT ?6"
+            );
+            let mut stmt = conn.prepare(&sql).map_err(db)?;
+            let rows = stmt
+                .query_map(
+                    params![org, state, after_ms, after_id, first, limit + 1],
+                    run_row,
+                )
+                .map_err(db)?
+                .collect::<rusqlite::Result<Vec<_>>>()
+                .map_err(db)?;
+            let more = rows.len() as i64 > limit;
+            let mut items = Vec::with_capacity(rows.len());
+            let mut next = None;
+            for row in rows.into_iter().take(limit as usize) {
+                let created = row.2;
+                let row = finish_run(row)?;
+                next = Some(format!("{created}:{}", row.id));
+                items.push(row);
+            }
+            Ok(Paged {
+                items,
+                next: if more { next } else { None },
+            })
+        })
+        .await
+    }
+
+    async fn events(
+        &self,
+        org: &str,
+        id: &str,
+        after_seq: u64,
+        limit: u32,
+    ) -> Result<Vec<EventRow>> {
+        limits::org(org)?;
+        limits::key("run id", id)?;
+        let limit = i64::from(limits::count("event limit", limit, MAX_PAGE)?);
+        let after = to_i64("after_seq", after_seq)?;
+        let (org, id) = (org.to_owned(), id.to_owned());
+        self.with_conn(move |conn, _| {
+            let mut stmt = conn
+                .prepare("SELECT seq, body FROM events WHERE org = ?1 AND run = ?2 AND seq > ?3 ORDER BY seq LIMIT ?4")
+                .map_err(db)?;
+            let rows = stmt
+                .query_map(params![org, id, after, limit], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))
+                .map_err(db)?;
+            let mut out = Vec::new();
+            for row in rows {
+                let (seq, body) = row.map_err(db)?;
+                out.push(EventRow { seq: to_u64("event seq", seq)?, body });
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn get_item(&self, org: &str, kind: &str, id: &str) -> Result<Option<Item>> {
+        limits::org(org)?;
+        limits::name("kind", kind)?;
+        limits::key("item id", id)?;
+        let (org, kind, id) = (org.to_owned(), kind.to_owned(), id.to_owned());
+        self.with_conn(move |conn, inner| {
+            let now = inner.clock.now_ms();
+            conn.query_row(
+                &format!(
+                    "SELECT {ITEM_COLUMNS} FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3
+                     AND (expires_ms IS NULL OR expires_ms > ?4)"
+                ),
+                params![org, kind, id, now],
+                item_row,
+            )
+            .optional()
+            .map_err(db)?
+            .map(finish_item)
+            .transpose()
+        })
+        .await
+    }
+
+    async fn put_item(&self, item: &Item, cond: Cond) -> Result<u64> {
+        limits::org(&item.org)?;
+        limits::name("kind", &item.kind)?;
+        limits::key("item id", &item.id)?;
+        if let Some(idx) = &item.index {
+            limits::key("index", idx)?;
+        }
+        limits::body("item body", &item.body, MAX_BODY)?;
+        let expected = match cond {
+            Cond::Version(v) => Some(to_i64("expected version", v)?),
+            Cond::Absent | Cond::Any => None,
+        };
+        let item = item.clone();
+        self.with_conn(move |conn, inner| {
+            let now = inner.clock.now_ms();
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(db)?;
+            // An expired row counts as absent: it is invisible to reads, so it must not block a fresh put either.
+            let current: Option<i64> = tx
+                .query_row(
+                    "SELECT version FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3
+                     AND (expires_ms IS NULL OR expires_ms > ?4)",
+                    params![item.org, item.kind, item.id, now],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(db)?;
+            let holds = match cond {
+                Cond::Absent => current.is_none(),
+                Cond::Version(_) => current.is_some() && current == expected,
+                Cond::Any => true,
+            };
+            if !holds {
+                return Err(StoreError::Conflict);
+            }
+            let version = current.map_or(Ok(1), |v| {
+                v.checked_add(1).ok_or_else(|| StoreError::Backend("item version overflow".into()))
+            })?;
+            tx.execute(
+                "INSERT INTO items (org, kind, id, version, idx, body, expires_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+                 ON CONFLICT (org, kind, id) DO UPDATE SET
+                   version = excluded.version, idx = excluded.idx, body = excluded.body,
+                   expires_ms = excluded.expires_ms",
+                params![item.org, item.kind, item.id, version, item.index, item.body, item.expires_ms],
+            )
+            .map_err(db)?;
+            tx.commit().map_err(db)?;
+            to_u64("item version", version)
+        })
+        .await
+    }
+
+    async fn delete_item(&self, org: &str, kind: &str, id: &str) -> Result<()> {
+        limits::org(org)?;
+        limits::name("kind", kind)?;
+        limits::key("item id", id)?;
+        let (org, kind, id) = (org.to_owned(), kind.to_owned(), id.to_owned());
+        self.with_conn(move |conn, _| {
+            conn.execute(
+                "DELETE FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3",
+                params![org, kind, id],
+            )
+            .map_err(db)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn list_items(
+        &self,
+        org: &str,
+        kind: &str,
+        index: Option<&str>,
+        page: Page,
+    ) -> Result<Paged<Item>> {
+        limits::org(org)?;
+        limits::name("kind", kind)?;
+        if let Some(idx) = index {
+            limits::key("index", idx)?;
+        }
+        let limit = check_page(&page)?;
+        // The cursor is the id of the last item returned; ids are unique within (org, kind).
+        let (org, kind, index, after) = (
+            org.to_owned(),
+            kind.to_owned(),
+            index.map(str::to_owned),
+            page.cursor.clone(),
+        );
+        self.with_conn(move |conn, inner| {
+            let now = inner.clock.now_ms();
+            let sql = format!(
+                "SELECT {ITEM_COLUMNS} FROM items
+                 WHERE org = ?1 AND kind = ?2 AND (?3 IS NULL OR idx = ?3) AND (?4 IS NULL OR id > ?4)
+                   AND (expires_ms IS NULL OR expires_ms > ?5)
+                 ORDER BY id LIMIT ?6"
+            );
+            let mut stmt = conn.prepare(&sql).map_err(db)?;
+            let rows = stmt
+                .query_map(params![org, kind, index, after, now, limit + 1], item_row)
+                .map_err(db)?
+                .collect::<rusqlite::Result<Vec<_>>>()
+                .map_err(db)?;
+            let more = rows.len() as i64 > limit;
+            let items = rows.into_iter().take(limit as usize).map(finish_item).collect::<Result<Vec<_>>>()?;
+            let next = if more { items.last().map(|i| i.id.clone()) } else { None };
+            Ok(Paged { items, next })
+        })
+        .await
+    }
+
+    async fn claim(&self, org: &str, key: &str, now_ms: i64, lease_ms: u64) -> Result<Claim> {
+        limits::org(org)?;
+        limits::key("idempotency key", key)?;
+        let lease = limits::duration("lease", lease_ms, MAX_LEASE_MS)?;
+        let lease_until = now_ms.saturating_add(lease);
+        let (org, key) = (org.to_owned(), key.to_owned());
+        self.with_conn(move |conn, _| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(db)?;
+            let current: Option<(String, Option<Vec<u8>>, i64)> = tx
+                .query_row(
+                    "SELECT status, result, lease_until_ms FROM idempotency WHERE org = ?1 AND key = ?2",
+                    params![org, key],
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                )
+                .optional()
+                .map_err(db)?;
+            match current {
+                Some((status, result, _)) if status == "done" => return Ok(Claim::Done(result.unwrap_or_default())),
+                Some((_, _, until)) if until > now_ms => return Ok(Claim::InProgress),
+                // Unknown, or the previous holder's lease ran out (it crashed or stalled): take over.
+                _ => {}
+            }
+            tx.execute(
+                "INSERT INTO idempotency (org, key, status, result, lease_until_ms, updated_ms)
+                 VALUES (?1, ?2, 'in_progress', NULL, ?3, ?4)
+                 ON CONFLICT (org, key) DO UPDATE SET
+                   status = 'in_progress', result = NULL, lease_until_ms = excluded.lease_until_ms,
+                   updated_ms = excluded.updated_ms",
+                params![org, key, lease_until, now_ms],
+            )
+            .map_err(db)?;
+            tx.commit().map_err(db)?;
+            Ok(Claim::New)
+        })
+        .await
+    }
+
+    async fn finish(&self, org: &str, key: &str, result: &[u8], now_ms: i64) -> Result<()> {
+        limits::org(org)?;
+        limits::key("idempotency key", key)?;
+        limits::body("idempotency result", result, MAX_BODY)?;
+        let (org, key, result) = (org.to_owned(), key.to_owned(), result.to_vec());
+        self.with_conn(move |conn, _| {
+            conn.execute(
+                "INSERT INTO idempotency (org, key, status, result, lease_until_ms, updated_ms)
+                 VALUES (?1, ?2, 'done', ?3, 0, ?4)
+                 ON CONFLICT (org, key) DO UPDATE SET
+                   status = 'done', result = excluded.result, updated_ms = excluded.updated_ms
+                 WHERE idempotency.status <> 'done'",
+                params![org, key, result, now_ms],
+            )
+            .map_err(db)?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn release(&self, org: &str, key: &str) -> Result<()> {
+        limits::org(org)?;
+        limits::key("idempotency key", key)?;
+        let (org, key) = (org.to_owned(), key.to_owned());
+        self.with_conn(move |conn, _| {
+            conn.execute(
+                "DELETE FROM idempotency WHERE org = ?1 AND key = ?2 AND status = 'in_progress'",
+                params![org, key],
+            )
+            .map_err(db)?;
+            Ok(())
+        })
+        .await
+    }
+}

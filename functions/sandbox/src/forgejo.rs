@@ -1,0 +1,1026 @@
+//! Fake Forgejo (`/api/v1`, `Authorization: token <t>`): one repository with branches, file commits, pull
+//! requests, merges, diffs and CI commit statuses.
+
+use crate::git::{self, Commit, Repo, Tree};
+use crate::{RepoSeed, SandboxConfig, Shared, State as AppState, util};
+use axum::body::Body;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub(crate) const CI_CONTEXT: &str = "loams-ci";
+const MAX_FILES_PER_COMMIT: usize = 100;
+const MAX_PATH_CHARS: usize = 4096;
+const MAX_TITLE_CHARS: usize = 255;
+const MAX_PR_BODY_BYTES: usize = 64 * 1024;
+const MAX_BRANCH_CHARS: usize = 255;
+const DEFAULT_PAGE_LIMIT: usize = 30;
+const MAX_PAGE_LIMIT: usize = 50;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct Pull {
+    number: u64,
+    title: String,
+    body: String,
+    head: String,
+    base: String,
+    open: bool,
+    merged: bool,
+    merge_commit_sha: Option<String>,
+    /// The head commit once the PR is closed or merged (the branch may be gone by then).
+    frozen_head: Option<String>,
+    created_ms: i64,
+    updated_ms: i64,
+    closed_ms: Option<i64>,
+    merged_ms: Option<i64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct StatusRecord {
+    id: u64,
+    sha: String,
+    context: String,
+    created_ms: i64,
+    /// The status reads `pending` until this time, then the outcome of the check.
+    settle_ms: i64,
+    outcome: String,
+    description: String,
+}
+
+impl StatusRecord {
+    fn view(&self, now: i64) -> (&str, &str) {
+        if now < self.settle_ms { ("pending", "CI is running") } else { (&self.outcome, &self.description) }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct ForgejoState {
+    pub repo: Repo,
+    pub pulls: Vec<Pull>,
+    pub statuses: Vec<StatusRecord>,
+    pub merges: u64,
+}
+
+impl ForgejoState {
+    pub fn seed(seed: &RepoSeed, now: i64) -> Self {
+        ForgejoState {
+            repo: Repo::seed(&seed.owner, &seed.name, &seed.default_branch, &seed.files, now),
+            pulls: Vec::new(),
+            statuses: Vec::new(),
+            merges: 0,
+        }
+    }
+
+    fn pull_head(&self, p: &Pull) -> String {
+        if p.open
+            && let Some(sha) = self.repo.branches.get(&p.head)
+        {
+            return sha.clone();
+        }
+        p.frozen_head.clone().or_else(|| self.repo.branches.get(&p.head).cloned()).unwrap_or_default()
+    }
+}
+
+impl AppState {
+    /// Records what a new commit did: CI for a non-default branch, production for the default branch.
+    fn after_commit(&mut self, config: &SandboxConfig, branch: &str, sha: &str, now: i64) {
+        if branch == self.forgejo.repo.default_branch {
+            self.reconcile_production(config, now);
+            return;
+        }
+        let Some(commit) = self.forgejo.repo.commits.get(sha) else { return };
+        let failures = config.ci.failures(&commit.tree);
+        let (outcome, description) = if failures.is_empty() {
+            ("success", "all checks passed".to_string())
+        } else {
+            ("failure", failures.join("; "))
+        };
+        let id = self.forgejo.statuses.len() as u64 + 1;
+        self.forgejo.statuses.push(StatusRecord {
+            id,
+            sha: sha.into(),
+            context: CI_CONTEXT.into(),
+            created_ms: now,
+            settle_ms: now.saturating_add(i64::try_from(config.ci.delay_ms).unwrap_or(i64::MAX)),
+            outcome: outcome.into(),
+            description,
+        });
+    }
+}
+
+pub(crate) fn router() -> Router<Arc<Shared>> {
+    let base = "/api/v1/repos/{owner}/{repo}";
+    Router::new()
+        .route(&format!("{base}/branches"), post(create_branch))
+        .route(&format!("{base}/branches/{{*branch}}"), get(get_branch).delete(delete_branch))
+        .route(&format!("{base}/contents"), post(change_files))
+        .route(&format!("{base}/contents/{{*filepath}}"), get(get_contents))
+        .route(&format!("{base}/pulls"), get(list_pulls).post(create_pull))
+        .route(&format!("{base}/pulls/{{index}}"), get(get_pull).patch(edit_pull))
+        .route(&format!("{base}/pulls/{{index}}/merge"), get(is_merged).post(merge_pull))
+        .route(&format!("{base}/commits/{{reference}}/status"), get(combined_status))
+        .route(&format!("{base}/git/commits/{{sha}}"), get(commit_diff))
+}
+
+fn api_error(status: StatusCode, message: &str) -> Response {
+    (status, Json(json!({"message": message, "url": "/api/swagger"}))).into_response()
+}
+
+fn not_found() -> Response {
+    (StatusCode::NOT_FOUND, Json(json!({"errors": [], "message": "The target couldn't be found.", "url": "/api/swagger"})))
+        .into_response()
+}
+
+/// A body too large keeps its 413; any other unreadable body is Forgejo's 422.
+fn rejected(e: &JsonRejection) -> Response {
+    let status = if e.status() == StatusCode::PAYLOAD_TOO_LARGE { e.status() } else { StatusCode::UNPROCESSABLE_ENTITY };
+    api_error(status, &e.body_text())
+}
+
+fn unprocessable(message: &str) -> Response {
+    api_error(StatusCode::UNPROCESSABLE_ENTITY, message)
+}
+
+fn persist_or_500(shared: &Shared, st: &AppState) -> Result<(), Response> {
+    shared.persist(st).map_err(|e| api_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()))
+}
+
+/// Token auth first, then the repository must be the seeded one (names are case-insensitive, as in Forgejo).
+fn check(shared: &Shared, headers: &HeaderMap, owner: &str, repo: &str) -> Result<(), Response> {
+    let token = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
+        let (scheme, rest) = v.split_once(' ')?;
+        (scheme.eq_ignore_ascii_case("token") || scheme.eq_ignore_ascii_case("bearer")).then(|| rest.trim())
+    });
+    match token {
+        None => return Err(api_error(StatusCode::UNAUTHORIZED, "token is required")),
+        Some(t) if t != shared.config.tokens.forgejo_token => {
+            return Err(api_error(StatusCode::UNAUTHORIZED, "user does not exist [uid: 0, name: ]"));
+        }
+        Some(_) => {}
+    }
+    let r = &shared.config.repo;
+    if !owner.eq_ignore_ascii_case(&r.owner) || !repo.eq_ignore_ascii_case(&r.name) {
+        return Err(not_found());
+    }
+    Ok(())
+}
+
+fn user_json(shared: &Shared) -> Value {
+    json!({
+        "id": 2,
+        "login": "loams-bot",
+        "login_name": "",
+        "full_name": "Loams",
+        "email": shared.config.tokens.zulip_email,
+        "avatar_url": format!("{}/avatars/loams-bot", shared.urls.forgejo),
+        "html_url": format!("{}/loams-bot", shared.urls.forgejo),
+        "is_admin": false,
+        "restricted": false,
+        "active": true,
+        "visibility": "public",
+    })
+}
+
+fn repo_json(shared: &Shared, repo: &Repo) -> Value {
+    let full = format!("{}/{}", repo.owner, repo.name);
+    json!({
+        "id": 1,
+        "name": repo.name,
+        "full_name": full,
+        "owner": {"id": 1, "login": repo.owner, "full_name": "", "email": "", "avatar_url": ""},
+        "private": false,
+        "fork": false,
+        "empty": false,
+        "default_branch": repo.default_branch,
+        "html_url": format!("{}/{full}", shared.urls.forgejo),
+        "clone_url": format!("{}/{full}.git", shared.urls.forgejo),
+        "url": format!("{}/api/v1/repos/{full}", shared.urls.forgejo),
+    })
+}
+
+fn repo_url(shared: &Shared) -> String {
+    format!("{}/{}/{}", shared.urls.forgejo, shared.config.repo.owner, shared.config.repo.name)
+}
+
+fn api_repo_url(shared: &Shared) -> String {
+    format!("{}/api/v1/repos/{}/{}", shared.urls.forgejo, shared.config.repo.owner, shared.config.repo.name)
+}
+
+fn payload_commit(shared: &Shared, c: &Commit, parent: Option<&Tree>) -> Value {
+    let empty = Tree::new();
+    let old = parent.unwrap_or(&empty);
+    let added: Vec<&String> = c.tree.keys().filter(|p| !old.contains_key(*p)).collect();
+    let removed: Vec<&String> = old.keys().filter(|p| !c.tree.contains_key(*p)).collect();
+    let modified: Vec<&String> = c.tree.iter().filter(|(p, v)| old.get(*p).is_some_and(|o| o != *v)).map(|(p, _)| p).collect();
+    let who = json!({"name": "Loams", "email": shared.config.tokens.zulip_email, "username": "loams-bot"});
+    json!({
+        "id": c.sha,
+        "message": c.message,
+        "url": format!("{}/commit/{}", repo_url(shared), c.sha),
+        "author": who,
+        "committer": who,
+        "verification": null,
+        "timestamp": util::iso_s(c.time_ms),
+        "added": added,
+        "removed": removed,
+        "modified": modified,
+    })
+}
+
+fn branch_json(shared: &Shared, repo: &Repo, name: &str, c: &Commit) -> Value {
+    let parent = c.parent.as_ref().and_then(|p| repo.commits.get(p)).map(|p| &p.tree);
+    json!({
+        "name": name,
+        "commit": payload_commit(shared, c, parent),
+        "protected": false,
+        "required_approvals": 0,
+        "enable_status_check": false,
+        "status_check_contexts": [],
+        "user_can_push": true,
+        "user_can_merge": true,
+        "effective_branch_protection_name": "",
+    })
+}
+
+fn valid_branch_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_BRANCH_CHARS
+        && !name.starts_with(['/', '-', '.'])
+        && !name.ends_with(['/', '.'])
+        && !name.contains("..")
+        && !name.contains("//")
+        && !name.contains("@{")
+        && !name.chars().any(|c| c.is_control() || " ~^:?*[\\".contains(c))
+        && !name.ends_with(".lock")
+}
+
+#[derive(Deserialize)]
+struct CreateBranchOption {
+    new_branch_name: Option<String>,
+    old_ref_name: Option<String>,
+    old_branch_name: Option<String>,
+}
+
+async fn create_branch(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo)): Path<(String, String)>,
+    body: Result<Json<CreateBranchOption>, JsonRejection>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let body = match body {
+        Ok(Json(b)) => b,
+        Err(e) => return rejected(&e),
+    };
+    let Some(name) = body.new_branch_name.filter(|n| !n.is_empty()) else {
+        return unprocessable("[NewBranchName]: Required");
+    };
+    if !valid_branch_name(&name) {
+        return unprocessable(&format!("[NewBranchName]: invalid branch name {name:?}"));
+    }
+    let mut st = shared.lock();
+    let from = body.old_ref_name.or(body.old_branch_name).unwrap_or_else(|| st.forgejo.repo.default_branch.clone());
+    let from = from.strip_prefix("refs/heads/").unwrap_or(&from).to_owned();
+    let Some(sha) = st.forgejo.repo.resolve(&from).map(|c| c.sha.clone()) else {
+        return api_error(StatusCode::NOT_FOUND, &format!("The old branch does not exist: {from}"));
+    };
+    if st.forgejo.repo.branches.contains_key(&name) {
+        return api_error(StatusCode::CONFLICT, "The branch already exists.");
+    }
+    st.forgejo.repo.branches.insert(name.clone(), sha.clone());
+    if let Err(r) = persist_or_500(&shared, &st) {
+        return r;
+    }
+    let repo = &st.forgejo.repo;
+    match repo.commits.get(&sha) {
+        Some(c) => (StatusCode::CREATED, Json(branch_json(&shared, repo, &name, c))).into_response(),
+        None => not_found(),
+    }
+}
+
+async fn get_branch(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, branch)): Path<(String, String, String)>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let st = shared.lock();
+    let repo = &st.forgejo.repo;
+    match repo.head(&branch) {
+        Some(c) => Json(branch_json(&shared, repo, &branch, c)).into_response(),
+        None => api_error(StatusCode::NOT_FOUND, &format!("branch does not exist [name: {branch}]")),
+    }
+}
+
+async fn delete_branch(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, branch)): Path<(String, String, String)>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let mut st = shared.lock();
+    if branch == st.forgejo.repo.default_branch {
+        return api_error(StatusCode::FORBIDDEN, "can not delete default branch");
+    }
+    // An open PR keeps pointing at the last head of its branch.
+    let head = st.forgejo.repo.branches.get(&branch).cloned();
+    let Some(head) = head else {
+        return api_error(StatusCode::NOT_FOUND, &format!("branch does not exist [name: {branch}]"));
+    };
+    for p in st.forgejo.pulls.iter_mut().filter(|p| p.head == branch) {
+        p.frozen_head.get_or_insert(head.clone());
+    }
+    st.forgejo.repo.branches.remove(&branch);
+    if let Err(r) = persist_or_500(&shared, &st) {
+        return r;
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+fn contents_json(shared: &Shared, path: &str, content: &str, reference: &str, last_commit: &str) -> Value {
+    let sha = git::blob_sha(content);
+    let name = path.rsplit('/').next().unwrap_or(path);
+    let url = format!("{}/contents/{path}?ref={reference}", api_repo_url(shared));
+    let html = format!("{}/src/branch/{reference}/{path}", repo_url(shared));
+    let git_url = format!("{}/git/blobs/{sha}", api_repo_url(shared));
+    let download = format!("{}/raw/branch/{reference}/{path}", repo_url(shared));
+    json!({
+        "name": name,
+        "path": path,
+        "sha": sha,
+        "last_commit_sha": last_commit,
+        "type": "file",
+        "size": content.len(),
+        "encoding": "base64",
+        "content": base64::engine::general_purpose::STANDARD.encode(content),
+        "target": null,
+        "url": url,
+        "html_url": html,
+        "git_url": git_url,
+        "download_url": download,
+        "submodule_git_url": null,
+        "_links": {"self": url, "git": git_url, "html": html},
+    })
+}
+
+async fn get_contents(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, filepath)): Path<(String, String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let st = shared.lock();
+    let repo = &st.forgejo.repo;
+    let reference = q.get("ref").cloned().unwrap_or_else(|| repo.default_branch.clone());
+    let Some(commit) = repo.resolve(&reference) else {
+        return api_error(StatusCode::NOT_FOUND, &format!("object does not exist [id: {reference}, rel_path: ]"));
+    };
+    let path = filepath.trim_matches('/');
+    if let Some(content) = commit.tree.get(path) {
+        return Json(contents_json(&shared, path, content, &reference, &commit.sha)).into_response();
+    }
+    // a directory: list its direct children, as Forgejo does
+    let prefix = format!("{path}/");
+    let mut entries: Vec<Value> = Vec::new();
+    let mut dirs = std::collections::BTreeSet::new();
+    for (p, content) in commit.tree.range(prefix.clone()..).take_while(|(p, _)| p.starts_with(&prefix)) {
+        let rest = &p[prefix.len()..];
+        match rest.split_once('/') {
+            Some((dir, _)) => {
+                dirs.insert(dir.to_owned());
+            }
+            None => {
+                let mut v = contents_json(&shared, p, content, &reference, &commit.sha);
+                if let Some(o) = v.as_object_mut() {
+                    o.insert("content".into(), Value::Null);
+                    o.insert("encoding".into(), Value::Null);
+                }
+                entries.push(v);
+            }
+        }
+    }
+    for dir in dirs {
+        entries.push(json!({"name": dir, "path": format!("{prefix}{dir}"), "type": "dir", "size": 0,
+                            "last_commit_sha": commit.sha, "content": null, "encoding": null}));
+    }
+    if entries.is_empty() {
+        return api_error(StatusCode::NOT_FOUND, &format!("object does not exist [id: {}, rel_path: {path}]", commit.sha));
+    }
+    Json(entries).into_response()
+}
+
+#[derive(Deserialize)]
+struct ChangeFileOperation {
+    operation: String,
+    path: String,
+    content: Option<String>,
+    sha: Option<String>,
+    from_path: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ChangeFilesOptions {
+    files: Vec<ChangeFileOperation>,
+    branch: Option<String>,
+    new_branch: Option<String>,
+    message: Option<String>,
+}
+
+fn valid_path(p: &str) -> bool {
+    !p.is_empty()
+        && p.len() <= MAX_PATH_CHARS
+        && !p.starts_with('/')
+        && p.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != ".." && seg != ".git")
+}
+
+/// Applies the operations to `tree` or says why not (status + message).
+fn apply_ops(tree: &mut Tree, files: &[ChangeFileOperation]) -> Result<(), (StatusCode, String)> {
+    let unprocessable = |m: String| Err((StatusCode::UNPROCESSABLE_ENTITY, m));
+    for f in files {
+        if !valid_path(&f.path) {
+            return unprocessable(format!("path contains a malformed path component [path: {}]", f.path));
+        }
+        let decode = |c: &Option<String>| -> Result<String, (StatusCode, String)> {
+            let raw = base64::engine::general_purpose::STANDARD
+                .decode(c.as_deref().unwrap_or("").trim())
+                .map_err(|e| (StatusCode::UNPROCESSABLE_ENTITY, format!("invalid base64 content: {e}")))?;
+            String::from_utf8(raw).map_err(|_| {
+                (StatusCode::UNPROCESSABLE_ENTITY, "the sandbox stores UTF-8 text files only".to_string())
+            })
+        };
+        let check_sha = |path: &str, tree: &Tree| -> Result<(), (StatusCode, String)> {
+            let Some(current) = tree.get(path) else {
+                return Err((StatusCode::NOT_FOUND, format!("repository file does not exist [path: {path}]")));
+            };
+            let expected = git::blob_sha(current);
+            match f.sha.as_deref() {
+                None => Err((StatusCode::UNPROCESSABLE_ENTITY, "[Sha]: Required".into())),
+                Some(given) if given != expected => Err((
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    format!("sha does not match [given: {given}, expected: {expected}]"),
+                )),
+                Some(_) => Ok(()),
+            }
+        };
+        match f.operation.as_str() {
+            "create" => {
+                if tree.contains_key(&f.path) {
+                    return unprocessable(format!("repository file already exists [path: {}]", f.path));
+                }
+                let content = decode(&f.content)?;
+                tree.insert(f.path.clone(), content);
+            }
+            "update" => {
+                let from = f.from_path.clone().filter(|p| !p.is_empty()).unwrap_or_else(|| f.path.clone());
+                if !valid_path(&from) {
+                    return unprocessable(format!("path contains a malformed path component [path: {from}]"));
+                }
+                check_sha(&from, tree)?;
+                let content = decode(&f.content)?;
+                if from != f.path {
+                    if tree.contains_key(&f.path) {
+                        return unprocessable(format!("repository file already exists [path: {}]", f.path));
+                    }
+                    tree.remove(&from);
+                }
+                tree.insert(f.path.clone(), content);
+            }
+            "delete" => {
+                check_sha(&f.path, tree)?;
+                tree.remove(&f.path);
+            }
+            other => return unprocessable(format!("[Operation]: unknown operation {other:?}")),
+        }
+    }
+    Ok(())
+}
+
+async fn change_files(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo)): Path<(String, String)>,
+    body: Result<Json<ChangeFilesOptions>, JsonRejection>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let body = match body {
+        Ok(Json(b)) => b,
+        Err(e) => return rejected(&e),
+    };
+    if body.files.is_empty() || body.files.len() > MAX_FILES_PER_COMMIT {
+        return unprocessable(&format!("[Files]: between 1 and {MAX_FILES_PER_COMMIT} files"));
+    }
+    let now = util::now_ms();
+    let mut st = shared.lock();
+    let from = body.branch.filter(|b| !b.is_empty()).unwrap_or_else(|| st.forgejo.repo.default_branch.clone());
+    let Some(parent) = st.forgejo.repo.head(&from).cloned() else {
+        return api_error(StatusCode::NOT_FOUND, &format!("branch does not exist [name: {from}]"));
+    };
+    let target = match body.new_branch.filter(|b| !b.is_empty()) {
+        Some(nb) if st.forgejo.repo.branches.contains_key(&nb) => {
+            return unprocessable(&format!("branch already exists [name: {nb}]"));
+        }
+        Some(nb) if !valid_branch_name(&nb) => return unprocessable(&format!("invalid branch name {nb:?}")),
+        Some(nb) => nb,
+        None => from.clone(),
+    };
+    let mut tree = parent.tree.clone();
+    if let Err((status, message)) = apply_ops(&mut tree, &body.files) {
+        return api_error(status, &message);
+    }
+    let message = body.message.filter(|m| !m.trim().is_empty()).unwrap_or_else(|| {
+        let paths: Vec<&str> = body.files.iter().map(|f| f.path.as_str()).collect();
+        format!("Update {}", paths.join(", "))
+    });
+    let sha = st.forgejo.repo.add_commit(Some(&parent.sha), tree, &message, now);
+    st.forgejo.repo.branches.insert(target.clone(), sha.clone());
+    st.after_commit(&shared.config, &target, &sha, now);
+    if let Err(r) = persist_or_500(&shared, &st) {
+        return r;
+    }
+    let Some(commit) = st.forgejo.repo.commits.get(&sha) else { return not_found() };
+    let files: Vec<Value> = body
+        .files
+        .iter()
+        .map(|f| match commit.tree.get(&f.path) {
+            Some(content) => contents_json(&shared, &f.path, content, &target, &sha),
+            None => Value::Null,
+        })
+        .collect();
+    let who = json!({"name": "Loams", "email": shared.config.tokens.zulip_email, "date": util::iso_s(now)});
+    let api = api_repo_url(&shared);
+    let out = json!({
+        "commit": {
+            "sha": sha,
+            "url": format!("{api}/git/commits/{sha}"),
+            "html_url": format!("{}/commit/{sha}", repo_url(&shared)),
+            "message": commit.message,
+            "author": who,
+            "committer": who,
+            "parents": [{"sha": parent.sha, "url": format!("{api}/git/commits/{}", parent.sha), "created": util::iso_s(parent.time_ms)}],
+            "tree": {"sha": git::tree_sha(&commit.tree), "url": format!("{api}/git/trees/{sha}"), "created": util::iso_s(now)},
+            "created": util::iso_s(now),
+        },
+        "files": files,
+        "verification": {"verified": false, "reason": "gpg.error.not_signed_commit", "signature": "", "signer": null, "payload": ""},
+    });
+    (StatusCode::CREATED, Json(out)).into_response()
+}
+
+fn branch_info(shared: &Shared, st: &ForgejoState, branch: &str, sha: &str) -> Value {
+    json!({"label": branch, "ref": branch, "sha": sha, "repo_id": 1, "repo": repo_json(shared, &st.repo)})
+}
+
+fn pull_json(shared: &Shared, st: &ForgejoState, p: &Pull) -> Value {
+    let head_sha = st.pull_head(p);
+    let base_sha = st.repo.branches.get(&p.base).cloned().unwrap_or_default();
+    let head_tree = st.repo.commits.get(&head_sha).map(|c| &c.tree);
+    let base_tree = st.repo.commits.get(&base_sha).map(|c| &c.tree);
+    let changed = match (head_tree, base_tree) {
+        (Some(h), Some(b)) => h.keys().chain(b.keys()).collect::<std::collections::BTreeSet<_>>().into_iter().filter(|k| h.get(*k) != b.get(*k)).count(),
+        _ => 0,
+    };
+    let mergeable = p.open && !p.merged && st.repo.branches.contains_key(&p.head) && st.repo.branches.contains_key(&p.base);
+    let html = format!("{}/pulls/{}", repo_url(shared), p.number);
+    json!({
+        "id": p.number,
+        "number": p.number,
+        "url": html,
+        "html_url": html,
+        "diff_url": format!("{html}.diff"),
+        "patch_url": format!("{html}.patch"),
+        "user": user_json(shared),
+        "title": p.title,
+        "body": p.body,
+        "labels": [],
+        "milestone": null,
+        "assignee": null,
+        "assignees": [],
+        "requested_reviewers": [],
+        "requested_reviewers_teams": [],
+        "state": if p.open { "open" } else { "closed" },
+        "draft": is_wip(&p.title),
+        "is_locked": false,
+        "comments": 0,
+        "review_comments": 0,
+        "additions": 0,
+        "deletions": 0,
+        "changed_files": changed,
+        "mergeable": mergeable,
+        "merged": p.merged,
+        "merged_at": p.merged_ms.map(util::iso_s),
+        "merged_by": if p.merged { user_json(shared) } else { Value::Null },
+        "merge_commit_sha": p.merge_commit_sha,
+        "merge_base": base_sha,
+        "base": branch_info(shared, st, &p.base, &base_sha),
+        "head": branch_info(shared, st, &p.head, &head_sha),
+        "allow_maintainer_edit": false,
+        "due_date": null,
+        "created_at": util::iso_s(p.created_ms),
+        "updated_at": util::iso_s(p.updated_ms),
+        "closed_at": p.closed_ms.map(util::iso_s),
+        "pin_order": 0,
+        "flow": 0,
+    })
+}
+
+/// Forgejo treats these title prefixes as "work in progress" (a draft), which cannot be merged.
+fn is_wip(title: &str) -> bool {
+    let t = title.to_ascii_uppercase();
+    t.starts_with("WIP:") || t.starts_with("[WIP]")
+}
+
+#[derive(Deserialize)]
+struct CreatePullRequestOption {
+    head: Option<String>,
+    base: Option<String>,
+    title: Option<String>,
+    body: Option<String>,
+}
+
+async fn create_pull(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo)): Path<(String, String)>,
+    body: Result<Json<CreatePullRequestOption>, JsonRejection>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let body = match body {
+        Ok(Json(b)) => b,
+        Err(e) => return rejected(&e),
+    };
+    let Some(title) = body.title.filter(|t| !t.trim().is_empty()) else { return unprocessable("[Title]: Required") };
+    if title.chars().count() > MAX_TITLE_CHARS {
+        return unprocessable("[Title]: MaxSize");
+    }
+    let text = body.body.unwrap_or_default();
+    if text.len() > MAX_PR_BODY_BYTES {
+        return unprocessable("[Body]: too long");
+    }
+    let (Some(head), Some(base)) = (body.head, body.base) else { return unprocessable("[Head] and [Base] are required") };
+    // `owner:branch` names the head repository; there is only one here
+    let head = match head.split_once(':') {
+        Some((o, b)) if o.eq_ignore_ascii_case(&shared.config.repo.owner) => b.to_owned(),
+        Some(_) => return not_found(),
+        None => head,
+    };
+    let now = util::now_ms();
+    let mut st = shared.lock();
+    let (Some(h), Some(b)) = (st.forgejo.repo.head(&head), st.forgejo.repo.head(&base)) else {
+        return not_found();
+    };
+    if head == base || h.tree == b.tree {
+        return unprocessable("Invalid PullRequest: There are no changes between the head and the base");
+    }
+    if let Some(p) = st.forgejo.pulls.iter().find(|p| p.open && p.head == head && p.base == base) {
+        return api_error(
+            StatusCode::CONFLICT,
+            &format!(
+                "pull request already exists for these targets [id: {}, issue_id: {}, head_repo_id: 1, base_repo_id: 1, head_branch: {head}, base_branch: {base}]",
+                p.number, p.number
+            ),
+        );
+    }
+    let pull = Pull {
+        number: st.forgejo.pulls.len() as u64 + 1,
+        title,
+        body: text,
+        head,
+        base,
+        open: true,
+        merged: false,
+        merge_commit_sha: None,
+        frozen_head: None,
+        created_ms: now,
+        updated_ms: now,
+        closed_ms: None,
+        merged_ms: None,
+    };
+    let out = pull_json(&shared, &st.forgejo, &pull);
+    st.forgejo.pulls.push(pull);
+    if let Err(r) = persist_or_500(&shared, &st) {
+        return r;
+    }
+    (StatusCode::CREATED, Json(out)).into_response()
+}
+
+async fn list_pulls(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo)): Path<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let state = q.get("state").map_or("open", String::as_str);
+    if !["open", "closed", "all"].contains(&state) {
+        return unprocessable("[State]: must be open, closed or all");
+    }
+    let page = q.get("page").and_then(|p| p.parse::<usize>().ok()).unwrap_or(1).max(1);
+    let limit = q.get("limit").and_then(|p| p.parse::<usize>().ok()).unwrap_or(DEFAULT_PAGE_LIMIT).clamp(1, MAX_PAGE_LIMIT);
+    let st = shared.lock();
+    let matching: Vec<&Pull> =
+        st.forgejo.pulls.iter().rev().filter(|p| state == "all" || p.open == (state == "open")).collect();
+    let total = matching.len();
+    let out: Vec<Value> =
+        matching.into_iter().skip((page - 1) * limit).take(limit).map(|p| pull_json(&shared, &st.forgejo, p)).collect();
+    let mut resp = Json(out).into_response();
+    resp.headers_mut().insert("x-total-count", total.into());
+    resp
+}
+
+fn find_pull(st: &ForgejoState, index: &str) -> Option<usize> {
+    let n: u64 = index.parse().ok()?;
+    st.pulls.iter().position(|p| p.number == n)
+}
+
+async fn get_pull(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, index)): Path<(String, String, String)>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let st = shared.lock();
+    match find_pull(&st.forgejo, &index) {
+        Some(i) => Json(pull_json(&shared, &st.forgejo, &st.forgejo.pulls[i])).into_response(),
+        None => not_found(),
+    }
+}
+
+#[derive(Deserialize)]
+struct EditPullRequestOption {
+    title: Option<String>,
+    body: Option<String>,
+    state: Option<String>,
+}
+
+async fn edit_pull(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, index)): Path<(String, String, String)>,
+    body: Result<Json<EditPullRequestOption>, JsonRejection>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let body = match body {
+        Ok(Json(b)) => b,
+        Err(e) => return rejected(&e),
+    };
+    let now = util::now_ms();
+    let mut st = shared.lock();
+    let Some(i) = find_pull(&st.forgejo, &index) else { return not_found() };
+    if let Some(t) = &body.title
+        && (t.trim().is_empty() || t.chars().count() > MAX_TITLE_CHARS)
+    {
+        return unprocessable("[Title]: Required, at most 255 characters");
+    }
+    if body.body.as_ref().is_some_and(|b| b.len() > MAX_PR_BODY_BYTES) {
+        return unprocessable("[Body]: too long");
+    }
+    let head_now = st.forgejo.pull_head(&st.forgejo.pulls[i]);
+    let p = st.forgejo.pulls[i].clone();
+    match body.state.as_deref() {
+        None => {}
+        Some("closed") if p.open => {
+            let pull = &mut st.forgejo.pulls[i];
+            pull.open = false;
+            pull.closed_ms = Some(now);
+            pull.frozen_head = Some(head_now);
+        }
+        Some("open") if !p.open => {
+            if p.merged {
+                return api_error(StatusCode::CONFLICT, "cannot reopen a merged pull request");
+            }
+            if !st.forgejo.repo.branches.contains_key(&p.head) {
+                return api_error(StatusCode::CONFLICT, "cannot reopen: the head branch no longer exists");
+            }
+            if st.forgejo.pulls.iter().any(|o| o.open && o.head == p.head && o.base == p.base) {
+                return api_error(StatusCode::CONFLICT, "pull request already exists for these targets");
+            }
+            let pull = &mut st.forgejo.pulls[i];
+            pull.open = true;
+            pull.closed_ms = None;
+            pull.frozen_head = None;
+        }
+        Some("open" | "closed") => {}
+        Some(other) => return unprocessable(&format!("[State]: unknown state {other:?}")),
+    }
+    let pull = &mut st.forgejo.pulls[i];
+    if let Some(t) = body.title {
+        pull.title = t;
+    }
+    if let Some(b) = body.body {
+        pull.body = b;
+    }
+    pull.updated_ms = now;
+    if let Err(r) = persist_or_500(&shared, &st) {
+        return r;
+    }
+    // the spec gives 201 for a successful edit
+    (StatusCode::CREATED, Json(pull_json(&shared, &st.forgejo, &st.forgejo.pulls[i]))).into_response()
+}
+
+async fn is_merged(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, index)): Path<(String, String, String)>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let st = shared.lock();
+    match find_pull(&st.forgejo, &index) {
+        Some(i) if st.forgejo.pulls[i].merged => StatusCode::NO_CONTENT.into_response(),
+        _ => not_found(),
+    }
+}
+
+const MERGE_STYLES: [&str; 6] = ["merge", "rebase", "rebase-merge", "squash", "fast-forward-only", "manually-merged"];
+
+#[derive(Deserialize)]
+struct MergePullRequestOption {
+    #[serde(rename = "Do")]
+    action: Option<String>,
+    #[serde(rename = "MergeTitleField")]
+    title: Option<String>,
+    #[serde(rename = "MergeMessageField")]
+    message: Option<String>,
+    head_commit_id: Option<String>,
+    delete_branch_after_merge: Option<bool>,
+}
+
+/// Every merge style lands the head tree on the base as one new commit (no conflicts exist in the sandbox).
+async fn merge_pull(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, index)): Path<(String, String, String)>,
+    body: Result<Json<MergePullRequestOption>, JsonRejection>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let body = match body {
+        Ok(Json(b)) => b,
+        Err(e) => return rejected(&e),
+    };
+    match body.action.as_deref() {
+        Some(a) if MERGE_STYLES.contains(&a) => {}
+        _ => return unprocessable("[Do]: Required, one of merge, rebase, rebase-merge, squash, fast-forward-only, manually-merged"),
+    }
+    let now = util::now_ms();
+    let mut st = shared.lock();
+    let Some(i) = find_pull(&st.forgejo, &index) else { return not_found() };
+    let p = st.forgejo.pulls[i].clone();
+    if p.merged {
+        return api_error(StatusCode::METHOD_NOT_ALLOWED, "The PR is already merged");
+    }
+    if !p.open {
+        return not_found();
+    }
+    if is_wip(&p.title) {
+        return api_error(StatusCode::METHOD_NOT_ALLOWED, "The PR is a work in progress and cannot be merged");
+    }
+    let (Some(head), Some(base)) = (st.forgejo.repo.head(&p.head).cloned(), st.forgejo.repo.head(&p.base).cloned())
+    else {
+        return api_error(StatusCode::METHOD_NOT_ALLOWED, "Please try again later: the pull request is not mergeable");
+    };
+    if let Some(expected) = body.head_commit_id.filter(|h| !h.is_empty())
+        && expected != head.sha
+    {
+        return api_error(StatusCode::CONFLICT, "head commit of the pull request has changed");
+    }
+    let message = match (body.title.filter(|t| !t.is_empty()), body.message.filter(|m| !m.is_empty())) {
+        (Some(t), Some(m)) => format!("{t}\n\n{m}"),
+        (Some(t), None) => t,
+        (None, m) => {
+            let t = format!("Merge pull request '{}' (#{}) from {} into {}", p.title, p.number, p.head, p.base);
+            m.map_or(t.clone(), |m| format!("{t}\n\n{m}"))
+        }
+    };
+    let sha = st.forgejo.repo.add_commit(Some(&base.sha), head.tree.clone(), &message, now);
+    st.forgejo.repo.branches.insert(p.base.clone(), sha.clone());
+    if body.delete_branch_after_merge == Some(true) {
+        st.forgejo.repo.branches.remove(&p.head);
+    }
+    let pull = &mut st.forgejo.pulls[i];
+    pull.open = false;
+    pull.merged = true;
+    pull.merge_commit_sha = Some(sha.clone());
+    pull.frozen_head = Some(head.sha);
+    pull.merged_ms = Some(now);
+    pull.closed_ms = Some(now);
+    pull.updated_ms = now;
+    st.forgejo.merges += 1;
+    st.after_commit(&shared.config, &p.base, &sha, now);
+    if let Err(r) = persist_or_500(&shared, &st) {
+        return r;
+    }
+    StatusCode::OK.into_response()
+}
+
+const STATUS_SEVERITY: [&str; 4] = ["success", "pending", "failure", "error"];
+
+async fn combined_status(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, reference)): Path<(String, String, String)>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let now = util::now_ms();
+    let st = shared.lock();
+    let Some(commit) = st.forgejo.repo.resolve(&reference) else {
+        return api_error(StatusCode::NOT_FOUND, &format!("object does not exist [id: {reference}, rel_path: ]"));
+    };
+    let api = api_repo_url(&shared);
+    // newest status per context, as Forgejo combines them
+    let mut latest: Vec<&StatusRecord> = Vec::new();
+    for s in st.forgejo.statuses.iter().rev().filter(|s| s.sha == commit.sha) {
+        if !latest.iter().any(|l| l.context == s.context) {
+            latest.push(s);
+        }
+    }
+    let statuses: Vec<Value> = latest
+        .iter()
+        .map(|s| {
+            let (state, description) = s.view(now);
+            json!({
+                "id": s.id,
+                "status": state,
+                "target_url": format!("{}/actions/runs/{}", repo_url(&shared), s.id),
+                "description": description,
+                "url": format!("{api}/statuses/{}", s.sha),
+                "context": s.context,
+                "creator": user_json(&shared),
+                "created_at": util::iso_s(s.created_ms),
+                "updated_at": util::iso_s(s.created_ms.max(s.settle_ms.min(now))),
+            })
+        })
+        .collect();
+    // the most severe state wins; no status at all reads as pending (nothing has reported yet)
+    let state = latest
+        .iter()
+        .map(|s| s.view(now).0)
+        .max_by_key(|st| STATUS_SEVERITY.iter().position(|x| x == st).unwrap_or(0))
+        .unwrap_or("pending");
+    Json(json!({
+        "state": state,
+        "sha": commit.sha,
+        "total_count": statuses.len(),
+        "statuses": statuses,
+        "repository": repo_json(&shared, &st.forgejo.repo),
+        "commit_url": format!("{api}/git/commits/{}", commit.sha),
+        "url": format!("{api}/commits/{}/status", commit.sha),
+    }))
+    .into_response()
+}
+
+async fn commit_diff(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, sha)): Path<(String, String, String)>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    // only the `.diff` form of this route is served
+    let Some(sha) = sha.strip_suffix(".diff") else { return not_found() };
+    let st = shared.lock();
+    let repo = &st.forgejo.repo;
+    let Some(commit) = repo.commits.get(sha).or_else(|| repo.resolve(sha).filter(|c| c.sha.starts_with(sha))) else {
+        return not_found();
+    };
+    let empty = Tree::new();
+    let parent = commit.parent.as_ref().and_then(|p| repo.commits.get(p)).map_or(&empty, |c| &c.tree);
+    let text = git::diff(parent, &commit.tree);
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
+        .body(Body::from(text))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}

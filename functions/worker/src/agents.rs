@@ -1,0 +1,48 @@
+//! How the worker reaches the agents: one A2A client per agent, each verified against its signed card.
+
+use std::collections::HashMap;
+
+use async_trait::async_trait;
+use loams_a2a::A2aClient;
+use serde_json::Value;
+
+/// The result of one agent call as the engine sees it.
+pub enum AgentReply {
+    Done(Value),
+    Failed { error: String, retryable: bool },
+}
+
+/// Calls an agent's skill with the step id as A2A `messageId`, so a repeated call is answered from the agent's
+/// task store and performs nothing twice.
+#[async_trait]
+pub trait AgentCaller: Send + Sync {
+    async fn call(&self, agent: &str, step: &str, skill: &str, args: Value) -> AgentReply;
+}
+
+/// The five agents over A2A JSON-RPC.
+pub struct A2aAgents {
+    clients: HashMap<String, A2aClient>,
+}
+
+impl A2aAgents {
+    pub fn new(clients: HashMap<String, A2aClient>) -> Self {
+        A2aAgents { clients }
+    }
+}
+
+#[async_trait]
+impl AgentCaller for A2aAgents {
+    async fn call(&self, agent: &str, step: &str, skill: &str, args: Value) -> AgentReply {
+        let Some(client) = self.clients.get(agent) else {
+            return AgentReply::Failed { error: format!("no agent named {agent} is configured"), retryable: false };
+        };
+        match client.call(step, skill, args).await {
+            Ok(output) => AgentReply::Done(output),
+            Err(e) => {
+                let retryable = e.retryable();
+                AgentReply::Failed { error: e.to_string(), retryable }
+            }
+        }
+    }
+}
+

@@ -1,0 +1,24 @@
+use loams_platform::StoreError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("stored record is corrupt: {0}")]
+    Corrupt(String),
+    #[error("run {0} not found")]
+    RunNotFound(String),
+    #[error("the run changed under us {0} times in a row; giving up for now")]
+    Contended(u32),
+    #[error("open refused: {0}")]
+    OpenRefused(String),
+    #[error("effect {step} still in progress elsewhere")]
+    InProgress { step: String },
+}
+
+impl WorkerError {
+    /// Whether the queue should deliver the message again (after its visibility timeout) rather than drop it.
+    pub fn retryable(&self) -> bool {
+        !matches!(self, WorkerError::Corrupt(_) | WorkerError::OpenRefused(_))
+    }
+}

@@ -1,0 +1,342 @@
+//! The queue worker: one message moves one run by at most one external effect.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use loams_factory::{Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, Outcome, Policy, Prices, Run, Signal};
+use loams_model::{ChatMessage, ChatModel, ChatRequest};
+use loams_platform::{Claim, Clock, Cond, Item, Page, Queue, Store, StoreError, Timers};
+use serde_json::json;
+use tracing::{Instrument, info_span, warn};
+
+use crate::WorkerError;
+use crate::agents::{AgentCaller, AgentReply};
+
+/// How long a received message stays hidden from other workers; longer than any single effect may take.
+const VISIBILITY_MS: u64 = 60_000;
+/// Delay before a message whose handling failed for a passing reason is seen again.
+const RETRY_DELAY_MS: u64 = 500;
+/// Conditional-append conflicts tolerated in a row before the message is retried later.
+const MAX_CONFLICTS: u32 = 16;
+/// A model call's idempotency lease: another worker may take the call over only after this.
+const MODEL_LEASE_MS: u64 = 180_000;
+/// Messages taken from the queue per receive and handled concurrently.
+const BATCH: u32 = 8;
+
+pub struct WorkerDeps {
+    pub store: Arc<dyn Store>,
+    pub queue: Arc<dyn Queue>,
+    pub timers: Arc<dyn Timers>,
+    pub clock: Arc<dyn Clock>,
+    pub agents: Arc<dyn AgentCaller>,
+    pub model: Arc<dyn ChatModel>,
+    /// Environment runs are opened in.
+    pub env: String,
+    pub config: loams_factory::Config,
+    pub policy: Policy,
+    pub prices: Prices,
+    /// The person runs act for; they cannot approve their own runs' actions.
+    pub owner: Option<String>,
+}
+
+pub struct Worker {
+    deps: WorkerDeps,
+}
+
+/// What opening a signal did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Opened {
+    pub run_id: String,
+    /// False when the run already existed (the same signal and generation was opened before).
+    pub created: bool,
+}
+
+impl Worker {
+    pub fn new(deps: WorkerDeps) -> Self {
+        Worker { deps }
+    }
+
+    /// Opens a run for `signal` (create-if-absent) and enqueues its first step.
+    pub async fn open(&self, org: &str, signal: Signal) -> Result<Opened, WorkerError> {
+        let d = &self.deps;
+        let now = d.clock.now_ms();
+        let mut ctx = self.ctx(org, now).await?;
+        ctx.last_run = self.last_run(org, &signal.fingerprint).await?;
+        let (run, opened) = loams_factory::open(signal.clone(), &ctx).map_err(|e| WorkerError::OpenRefused(e.to_string()))?;
+        let created = d
+            .store
+            .create_run(org, &run.id, state_name(&run), &to_json(&run)?, &to_json(&opened)?, now)
+            .await?;
+        if created {
+            let last = LastRun { run_id: run.id.clone(), at_ms: now };
+            let item = Item {
+                org: org.to_string(),
+                kind: "fingerprint".into(),
+                id: fingerprint_key(&signal.fingerprint),
+                version: 0,
+                index: None,
+                body: to_json(&last)?,
+                expires_ms: None,
+            };
+            d.store.put_item(&item, Cond::Any).await?;
+        }
+        // Enqueued even when the run existed: a crash between create and send must not strand the run, and a
+        // duplicate continuation is harmless.
+        self.enqueue(org, &run.id, None, 0).await?;
+        Ok(Opened { run_id: run.id, created })
+    }
+
+    /// Handles one queue message: records its input, performs the next effect, records the outcome.
+    pub async fn handle(&self, envelope: &Envelope) -> Result<(), WorkerError> {
+        let span = info_span!("run_step", loams.run_id = %envelope.run, org = %envelope.org);
+        async {
+            let input = envelope.input.clone().unwrap_or(Input::Continue);
+            let run = self.record(&envelope.org, &envelope.run, &input).await?;
+            let Some(effect) = run.next_effect() else { return Ok(()) };
+            let outcome = self.perform(&run, &effect).await?;
+            let step = effect.step().to_string();
+            let run = self.record(&envelope.org, &envelope.run, &Input::Completed { step, outcome }).await?;
+            if run.next_effect().is_some() {
+                self.enqueue(&envelope.org, &envelope.run, None, 0).await?;
+            }
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Takes one batch from the queue and handles it; returns how many messages it took.
+    pub async fn run_once(&self) -> Result<usize, WorkerError> {
+        let d = &self.deps;
+        let deliveries = d.queue.receive(BATCH, VISIBILITY_MS).await?;
+        let handled = deliveries.iter().map(|delivery| async move {
+            let Ok(envelope) = serde_json::from_slice::<Envelope>(&delivery.body) else {
+                // A body that does not parse never will: drop it loudly rather than retry it forever.
+                warn!(message = %delivery.id, "dropping a queue message that is not an envelope");
+                return d.queue.ack(&delivery.receipt).await;
+            };
+            match self.handle(&envelope).await {
+                Ok(()) => d.queue.ack(&delivery.receipt).await,
+                Err(e) if e.retryable() => {
+                    warn!(run = %envelope.run, error = %e, "step will be retried");
+                    d.queue.retry_later(&delivery.receipt, RETRY_DELAY_MS).await
+                }
+                Err(e) => {
+                    warn!(run = %envelope.run, error = %e, "dropping a message that cannot succeed");
+                    d.queue.ack(&delivery.receipt).await
+                }
+            }
+        });
+        for result in futures::future::join_all(handled).await {
+            result?;
+        }
+        Ok(deliveries.len())
+    }
+
+    /// Works the queue until `stop` turns true, pausing briefly whenever it is empty.
+    pub async fn run(&self, mut stop: tokio::sync::watch::Receiver<bool>) {
+        while !*stop.borrow() {
+            match self.run_once().await {
+                Ok(0) => {
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+                        _ = stop.changed() => {}
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(error = %e, "queue receive failed");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+
+    /// Feeds `input` to the engine and appends what it decides, retrying on a concurrent append. Returns the run
+    /// as recorded.
+    async fn record(&self, org: &str, run_id: &str, input: &Input) -> Result<Run, WorkerError> {
+        let d = &self.deps;
+        for _ in 0..MAX_CONFLICTS {
+            let row = d.store.get_run(org, run_id).await?.ok_or_else(|| WorkerError::RunNotFound(run_id.into()))?;
+            let mut run: Run =
+                serde_json::from_slice(&row.snapshot).map_err(|e| WorkerError::Corrupt(format!("run {run_id}: {e}")))?;
+            let now = d.clock.now_ms();
+            let ctx = self.ctx(org, now).await?;
+            let events = loams_factory::decide(&run, input, &ctx).map_err(|e| WorkerError::Corrupt(e.to_string()))?;
+            if events.is_empty() {
+                return Ok(run);
+            }
+            for event in &events {
+                run.apply(event);
+            }
+            let bodies = events.iter().map(to_json).collect::<Result<Vec<_>, _>>()?;
+            match d.store.append(org, run_id, row.version, state_name(&run), &to_json(&run)?, &bodies, now).await {
+                Ok(_) => {
+                    self.after_recorded(org, &events).await?;
+                    return Ok(run);
+                }
+                Err(StoreError::Conflict) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(WorkerError::Contended(MAX_CONFLICTS))
+    }
+
+    /// Follow-ups of recorded events that live outside the run: a regressed run opens its successor.
+    async fn after_recorded(&self, org: &str, events: &[Event]) -> Result<(), WorkerError> {
+        for event in events {
+            if let Event::Ended { follow_up: Some(follow_up), .. } = event {
+                match self.open(org, follow_up.signal.clone()).await {
+                    Ok(_) => {}
+                    // The engine already checked the generation cap; a refusal here (cooldown, kill) is recorded
+                    // in the log rather than retried forever.
+                    Err(WorkerError::OpenRefused(reason)) => warn!(%reason, "follow-up run not opened"),
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Performs one effect, idempotently under its step id.
+    async fn perform(&self, run: &Run, effect: &Effect) -> Result<Outcome, WorkerError> {
+        let d = &self.deps;
+        match effect {
+            Effect::Call { step, agent, skill, args, .. } => {
+                let span = info_span!("invoke_agent", gen_ai.agent.name = %agent, gen_ai.tool.name = %skill, step = %step);
+                let reply = d.agents.call(agent, step, skill, args.clone()).instrument(span).await;
+                Ok(match reply {
+                    AgentReply::Done(output) => Outcome::Agent(output),
+                    AgentReply::Failed { error, retryable } => Outcome::Failed { error, retryable },
+                })
+            }
+            Effect::Model { step, purpose, messages } => self.complete(&run.org, step, purpose, messages).await,
+            Effect::RequestApproval { approval, .. } => {
+                let record = approval.to_approval();
+                let item = Item {
+                    org: run.org.clone(),
+                    kind: "approval".into(),
+                    id: approval.id.clone(),
+                    version: 0,
+                    index: Some("pending".into()),
+                    body: to_json(&record)?,
+                    expires_ms: None,
+                };
+                match d.store.put_item(&item, Cond::Absent).await {
+                    // Absent or already stored by an earlier try of this same step: either way it exists once.
+                    Ok(_) | Err(StoreError::Conflict) => Ok(Outcome::Agent(json!({ "approval_id": approval.id }))),
+                    Err(e) => Err(e.into()),
+                }
+            }
+            Effect::Wait { timer_id, due_ms, .. } => {
+                let fire = Envelope {
+                    org: run.org.clone(),
+                    run: run.id.clone(),
+                    input: Some(Input::TimerFired { timer_id: timer_id.clone() }),
+                };
+                d.timers.schedule(&run.org, timer_id, *due_ms, &to_json(&fire)?).await?;
+                Ok(Outcome::Agent(json!({ "timer_id": timer_id })))
+            }
+        }
+    }
+
+    /// A model call, paid at most once: the step id is claimed before calling and the answer stored after.
+    async fn complete(
+        &self,
+        org: &str,
+        step: &str,
+        purpose: &str,
+        messages: &[loams_factory::ChatMessage],
+    ) -> Result<Outcome, WorkerError> {
+        let d = &self.deps;
+        let key = format!("model:{step}");
+        match d.store.claim(org, &key, d.clock.now_ms(), MODEL_LEASE_MS).await? {
+            Claim::Done(stored) => {
+                return serde_json::from_slice(&stored).map_err(|e| WorkerError::Corrupt(format!("{key}: {e}")));
+            }
+            Claim::InProgress => return Err(WorkerError::InProgress { step: step.into() }),
+            Claim::New => {}
+        }
+        let request = ChatRequest {
+            purpose: purpose.to_string(),
+            messages: messages.iter().map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone() }).collect(),
+            max_tokens: None,
+        };
+        let span = info_span!("chat", gen_ai.operation.name = "chat", purpose = %purpose, step = %step);
+        match d.model.complete(&request).instrument(span).await {
+            Ok(answer) => {
+                let outcome = Outcome::Model {
+                    text: answer.text,
+                    input_tokens: answer.input_tokens,
+                    output_tokens: answer.output_tokens,
+                };
+                d.store.finish(org, &key, &to_json(&outcome)?, d.clock.now_ms()).await?;
+                Ok(outcome)
+            }
+            Err(e) => {
+                // Nothing was paid for a failed call that may be retried; free the key for the retry.
+                d.store.release(org, &key).await?;
+                Ok(Outcome::Failed { error: e.to_string(), retryable: e.is_retryable() })
+            }
+        }
+    }
+
+    /// The world outside the run that the engine may look at, read fresh (kill switches are read strongly).
+    async fn ctx(&self, org: &str, now_ms: i64) -> Result<Ctx, WorkerError> {
+        let d = &self.deps;
+        let mut ctx = Ctx::new(org, &d.env, now_ms);
+        ctx.config = d.config.clone();
+        ctx.policy = d.policy.clone();
+        ctx.prices = d.prices;
+        ctx.owner = d.owner.clone();
+        ctx.kill = self.kill_switches(org).await?;
+        Ok(ctx)
+    }
+
+    async fn kill_switches(&self, org: &str) -> Result<KillSwitches, WorkerError> {
+        let mut kill = KillSwitches::default();
+        let mut page = Page { cursor: None, limit: 100 };
+        loop {
+            let items = self.deps.store.list_items(org, "kill", None, page).await?;
+            for item in &items.items {
+                match item.id.split_once(':') {
+                    None if item.id == "org" => kill.org = true,
+                    Some(("agent", name)) => kill.agents.push(name.to_string()),
+                    Some(("run", id)) => kill.runs.push(id.to_string()),
+                    _ => warn!(id = %item.id, "ignoring a kill switch of unknown scope"),
+                }
+            }
+            match items.next {
+                Some(cursor) => page = Page { cursor: Some(cursor), limit: 100 },
+                None => return Ok(kill),
+            }
+        }
+    }
+
+    async fn last_run(&self, org: &str, fingerprint: &str) -> Result<Option<LastRun>, WorkerError> {
+        let Some(item) = self.deps.store.get_item(org, "fingerprint", &fingerprint_key(fingerprint)).await? else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&item.body).map(Some).map_err(|e| WorkerError::Corrupt(format!("fingerprint: {e}")))
+    }
+
+    async fn enqueue(&self, org: &str, run: &str, input: Option<Input>, delay_ms: u64) -> Result<(), WorkerError> {
+        let envelope = Envelope { org: org.to_string(), run: run.to_string(), input };
+        self.deps.queue.send(&to_json(&envelope)?, delay_ms).await?;
+        Ok(())
+    }
+}
+
+/// Fingerprints are arbitrary text from outside; the item id is their hash so it has a bounded, safe shape.
+fn fingerprint_key(fingerprint: &str) -> String {
+    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, fingerprint.as_bytes());
+    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn state_name(run: &Run) -> &'static str {
+    run.state.as_str()
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, WorkerError> {
+    serde_json::to_vec(value).map_err(|e| WorkerError::Corrupt(e.to_string()))
+}

@@ -1,0 +1,57 @@
+//! The canonical bytes of an approval decision: what a phone signs with its device key and what the server verifies.
+//! Defined once, here, so that the phones (through `core`) and the server cannot drift apart.
+//!
+//! Encoding (all integers big-endian):
+//!
+//! ```text
+//! "loams.approval.decision.v1" 0x00         domain separation: these bytes can never be mistaken for another message
+//! u64 len || approval_id (UTF-8)
+//! u64 len || action_hash
+//! i32      decision (the proto enum number: 1 = APPROVE, 2 = DENY)
+//! u64 len || device_id (UTF-8)
+//! u64 len || challenge
+//! i64      decided_at_ms
+//! ```
+//!
+//! Every variable-length field carries its length, so no two different inputs give the same bytes (moving a byte
+//! from one field to the next changes a length). Lengths are u64 so that the encoding has no failure case.
+
+use crate::approvals::v1::Decision;
+
+/// Domain-separation prefix of the canonical decision bytes (includes the terminating NUL).
+pub const DECISION_DOMAIN: &[u8] = b"loams.approval.decision.v1\0";
+
+/// The bytes a device signs (ECDSA P-256, SHA-256, DER signature) to approve or deny an approval.
+pub fn canonical_decision_bytes(
+    approval_id: &str,
+    action_hash: &[u8],
+    decision: Decision,
+    device_id: &str,
+    challenge: &[u8],
+    decided_at_ms: i64,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(
+        DECISION_DOMAIN.len()
+            + 4 * 8
+            + 4
+            + 8
+            + approval_id.len()
+            + action_hash.len()
+            + device_id.len()
+            + challenge.len(),
+    );
+    out.extend_from_slice(DECISION_DOMAIN);
+    put_field(&mut out, approval_id.as_bytes());
+    put_field(&mut out, action_hash);
+    out.extend_from_slice(&(decision as i32).to_be_bytes());
+    put_field(&mut out, device_id.as_bytes());
+    put_field(&mut out, challenge);
+    out.extend_from_slice(&decided_at_ms.to_be_bytes());
+    out
+}
+
+fn put_field(out: &mut Vec<u8>, field: &[u8]) {
+    // usize -> u64 is lossless on every platform Rust supports.
+    out.extend_from_slice(&(field.len() as u64).to_be_bytes());
+    out.extend_from_slice(field);
+}

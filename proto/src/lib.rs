@@ -1,0 +1,43 @@
+//! loams-proto: the Loams client API types (prost + canonical proto3 JSON via pbjson), the canonical bytes of an
+//! approval decision, and a hand-written Connect protocol server (axum) and client (reqwest).
+
+pub mod connect;
+mod decision;
+
+pub use decision::{DECISION_DOMAIN, canonical_decision_bytes};
+
+/// Generated code is not ours to lint.
+macro_rules! generated {
+    ($file:literal) => {
+        include!(concat!(env!("OUT_DIR"), "/", $file, ".rs"));
+        include!(concat!(env!("OUT_DIR"), "/", $file, ".serde.rs"));
+    };
+}
+
+pub mod factory {
+    pub mod v1 {
+        #![allow(clippy::all, clippy::pedantic)]
+        generated!("loams.factory.v1");
+    }
+}
+
+pub mod approvals {
+    pub mod v1 {
+        #![allow(clippy::all, clippy::pedantic)]
+        generated!("loams.approvals.v1");
+    }
+}
+
+pub mod devices {
+    pub mod v1 {
+        #![allow(clippy::all, clippy::pedantic)]
+        generated!("loams.devices.v1");
+    }
+}
+
+pub mod bot {
+    pub mod v1 {
+        #![allow(clippy::all, clippy::pedantic)]
+        generated!("loams.bot.v1");
+    }
+}
