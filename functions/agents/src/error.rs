@@ -33,13 +33,6 @@ impl AgentError {
             _ => false,
         }
     }
-
-    pub(crate) fn status(&self) -> Option<u16> {
-        match self {
-            AgentError::Status { status, .. } => Some(*status),
-            _ => None,
-        }
-    }
 }
 
 impl From<AgentError> for SkillError {

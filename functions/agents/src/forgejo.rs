@@ -26,6 +26,8 @@ const MAX_BODY: usize = 65_536;
 const MAX_LABELS: usize = 10;
 /// CI log handed to the model for the next attempt; longer logs are cut at the end.
 const MAX_LOG_BYTES: usize = 64 * 1024;
+/// Open PRs scanned when looking for the branch's PR (50 per page).
+const MAX_PR_PAGES: usize = 20;
 const DRAFT_PREFIX: &str = "WIP: ";
 /// Colour of labels we have to create (Forgejo requires one).
 const LABEL_COLOR: &str = "#e4e669";
@@ -284,14 +286,24 @@ impl ForgejoClient {
         Ok(r.commit.sha)
     }
 
-    /// `GET /pulls/{base}/{head}`: the PR from `head` into `base`, if any (whatever its state).
-    pub async fn pr_by_branches(&self, base: &str, head: &str) -> Result<Option<PullRequest>, AgentError> {
-        let reply = self.http.send(self.http.request(Method::GET, self.repo_url(&["pulls", base, head]))).await?;
-        if reply.status == 404 {
-            return Ok(None);
+    /// The open PR from `head` into `base`, if any, from `GET /pulls?state=open` (pages of 50).
+    pub async fn open_pr_for(&self, base: &str, head: &str) -> Result<Option<PullRequest>, AgentError> {
+        for page in 1..=MAX_PR_PAGES {
+            let page = page.to_string();
+            let rb = self
+                .http
+                .request(Method::GET, self.repo_url(&["pulls"]))
+                .query(&[("state", "open"), ("limit", "50"), ("page", page.as_str())]);
+            let pulls: Vec<PullRequest> = self.http.json(rb).await?;
+            let last = pulls.len() < 50;
+            if let Some(pr) = pulls.into_iter().find(|p| p.head.name == head && p.base.name == base && p.state == "open") {
+                return Ok(Some(pr));
+            }
+            if last {
+                break;
+            }
         }
-        let reply = self.http.ok(reply)?;
-        Ok(Some(self.http.decode(&reply.body)?))
+        Ok(None)
     }
 
     /// `POST /pulls`; `None` on 409 (a PR for these branches exists).
@@ -545,7 +557,7 @@ impl ForgejoAgent {
             require("labels[]", l, 100)?;
         }
         let title = if a.draft && !a.title.starts_with(DRAFT_PREFIX) { format!("{DRAFT_PREFIX}{}", a.title) } else { a.title.clone() };
-        let existing = self.client.pr_by_branches(&a.base, &a.branch).await?.filter(|p| p.state == "open");
+        let existing = self.client.open_pr_for(&a.base, &a.branch).await?;
         let pr = match existing {
             Some(pr) => pr,
             None => match self.client.create_pr(&a.branch, &a.base, &title, &a.body).await? {
@@ -553,7 +565,7 @@ impl ForgejoAgent {
                 // 409: created concurrently (or by an earlier attempt whose answer was lost).
                 None => self
                     .client
-                    .pr_by_branches(&a.base, &a.branch)
+                    .open_pr_for(&a.base, &a.branch)
                     .await?
                     .ok_or_else(|| AgentError::Refused("forgejo: PR exists (409) but cannot be found".into()))?,
             },

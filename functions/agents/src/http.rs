@@ -65,10 +65,6 @@ impl AppHttp {
         Ok(Self { app, client, base, secrets: secrets.into_iter().filter(|s| !s.is_empty()).collect() })
     }
 
-    pub fn app(&self) -> &'static str {
-        self.app
-    }
-
     pub fn base(&self) -> &Url {
         &self.base
     }

@@ -29,6 +29,8 @@ pub struct PlaneConfig {
     pub project_id: String,
     /// Base of links shown to people; the API host when `None`.
     pub web_url: Option<String>,
+    /// The project's identifier (`OPS` of `OPS-12`); read from the project once when `None`.
+    pub project_identifier: Option<String>,
     pub timeout: Duration,
 }
 
@@ -55,6 +57,7 @@ impl PlaneConfig {
             workspace_slug: workspace_slug.into(),
             project_id: project_id.into(),
             web_url: None,
+            project_identifier: None,
             timeout: DEFAULT_TIMEOUT,
         }
     }
@@ -140,7 +143,7 @@ impl PlaneClient {
             slug: config.workspace_slug.clone(),
             project_id: config.project_id.clone(),
             web_url,
-            identifier: OnceCell::new(),
+            identifier: OnceCell::new_with(config.project_identifier.clone().filter(|i| !i.is_empty())),
         })
     }
 

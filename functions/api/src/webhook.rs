@@ -64,10 +64,14 @@ fn signal_of(body: &[u8]) -> Result<Signal, String> {
     let alert: Alert = serde_json::from_slice(body).map_err(|e| format!("not a GlitchTip alert: {e}"))?;
     let first = alert.attachments.first().ok_or("the alert has no attachments")?;
     let link = first.title_link.trim();
-    let issue_id = link.trim_end_matches('/').rsplit('/').next().unwrap_or_default();
-    let id_ok = !issue_id.is_empty()
+    // `<GLITCHTIP_URL>/<org_slug>/issues/<issue_id>`; issue ids are numbers. Uptime alerts link a monitor and open
+    // nothing here.
+    let mut segments = link.trim_end_matches('/').rsplit('/');
+    let issue_id = segments.next().unwrap_or_default();
+    let id_ok = segments.next() == Some("issues")
+        && !issue_id.is_empty()
         && issue_id.len() <= MAX_ISSUE_ID
-        && issue_id.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_');
+        && issue_id.bytes().all(|c| c.is_ascii_digit());
     if !id_ok || !(link.starts_with("https://") || link.starts_with("http://")) || link.len() > loams_factory::MAX_ID {
         return Err("attachments[0].title_link is not a GlitchTip issue URL".into());
     }
@@ -196,6 +200,8 @@ mod tests {
         assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "https://gt/acme/issues/"}]}"#).is_err());
         assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "javascript:alert(1)/5"}]}"#).is_err());
         assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "https://gt/a/issues/1;rm"}]}"#).is_err());
+        assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "https://gt/a/monitors/12"}]}"#).is_err());
+        assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "https://gt/a/issues/12/"}]}"#).is_ok());
     }
 
     #[test]

@@ -387,9 +387,17 @@ async fn signed_decision_settles_the_approval_and_tells_the_run() {
         .await
         .unwrap();
     assert!(pending.approvals.is_empty());
-    // The same request under a new idempotency key replays a used challenge on a decided approval.
-    let replay = pa::DecideRequest { idempotency_key: "decide-2".into(), ..req };
-    assert_eq!(code(decide(&bob, &replay).await), Code::FailedPrecondition);
+    // The identical signed decision under a new idempotency key is recognised as the recorded one (it only
+    // re-tells the run, which drops the duplicate); any other decision on the settled approval is refused.
+    let replay = pa::DecideRequest { idempotency_key: "decide-2".into(), ..req.clone() };
+    assert_eq!(decide(&bob, &replay).await.unwrap().approval.unwrap().state, pa::ApprovalState::Approved as i32);
+    let mut other = pa::DecideRequest { idempotency_key: "decide-3".into(), ..req };
+    other.decision = pa::Decision::Deny as i32;
+    other.signature = k.sign(&SystemRandom::new(), b"deny").unwrap().as_ref().to_vec();
+    assert_eq!(code(decide(&bob, &other).await), Code::FailedPrecondition);
+    assert_eq!(code(get_challenge(&bob, "bob-phone").await), Code::FailedPrecondition);
+    let stored: Approval = serde_json::from_slice(&env.approval_item("acme").await.body).unwrap();
+    assert_eq!(stored.state, ApprovalState::Approved);
 }
 
 /// Each refusal: the expected error, and the approval and the queue exactly as before.
@@ -527,4 +535,33 @@ async fn glitchtip_webhook_opens_a_run_once() {
     }
     assert_eq!(env.webhook(HOOK_TOKEN, alert(43)).await.status(), 202);
     assert_eq!(env.opener.0.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn concurrent_decisions_over_one_challenge_settle_once() {
+    let env = start().await;
+    env.seed_run("acme", "waiting").await;
+    env.seed_approval("acme").await;
+    let bob = env.client("bob", "acme");
+    let k = key();
+    register(&bob, "bob-phone", &k).await.unwrap();
+    let a = signed_decide(&bob, &k, "bob-phone", "merge 7", "race-a").await;
+    // A second signature over the same bytes (ECDSA signatures differ each time): a distinct request, same challenge.
+    let bytes = loams_proto::canonical_decision_bytes(
+        AP,
+        &hex::decode(loams_factory::action_hash(&serde_json::from_slice::<Approval>(&env.approval_item("acme").await.body).unwrap().action)).unwrap(),
+        pa::Decision::Approve,
+        "bob-phone",
+        &a.challenge,
+        a.decided_at_ms,
+    );
+    let b = pa::DecideRequest {
+        signature: k.sign(&SystemRandom::new(), &bytes).unwrap().as_ref().to_vec(),
+        idempotency_key: "race-b".into(),
+        ..a.clone()
+    };
+    assert_ne!(a.signature, b.signature);
+    let (ra, rb) = tokio::join!(decide(&bob, &a), decide(&bob, &b));
+    assert_eq!(u8::from(ra.is_ok()) + u8::from(rb.is_ok()), 1, "exactly one decision passes: {ra:?} {rb:?}");
+    assert_eq!(env.queued().await.len(), 1);
 }

@@ -43,6 +43,8 @@ pub struct Scenario {
     pub phone: PhoneAnswer,
     /// Kill the first run (through the API) once it reaches this stage.
     pub kill_at_stage: Option<String>,
+    /// Force the sandbox GlitchTip to keep (`on`) or stop (`off`) producing events whatever production runs.
+    pub glitchtip_mode: Option<&'static str>,
     /// Give up after this long.
     pub deadline: Duration,
 }
@@ -64,6 +66,7 @@ impl Scenario {
             config,
             phone: PhoneAnswer::Approve,
             kill_at_stage: None,
+            glitchtip_mode: None,
             deadline: Duration::from_secs(120),
         }
     }
@@ -106,6 +109,16 @@ pub async fn run(data_dir: Option<PathBuf>) -> anyhow::Result<()> {
 pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Report> {
     let started = Instant::now();
     let sandbox = Sandbox::start(scenario.sandbox.clone()).await.context("starting the sandbox apps")?;
+    if let Some(mode) = scenario.glitchtip_mode {
+        let url = format!("{}/_sandbox/glitchtip/producing", sandbox.info().urls.glitchtip);
+        reqwest::Client::new()
+            .post(&url)
+            .json(&serde_json::json!({ "mode": mode }))
+            .send()
+            .await?
+            .error_for_status()
+            .context("switching GlitchTip production")?;
+    }
     let model = Arc::new(Replay::from_json_str(&scenario.cassette).context("reading the cassette")?);
     let config = &scenario.config;
     let stack = Stack::start(config, &sandbox_apps(&sandbox.info()), model).await?;

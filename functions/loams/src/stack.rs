@@ -182,6 +182,8 @@ fn agents(apps: &AppSettings) -> anyhow::Result<Vec<(&'static str, Arc<dyn Skill
         workspace_slug: apps.plane.workspace.clone(),
         project_id: apps.plane.project_id.clone(),
         web_url: None,
+        // Read from the project on first use.
+        project_identifier: None,
         timeout: APP_TIMEOUT,
     })?;
     let forgejo = ForgejoAgent::new(&ForgejoConfig {
@@ -189,6 +191,7 @@ fn agents(apps: &AppSettings) -> anyhow::Result<Vec<(&'static str, Arc<dyn Skill
         token: apps.forgejo.token.clone(),
         owner: apps.forgejo.owner.clone(),
         repo: apps.forgejo.repo.clone(),
+        base_branch: apps.forgejo.base.clone(),
         timeout: APP_TIMEOUT,
     })?;
     let glitchtip = GlitchTipAgent::new(&GlitchTipConfig {

@@ -65,12 +65,23 @@ mod tests {
     #[test]
     fn default_check_names_what_failed() {
         let check = CiCheck::default();
-        let broken: Tree = [("src/checkout.py".to_string(), "x = price * percent / 0\n".to_string())].into();
-        let fixed: Tree = [("src/checkout.py".to_string(), "x = price * percent / 100\n".to_string())].into();
+        let broken: Tree = [(
+            "src/checkout.py".to_string(),
+            "x = price * percent / 0\n".to_string(),
+        )]
+        .into();
+        let fixed: Tree = [(
+            "src/checkout.py".to_string(),
+            "x = price * percent / 100\n".to_string(),
+        )]
+        .into();
         let f = check.failures(&broken);
         assert_eq!(f.len(), 2);
         assert!(f[0].contains("percent / 100") && f[1].contains("must not contain"));
         assert!(check.failures(&fixed).is_empty());
-        assert_eq!(check.failures(&Tree::new()), vec!["src/checkout.py: file is missing".to_string()]);
+        assert_eq!(
+            check.failures(&Tree::new()),
+            vec!["src/checkout.py: file is missing".to_string()]
+        );
     }
 }

@@ -42,7 +42,9 @@ pub(crate) fn counts(st: &State, now: i64) -> Counts {
 }
 
 pub(crate) fn router() -> Router<Arc<Shared>> {
-    Router::new().route("/_sandbox/state", get(state)).route("/_sandbox/glitchtip/producing", post(producing))
+    Router::new()
+        .route("/_sandbox/state", get(state))
+        .route("/_sandbox/glitchtip/producing", post(producing))
 }
 
 async fn state(AxState(shared): AxState<Arc<Shared>>) -> Json<Counts> {
@@ -55,16 +57,30 @@ struct ProducingBody {
     mode: ProducingMode,
 }
 
-async fn producing(AxState(shared): AxState<Arc<Shared>>, body: Result<Json<ProducingBody>, axum::extract::rejection::JsonRejection>) -> Response {
+async fn producing(
+    AxState(shared): AxState<Arc<Shared>>,
+    body: Result<Json<ProducingBody>, axum::extract::rejection::JsonRejection>,
+) -> Response {
     let Json(body) = match body {
         Ok(b) => b,
-        Err(e) => return (StatusCode::BAD_REQUEST, Json(serde_json::json!({"error": e.body_text()}))).into_response(),
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(serde_json::json!({"error": e.body_text()})),
+            )
+                .into_response();
+        }
     };
     let mut st = shared.lock();
     st.glitchtip.mode = body.mode;
     st.reconcile_production(&shared.config, util::now_ms());
     if let Err(e) = shared.persist(&st) {
-        return (StatusCode::INTERNAL_SERVER_ERROR, Json(serde_json::json!({"error": e.to_string()}))).into_response();
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(serde_json::json!({"error": e.to_string()})),
+        )
+            .into_response();
     }
-    Json(serde_json::json!({"mode": body.mode, "producing": st.glitchtip.producing()})).into_response()
+    Json(serde_json::json!({"mode": body.mode, "producing": st.glitchtip.producing()}))
+        .into_response()
 }

@@ -57,7 +57,11 @@ pub(crate) struct StatusRecord {
 
 impl StatusRecord {
     fn view(&self, now: i64) -> (&str, &str) {
-        if now < self.settle_ms { ("pending", "CI is running") } else { (&self.outcome, &self.description) }
+        if now < self.settle_ms {
+            ("pending", "CI is running")
+        } else {
+            (&self.outcome, &self.description)
+        }
     }
 }
 
@@ -72,7 +76,13 @@ pub(crate) struct ForgejoState {
 impl ForgejoState {
     pub fn seed(seed: &RepoSeed, now: i64) -> Self {
         ForgejoState {
-            repo: Repo::seed(&seed.owner, &seed.name, &seed.default_branch, &seed.files, now),
+            repo: Repo::seed(
+                &seed.owner,
+                &seed.name,
+                &seed.default_branch,
+                &seed.files,
+                now,
+            ),
             pulls: Vec::new(),
             statuses: Vec::new(),
             merges: 0,
@@ -85,7 +95,10 @@ impl ForgejoState {
         {
             return sha.clone();
         }
-        p.frozen_head.clone().or_else(|| self.repo.branches.get(&p.head).cloned()).unwrap_or_default()
+        p.frozen_head
+            .clone()
+            .or_else(|| self.repo.branches.get(&p.head).cloned())
+            .unwrap_or_default()
     }
 }
 
@@ -96,7 +109,9 @@ impl AppState {
             self.reconcile_production(config, now);
             return;
         }
-        let Some(commit) = self.forgejo.repo.commits.get(sha) else { return };
+        let Some(commit) = self.forgejo.repo.commits.get(sha) else {
+            return;
+        };
         let failures = config.ci.failures(&commit.tree);
         let (outcome, description) = if failures.is_empty() {
             ("success", "all checks passed".to_string())
@@ -120,18 +135,34 @@ pub(crate) fn router() -> Router<Arc<Shared>> {
     let base = "/api/v1/repos/{owner}/{repo}";
     Router::new()
         .route(&format!("{base}/branches"), post(create_branch))
-        .route(&format!("{base}/branches/{{*branch}}"), get(get_branch).delete(delete_branch))
+        .route(
+            &format!("{base}/branches/{{*branch}}"),
+            get(get_branch).delete(delete_branch),
+        )
         .route(&format!("{base}/contents"), post(change_files))
         .route(&format!("{base}/contents/{{*filepath}}"), get(get_contents))
         .route(&format!("{base}/pulls"), get(list_pulls).post(create_pull))
-        .route(&format!("{base}/pulls/{{index}}"), get(get_pull).patch(edit_pull))
-        .route(&format!("{base}/pulls/{{index}}/merge"), get(is_merged).post(merge_pull))
-        .route(&format!("{base}/commits/{{reference}}/status"), get(combined_status))
+        .route(
+            &format!("{base}/pulls/{{index}}"),
+            get(get_pull).patch(edit_pull),
+        )
+        .route(
+            &format!("{base}/pulls/{{index}}/merge"),
+            get(is_merged).post(merge_pull),
+        )
+        .route(
+            &format!("{base}/commits/{{reference}}/status"),
+            get(combined_status),
+        )
         .route(&format!("{base}/git/commits/{{sha}}"), get(commit_diff))
 }
 
 fn api_error(status: StatusCode, message: &str) -> Response {
-    (status, Json(json!({"message": message, "url": "/api/swagger"}))).into_response()
+    (
+        status,
+        Json(json!({"message": message, "url": "/api/swagger"})),
+    )
+        .into_response()
 }
 
 fn not_found() -> Response {
@@ -141,7 +172,11 @@ fn not_found() -> Response {
 
 /// A body too large keeps its 413; any other unreadable body is Forgejo's 422.
 fn rejected(e: &JsonRejection) -> Response {
-    let status = if e.status() == StatusCode::PAYLOAD_TOO_LARGE { e.status() } else { StatusCode::UNPROCESSABLE_ENTITY };
+    let status = if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        e.status()
+    } else {
+        StatusCode::UNPROCESSABLE_ENTITY
+    };
     api_error(status, &e.body_text())
 }
 
@@ -150,19 +185,28 @@ fn unprocessable(message: &str) -> Response {
 }
 
 fn persist_or_500(shared: &Shared, st: &AppState) -> Result<(), Response> {
-    shared.persist(st).map_err(|e| api_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()))
+    shared
+        .persist(st)
+        .map_err(|e| api_error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()))
 }
 
 /// Token auth first, then the repository must be the seeded one (names are case-insensitive, as in Forgejo).
 fn check(shared: &Shared, headers: &HeaderMap, owner: &str, repo: &str) -> Result<(), Response> {
-    let token = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
-        let (scheme, rest) = v.split_once(' ')?;
-        (scheme.eq_ignore_ascii_case("token") || scheme.eq_ignore_ascii_case("bearer")).then(|| rest.trim())
-    });
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, rest) = v.split_once(' ')?;
+            (scheme.eq_ignore_ascii_case("token") || scheme.eq_ignore_ascii_case("bearer"))
+                .then(|| rest.trim())
+        });
     match token {
         None => return Err(api_error(StatusCode::UNAUTHORIZED, "token is required")),
         Some(t) if t != shared.config.tokens.forgejo_token => {
-            return Err(api_error(StatusCode::UNAUTHORIZED, "user does not exist [uid: 0, name: ]"));
+            return Err(api_error(
+                StatusCode::UNAUTHORIZED,
+                "user does not exist [uid: 0, name: ]",
+            ));
         }
         Some(_) => {}
     }
@@ -207,11 +251,17 @@ fn repo_json(shared: &Shared, repo: &Repo) -> Value {
 }
 
 fn repo_url(shared: &Shared) -> String {
-    format!("{}/{}/{}", shared.urls.forgejo, shared.config.repo.owner, shared.config.repo.name)
+    format!(
+        "{}/{}/{}",
+        shared.urls.forgejo, shared.config.repo.owner, shared.config.repo.name
+    )
 }
 
 fn api_repo_url(shared: &Shared) -> String {
-    format!("{}/api/v1/repos/{}/{}", shared.urls.forgejo, shared.config.repo.owner, shared.config.repo.name)
+    format!(
+        "{}/api/v1/repos/{}/{}",
+        shared.urls.forgejo, shared.config.repo.owner, shared.config.repo.name
+    )
 }
 
 fn payload_commit(shared: &Shared, c: &Commit, parent: Option<&Tree>) -> Value {
@@ -219,7 +269,12 @@ fn payload_commit(shared: &Shared, c: &Commit, parent: Option<&Tree>) -> Value {
     let old = parent.unwrap_or(&empty);
     let added: Vec<&String> = c.tree.keys().filter(|p| !old.contains_key(*p)).collect();
     let removed: Vec<&String> = old.keys().filter(|p| !c.tree.contains_key(*p)).collect();
-    let modified: Vec<&String> = c.tree.iter().filter(|(p, v)| old.get(*p).is_some_and(|o| o != *v)).map(|(p, _)| p).collect();
+    let modified: Vec<&String> = c
+        .tree
+        .iter()
+        .filter(|(p, v)| old.get(*p).is_some_and(|o| o != *v))
+        .map(|(p, _)| p)
+        .collect();
     let who = json!({"name": "Loams", "email": shared.config.tokens.zulip_email, "username": "loams-bot"});
     json!({
         "id": c.sha,
@@ -236,7 +291,11 @@ fn payload_commit(shared: &Shared, c: &Commit, parent: Option<&Tree>) -> Value {
 }
 
 fn branch_json(shared: &Shared, repo: &Repo, name: &str, c: &Commit) -> Value {
-    let parent = c.parent.as_ref().and_then(|p| repo.commits.get(p)).map(|p| &p.tree);
+    let parent = c
+        .parent
+        .as_ref()
+        .and_then(|p| repo.commits.get(p))
+        .map(|p| &p.tree);
     json!({
         "name": name,
         "commit": payload_commit(shared, c, parent),
@@ -258,7 +317,9 @@ fn valid_branch_name(name: &str) -> bool {
         && !name.contains("..")
         && !name.contains("//")
         && !name.contains("@{")
-        && !name.chars().any(|c| c.is_control() || " ~^:?*[\\".contains(c))
+        && !name
+            .chars()
+            .any(|c| c.is_control() || " ~^:?*[\\".contains(c))
         && !name.ends_with(".lock")
 }
 
@@ -289,10 +350,16 @@ async fn create_branch(
         return unprocessable(&format!("[NewBranchName]: invalid branch name {name:?}"));
     }
     let mut st = shared.lock();
-    let from = body.old_ref_name.or(body.old_branch_name).unwrap_or_else(|| st.forgejo.repo.default_branch.clone());
+    let from = body
+        .old_ref_name
+        .or(body.old_branch_name)
+        .unwrap_or_else(|| st.forgejo.repo.default_branch.clone());
     let from = from.strip_prefix("refs/heads/").unwrap_or(&from).to_owned();
     let Some(sha) = st.forgejo.repo.resolve(&from).map(|c| c.sha.clone()) else {
-        return api_error(StatusCode::NOT_FOUND, &format!("The old branch does not exist: {from}"));
+        return api_error(
+            StatusCode::NOT_FOUND,
+            &format!("The old branch does not exist: {from}"),
+        );
     };
     if st.forgejo.repo.branches.contains_key(&name) {
         return api_error(StatusCode::CONFLICT, "The branch already exists.");
@@ -303,7 +370,11 @@ async fn create_branch(
     }
     let repo = &st.forgejo.repo;
     match repo.commits.get(&sha) {
-        Some(c) => (StatusCode::CREATED, Json(branch_json(&shared, repo, &name, c))).into_response(),
+        Some(c) => (
+            StatusCode::CREATED,
+            Json(branch_json(&shared, repo, &name, c)),
+        )
+            .into_response(),
         None => not_found(),
     }
 }
@@ -320,7 +391,10 @@ async fn get_branch(
     let repo = &st.forgejo.repo;
     match repo.head(&branch) {
         Some(c) => Json(branch_json(&shared, repo, &branch, c)).into_response(),
-        None => api_error(StatusCode::NOT_FOUND, &format!("branch does not exist [name: {branch}]")),
+        None => api_error(
+            StatusCode::NOT_FOUND,
+            &format!("branch does not exist [name: {branch}]"),
+        ),
     }
 }
 
@@ -339,7 +413,10 @@ async fn delete_branch(
     // An open PR keeps pointing at the last head of its branch.
     let head = st.forgejo.repo.branches.get(&branch).cloned();
     let Some(head) = head else {
-        return api_error(StatusCode::NOT_FOUND, &format!("branch does not exist [name: {branch}]"));
+        return api_error(
+            StatusCode::NOT_FOUND,
+            &format!("branch does not exist [name: {branch}]"),
+        );
     };
     for p in st.forgejo.pulls.iter_mut().filter(|p| p.head == branch) {
         p.frozen_head.get_or_insert(head.clone());
@@ -351,7 +428,13 @@ async fn delete_branch(
     StatusCode::NO_CONTENT.into_response()
 }
 
-fn contents_json(shared: &Shared, path: &str, content: &str, reference: &str, last_commit: &str) -> Value {
+fn contents_json(
+    shared: &Shared,
+    path: &str,
+    content: &str,
+    reference: &str,
+    last_commit: &str,
+) -> Value {
     let sha = git::blob_sha(content);
     let name = path.rsplit('/').next().unwrap_or(path);
     let url = format!("{}/contents/{path}?ref={reference}", api_repo_url(shared));
@@ -388,19 +471,36 @@ async fn get_contents(
     }
     let st = shared.lock();
     let repo = &st.forgejo.repo;
-    let reference = q.get("ref").cloned().unwrap_or_else(|| repo.default_branch.clone());
+    let reference = q
+        .get("ref")
+        .cloned()
+        .unwrap_or_else(|| repo.default_branch.clone());
     let Some(commit) = repo.resolve(&reference) else {
-        return api_error(StatusCode::NOT_FOUND, &format!("object does not exist [id: {reference}, rel_path: ]"));
+        return api_error(
+            StatusCode::NOT_FOUND,
+            &format!("object does not exist [id: {reference}, rel_path: ]"),
+        );
     };
     let path = filepath.trim_matches('/');
     if let Some(content) = commit.tree.get(path) {
-        return Json(contents_json(&shared, path, content, &reference, &commit.sha)).into_response();
+        return Json(contents_json(
+            &shared,
+            path,
+            content,
+            &reference,
+            &commit.sha,
+        ))
+        .into_response();
     }
     // a directory: list its direct children, as Forgejo does
     let prefix = format!("{path}/");
     let mut entries: Vec<Value> = Vec::new();
     let mut dirs = std::collections::BTreeSet::new();
-    for (p, content) in commit.tree.range(prefix.clone()..).take_while(|(p, _)| p.starts_with(&prefix)) {
+    for (p, content) in commit
+        .tree
+        .range(prefix.clone()..)
+        .take_while(|(p, _)| p.starts_with(&prefix))
+    {
         let rest = &p[prefix.len()..];
         match rest.split_once('/') {
             Some((dir, _)) => {
@@ -417,11 +517,19 @@ async fn get_contents(
         }
     }
     for dir in dirs {
-        entries.push(json!({"name": dir, "path": format!("{prefix}{dir}"), "type": "dir", "size": 0,
-                            "last_commit_sha": commit.sha, "content": null, "encoding": null}));
+        entries.push(
+            json!({"name": dir, "path": format!("{prefix}{dir}"), "type": "dir", "size": 0,
+                            "last_commit_sha": commit.sha, "content": null, "encoding": null}),
+        );
     }
     if entries.is_empty() {
-        return api_error(StatusCode::NOT_FOUND, &format!("object does not exist [id: {}, rel_path: {path}]", commit.sha));
+        return api_error(
+            StatusCode::NOT_FOUND,
+            &format!(
+                "object does not exist [id: {}, rel_path: {path}]",
+                commit.sha
+            ),
+        );
     }
     Json(entries).into_response()
 }
@@ -447,7 +555,8 @@ fn valid_path(p: &str) -> bool {
     !p.is_empty()
         && p.len() <= MAX_PATH_CHARS
         && !p.starts_with('/')
-        && p.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != ".." && seg != ".git")
+        && p.split('/')
+            .all(|seg| !seg.is_empty() && seg != "." && seg != ".." && seg != ".git")
 }
 
 /// Applies the operations to `tree` or says why not (status + message).
@@ -455,19 +564,33 @@ fn apply_ops(tree: &mut Tree, files: &[ChangeFileOperation]) -> Result<(), (Stat
     let unprocessable = |m: String| Err((StatusCode::UNPROCESSABLE_ENTITY, m));
     for f in files {
         if !valid_path(&f.path) {
-            return unprocessable(format!("path contains a malformed path component [path: {}]", f.path));
+            return unprocessable(format!(
+                "path contains a malformed path component [path: {}]",
+                f.path
+            ));
         }
         let decode = |c: &Option<String>| -> Result<String, (StatusCode, String)> {
             let raw = base64::engine::general_purpose::STANDARD
                 .decode(c.as_deref().unwrap_or("").trim())
-                .map_err(|e| (StatusCode::UNPROCESSABLE_ENTITY, format!("invalid base64 content: {e}")))?;
+                .map_err(|e| {
+                    (
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        format!("invalid base64 content: {e}"),
+                    )
+                })?;
             String::from_utf8(raw).map_err(|_| {
-                (StatusCode::UNPROCESSABLE_ENTITY, "the sandbox stores UTF-8 text files only".to_string())
+                (
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "the sandbox stores UTF-8 text files only".to_string(),
+                )
             })
         };
         let check_sha = |path: &str, tree: &Tree| -> Result<(), (StatusCode, String)> {
             let Some(current) = tree.get(path) else {
-                return Err((StatusCode::NOT_FOUND, format!("repository file does not exist [path: {path}]")));
+                return Err((
+                    StatusCode::NOT_FOUND,
+                    format!("repository file does not exist [path: {path}]"),
+                ));
             };
             let expected = git::blob_sha(current);
             match f.sha.as_deref() {
@@ -482,21 +605,33 @@ fn apply_ops(tree: &mut Tree, files: &[ChangeFileOperation]) -> Result<(), (Stat
         match f.operation.as_str() {
             "create" => {
                 if tree.contains_key(&f.path) {
-                    return unprocessable(format!("repository file already exists [path: {}]", f.path));
+                    return unprocessable(format!(
+                        "repository file already exists [path: {}]",
+                        f.path
+                    ));
                 }
                 let content = decode(&f.content)?;
                 tree.insert(f.path.clone(), content);
             }
             "update" => {
-                let from = f.from_path.clone().filter(|p| !p.is_empty()).unwrap_or_else(|| f.path.clone());
+                let from = f
+                    .from_path
+                    .clone()
+                    .filter(|p| !p.is_empty())
+                    .unwrap_or_else(|| f.path.clone());
                 if !valid_path(&from) {
-                    return unprocessable(format!("path contains a malformed path component [path: {from}]"));
+                    return unprocessable(format!(
+                        "path contains a malformed path component [path: {from}]"
+                    ));
                 }
                 check_sha(&from, tree)?;
                 let content = decode(&f.content)?;
                 if from != f.path {
                     if tree.contains_key(&f.path) {
-                        return unprocessable(format!("repository file already exists [path: {}]", f.path));
+                        return unprocessable(format!(
+                            "repository file already exists [path: {}]",
+                            f.path
+                        ));
                     }
                     tree.remove(&from);
                 }
@@ -526,19 +661,29 @@ async fn change_files(
         Err(e) => return rejected(&e),
     };
     if body.files.is_empty() || body.files.len() > MAX_FILES_PER_COMMIT {
-        return unprocessable(&format!("[Files]: between 1 and {MAX_FILES_PER_COMMIT} files"));
+        return unprocessable(&format!(
+            "[Files]: between 1 and {MAX_FILES_PER_COMMIT} files"
+        ));
     }
     let now = util::now_ms();
     let mut st = shared.lock();
-    let from = body.branch.filter(|b| !b.is_empty()).unwrap_or_else(|| st.forgejo.repo.default_branch.clone());
+    let from = body
+        .branch
+        .filter(|b| !b.is_empty())
+        .unwrap_or_else(|| st.forgejo.repo.default_branch.clone());
     let Some(parent) = st.forgejo.repo.head(&from).cloned() else {
-        return api_error(StatusCode::NOT_FOUND, &format!("branch does not exist [name: {from}]"));
+        return api_error(
+            StatusCode::NOT_FOUND,
+            &format!("branch does not exist [name: {from}]"),
+        );
     };
     let target = match body.new_branch.filter(|b| !b.is_empty()) {
         Some(nb) if st.forgejo.repo.branches.contains_key(&nb) => {
             return unprocessable(&format!("branch already exists [name: {nb}]"));
         }
-        Some(nb) if !valid_branch_name(&nb) => return unprocessable(&format!("invalid branch name {nb:?}")),
+        Some(nb) if !valid_branch_name(&nb) => {
+            return unprocessable(&format!("invalid branch name {nb:?}"));
+        }
         Some(nb) => nb,
         None => from.clone(),
     };
@@ -546,17 +691,25 @@ async fn change_files(
     if let Err((status, message)) = apply_ops(&mut tree, &body.files) {
         return api_error(status, &message);
     }
-    let message = body.message.filter(|m| !m.trim().is_empty()).unwrap_or_else(|| {
-        let paths: Vec<&str> = body.files.iter().map(|f| f.path.as_str()).collect();
-        format!("Update {}", paths.join(", "))
-    });
-    let sha = st.forgejo.repo.add_commit(Some(&parent.sha), tree, &message, now);
+    let message = body
+        .message
+        .filter(|m| !m.trim().is_empty())
+        .unwrap_or_else(|| {
+            let paths: Vec<&str> = body.files.iter().map(|f| f.path.as_str()).collect();
+            format!("Update {}", paths.join(", "))
+        });
+    let sha = st
+        .forgejo
+        .repo
+        .add_commit(Some(&parent.sha), tree, &message, now);
     st.forgejo.repo.branches.insert(target.clone(), sha.clone());
     st.after_commit(&shared.config, &target, &sha, now);
     if let Err(r) = persist_or_500(&shared, &st) {
         return r;
     }
-    let Some(commit) = st.forgejo.repo.commits.get(&sha) else { return not_found() };
+    let Some(commit) = st.forgejo.repo.commits.get(&sha) else {
+        return not_found();
+    };
     let files: Vec<Value> = body
         .files
         .iter()
@@ -595,10 +748,19 @@ fn pull_json(shared: &Shared, st: &ForgejoState, p: &Pull) -> Value {
     let head_tree = st.repo.commits.get(&head_sha).map(|c| &c.tree);
     let base_tree = st.repo.commits.get(&base_sha).map(|c| &c.tree);
     let changed = match (head_tree, base_tree) {
-        (Some(h), Some(b)) => h.keys().chain(b.keys()).collect::<std::collections::BTreeSet<_>>().into_iter().filter(|k| h.get(*k) != b.get(*k)).count(),
+        (Some(h), Some(b)) => h
+            .keys()
+            .chain(b.keys())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .filter(|k| h.get(*k) != b.get(*k))
+            .count(),
         _ => 0,
     };
-    let mergeable = p.open && !p.merged && st.repo.branches.contains_key(&p.head) && st.repo.branches.contains_key(&p.base);
+    let mergeable = p.open
+        && !p.merged
+        && st.repo.branches.contains_key(&p.head)
+        && st.repo.branches.contains_key(&p.base);
     let html = format!("{}/pulls/{}", repo_url(shared), p.number);
     json!({
         "id": p.number,
@@ -669,7 +831,9 @@ async fn create_pull(
         Ok(Json(b)) => b,
         Err(e) => return rejected(&e),
     };
-    let Some(title) = body.title.filter(|t| !t.trim().is_empty()) else { return unprocessable("[Title]: Required") };
+    let Some(title) = body.title.filter(|t| !t.trim().is_empty()) else {
+        return unprocessable("[Title]: Required");
+    };
     if title.chars().count() > MAX_TITLE_CHARS {
         return unprocessable("[Title]: MaxSize");
     }
@@ -677,7 +841,9 @@ async fn create_pull(
     if text.len() > MAX_PR_BODY_BYTES {
         return unprocessable("[Body]: too long");
     }
-    let (Some(head), Some(base)) = (body.head, body.base) else { return unprocessable("[Head] and [Base] are required") };
+    let (Some(head), Some(base)) = (body.head, body.base) else {
+        return unprocessable("[Head] and [Base] are required");
+    };
     // `owner:branch` names the head repository; there is only one here
     let head = match head.split_once(':') {
         Some((o, b)) if o.eq_ignore_ascii_case(&shared.config.repo.owner) => b.to_owned(),
@@ -690,9 +856,16 @@ async fn create_pull(
         return not_found();
     };
     if head == base || h.tree == b.tree {
-        return unprocessable("Invalid PullRequest: There are no changes between the head and the base");
+        return unprocessable(
+            "Invalid PullRequest: There are no changes between the head and the base",
+        );
     }
-    if let Some(p) = st.forgejo.pulls.iter().find(|p| p.open && p.head == head && p.base == base) {
+    if let Some(p) = st
+        .forgejo
+        .pulls
+        .iter()
+        .find(|p| p.open && p.head == head && p.base == base)
+    {
         return api_error(
             StatusCode::CONFLICT,
             &format!(
@@ -737,14 +910,31 @@ async fn list_pulls(
     if !["open", "closed", "all"].contains(&state) {
         return unprocessable("[State]: must be open, closed or all");
     }
-    let page = q.get("page").and_then(|p| p.parse::<usize>().ok()).unwrap_or(1).max(1);
-    let limit = q.get("limit").and_then(|p| p.parse::<usize>().ok()).unwrap_or(DEFAULT_PAGE_LIMIT).clamp(1, MAX_PAGE_LIMIT);
+    let page = q
+        .get("page")
+        .and_then(|p| p.parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1);
+    let limit = q
+        .get("limit")
+        .and_then(|p| p.parse::<usize>().ok())
+        .unwrap_or(DEFAULT_PAGE_LIMIT)
+        .clamp(1, MAX_PAGE_LIMIT);
     let st = shared.lock();
-    let matching: Vec<&Pull> =
-        st.forgejo.pulls.iter().rev().filter(|p| state == "all" || p.open == (state == "open")).collect();
+    let matching: Vec<&Pull> = st
+        .forgejo
+        .pulls
+        .iter()
+        .rev()
+        .filter(|p| state == "all" || p.open == (state == "open"))
+        .collect();
     let total = matching.len();
-    let out: Vec<Value> =
-        matching.into_iter().skip((page - 1) * limit).take(limit).map(|p| pull_json(&shared, &st.forgejo, p)).collect();
+    let out: Vec<Value> = matching
+        .into_iter()
+        .skip((page - 1) * limit)
+        .take(limit)
+        .map(|p| pull_json(&shared, &st.forgejo, p))
+        .collect();
     let mut resp = Json(out).into_response();
     resp.headers_mut().insert("x-total-count", total.into());
     resp
@@ -792,13 +982,19 @@ async fn edit_pull(
     };
     let now = util::now_ms();
     let mut st = shared.lock();
-    let Some(i) = find_pull(&st.forgejo, &index) else { return not_found() };
+    let Some(i) = find_pull(&st.forgejo, &index) else {
+        return not_found();
+    };
     if let Some(t) = &body.title
         && (t.trim().is_empty() || t.chars().count() > MAX_TITLE_CHARS)
     {
         return unprocessable("[Title]: Required, at most 255 characters");
     }
-    if body.body.as_ref().is_some_and(|b| b.len() > MAX_PR_BODY_BYTES) {
+    if body
+        .body
+        .as_ref()
+        .is_some_and(|b| b.len() > MAX_PR_BODY_BYTES)
+    {
         return unprocessable("[Body]: too long");
     }
     let head_now = st.forgejo.pull_head(&st.forgejo.pulls[i]);
@@ -816,10 +1012,21 @@ async fn edit_pull(
                 return api_error(StatusCode::CONFLICT, "cannot reopen a merged pull request");
             }
             if !st.forgejo.repo.branches.contains_key(&p.head) {
-                return api_error(StatusCode::CONFLICT, "cannot reopen: the head branch no longer exists");
+                return api_error(
+                    StatusCode::CONFLICT,
+                    "cannot reopen: the head branch no longer exists",
+                );
             }
-            if st.forgejo.pulls.iter().any(|o| o.open && o.head == p.head && o.base == p.base) {
-                return api_error(StatusCode::CONFLICT, "pull request already exists for these targets");
+            if st
+                .forgejo
+                .pulls
+                .iter()
+                .any(|o| o.open && o.head == p.head && o.base == p.base)
+            {
+                return api_error(
+                    StatusCode::CONFLICT,
+                    "pull request already exists for these targets",
+                );
             }
             let pull = &mut st.forgejo.pulls[i];
             pull.open = true;
@@ -841,7 +1048,11 @@ async fn edit_pull(
         return r;
     }
     // the spec gives 201 for a successful edit
-    (StatusCode::CREATED, Json(pull_json(&shared, &st.forgejo, &st.forgejo.pulls[i]))).into_response()
+    (
+        StatusCode::CREATED,
+        Json(pull_json(&shared, &st.forgejo, &st.forgejo.pulls[i])),
+    )
+        .into_response()
 }
 
 async fn is_merged(
@@ -859,7 +1070,14 @@ async fn is_merged(
     }
 }
 
-const MERGE_STYLES: [&str; 6] = ["merge", "rebase", "rebase-merge", "squash", "fast-forward-only", "manually-merged"];
+const MERGE_STYLES: [&str; 6] = [
+    "merge",
+    "rebase",
+    "rebase-merge",
+    "squash",
+    "fast-forward-only",
+    "manually-merged",
+];
 
 #[derive(Deserialize)]
 struct MergePullRequestOption {
@@ -889,11 +1107,17 @@ async fn merge_pull(
     };
     match body.action.as_deref() {
         Some(a) if MERGE_STYLES.contains(&a) => {}
-        _ => return unprocessable("[Do]: Required, one of merge, rebase, rebase-merge, squash, fast-forward-only, manually-merged"),
+        _ => {
+            return unprocessable(
+                "[Do]: Required, one of merge, rebase, rebase-merge, squash, fast-forward-only, manually-merged",
+            );
+        }
     }
     let now = util::now_ms();
     let mut st = shared.lock();
-    let Some(i) = find_pull(&st.forgejo, &index) else { return not_found() };
+    let Some(i) = find_pull(&st.forgejo, &index) else {
+        return not_found();
+    };
     let p = st.forgejo.pulls[i].clone();
     if p.merged {
         return api_error(StatusCode::METHOD_NOT_ALLOWED, "The PR is already merged");
@@ -902,26 +1126,46 @@ async fn merge_pull(
         return not_found();
     }
     if is_wip(&p.title) {
-        return api_error(StatusCode::METHOD_NOT_ALLOWED, "The PR is a work in progress and cannot be merged");
+        return api_error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "The PR is a work in progress and cannot be merged",
+        );
     }
-    let (Some(head), Some(base)) = (st.forgejo.repo.head(&p.head).cloned(), st.forgejo.repo.head(&p.base).cloned())
-    else {
-        return api_error(StatusCode::METHOD_NOT_ALLOWED, "Please try again later: the pull request is not mergeable");
+    let (Some(head), Some(base)) = (
+        st.forgejo.repo.head(&p.head).cloned(),
+        st.forgejo.repo.head(&p.base).cloned(),
+    ) else {
+        return api_error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "Please try again later: the pull request is not mergeable",
+        );
     };
     if let Some(expected) = body.head_commit_id.filter(|h| !h.is_empty())
         && expected != head.sha
     {
-        return api_error(StatusCode::CONFLICT, "head commit of the pull request has changed");
+        return api_error(
+            StatusCode::CONFLICT,
+            "head commit of the pull request has changed",
+        );
     }
-    let message = match (body.title.filter(|t| !t.is_empty()), body.message.filter(|m| !m.is_empty())) {
+    let message = match (
+        body.title.filter(|t| !t.is_empty()),
+        body.message.filter(|m| !m.is_empty()),
+    ) {
         (Some(t), Some(m)) => format!("{t}\n\n{m}"),
         (Some(t), None) => t,
         (None, m) => {
-            let t = format!("Merge pull request '{}' (#{}) from {} into {}", p.title, p.number, p.head, p.base);
+            let t = format!(
+                "Merge pull request '{}' (#{}) from {} into {}",
+                p.title, p.number, p.head, p.base
+            );
             m.map_or(t.clone(), |m| format!("{t}\n\n{m}"))
         }
     };
-    let sha = st.forgejo.repo.add_commit(Some(&base.sha), head.tree.clone(), &message, now);
+    let sha = st
+        .forgejo
+        .repo
+        .add_commit(Some(&base.sha), head.tree.clone(), &message, now);
     st.forgejo.repo.branches.insert(p.base.clone(), sha.clone());
     if body.delete_branch_after_merge == Some(true) {
         st.forgejo.repo.branches.remove(&p.head);
@@ -955,12 +1199,21 @@ async fn combined_status(
     let now = util::now_ms();
     let st = shared.lock();
     let Some(commit) = st.forgejo.repo.resolve(&reference) else {
-        return api_error(StatusCode::NOT_FOUND, &format!("object does not exist [id: {reference}, rel_path: ]"));
+        return api_error(
+            StatusCode::NOT_FOUND,
+            &format!("object does not exist [id: {reference}, rel_path: ]"),
+        );
     };
     let api = api_repo_url(&shared);
     // newest status per context, as Forgejo combines them
     let mut latest: Vec<&StatusRecord> = Vec::new();
-    for s in st.forgejo.statuses.iter().rev().filter(|s| s.sha == commit.sha) {
+    for s in st
+        .forgejo
+        .statuses
+        .iter()
+        .rev()
+        .filter(|s| s.sha == commit.sha)
+    {
         if !latest.iter().any(|l| l.context == s.context) {
             latest.push(s);
         }
@@ -1009,14 +1262,24 @@ async fn commit_diff(
         return r;
     }
     // only the `.diff` form of this route is served
-    let Some(sha) = sha.strip_suffix(".diff") else { return not_found() };
+    let Some(sha) = sha.strip_suffix(".diff") else {
+        return not_found();
+    };
     let st = shared.lock();
     let repo = &st.forgejo.repo;
-    let Some(commit) = repo.commits.get(sha).or_else(|| repo.resolve(sha).filter(|c| c.sha.starts_with(sha))) else {
+    let Some(commit) = repo
+        .commits
+        .get(sha)
+        .or_else(|| repo.resolve(sha).filter(|c| c.sha.starts_with(sha)))
+    else {
         return not_found();
     };
     let empty = Tree::new();
-    let parent = commit.parent.as_ref().and_then(|p| repo.commits.get(p)).map_or(&empty, |c| &c.tree);
+    let parent = commit
+        .parent
+        .as_ref()
+        .and_then(|p| repo.commits.get(p))
+        .map_or(&empty, |c| &c.tree);
     let text = git::diff(parent, &commit.tree);
     Response::builder()
         .status(StatusCode::OK)

@@ -58,7 +58,13 @@ impl Repo {
 
     /// Stores a commit and returns its id. The id covers parent, tree, message and time, so two commits with the
     /// same content at different times differ, as in git.
-    pub fn add_commit(&mut self, parent: Option<&str>, tree: Tree, message: &str, now_ms: i64) -> String {
+    pub fn add_commit(
+        &mut self,
+        parent: Option<&str>,
+        tree: Tree,
+        message: &str,
+        now_ms: i64,
+    ) -> String {
         let encoded = format!(
             "tree {}\nparent {}\ntime {now_ms}\n\n{message}",
             tree_sha(&tree),
@@ -67,7 +73,13 @@ impl Repo {
         let sha = sha1_hex(encoded.as_bytes());
         self.commits.insert(
             sha.clone(),
-            Commit { sha: sha.clone(), parent: parent.map(str::to_owned), tree, message: message.into(), time_ms: now_ms },
+            Commit {
+                sha: sha.clone(),
+                parent: parent.map(str::to_owned),
+                tree,
+                message: message.into(),
+                time_ms: now_ms,
+            },
         );
         sha
     }
@@ -81,7 +93,10 @@ impl Repo {
             return Some(c);
         }
         if reference.len() >= 7 && reference.bytes().all(|b| b.is_ascii_hexdigit()) {
-            let mut hits = self.commits.range(reference.to_owned()..).take_while(|(k, _)| k.starts_with(reference));
+            let mut hits = self
+                .commits
+                .range(reference.to_owned()..)
+                .take_while(|(k, _)| k.starts_with(reference));
             let first = hits.next()?;
             if hits.next().is_none() {
                 return Some(first.1);
@@ -91,7 +106,9 @@ impl Repo {
     }
 
     pub fn head(&self, branch: &str) -> Option<&Commit> {
-        self.branches.get(branch).and_then(|sha| self.commits.get(sha))
+        self.branches
+            .get(branch)
+            .and_then(|sha| self.commits.get(sha))
     }
 
     pub fn default_tree(&self) -> Option<&Tree> {
@@ -124,8 +141,11 @@ fn edit_script(a: &[&str], b: &[&str]) -> Vec<Op> {
     let mut lcs = vec![0u32; (n + 1) * w];
     for i in (0..n).rev() {
         for j in (0..m).rev() {
-            lcs[i * w + j] =
-                if a[i] == b[j] { lcs[(i + 1) * w + j + 1] + 1 } else { lcs[(i + 1) * w + j].max(lcs[i * w + j + 1]) };
+            lcs[i * w + j] = if a[i] == b[j] {
+                lcs[(i + 1) * w + j + 1] + 1
+            } else {
+                lcs[(i + 1) * w + j].max(lcs[i * w + j + 1])
+            };
         }
     }
     let (mut i, mut j, mut ops) = (0, 0, Vec::with_capacity(n + m));
@@ -181,7 +201,12 @@ fn file_hunks(out: &mut String, old: &str, new: &str) {
             Op::Ins(_) => pb += 1,
         }
     }
-    let changes: Vec<usize> = ops.iter().enumerate().filter(|(_, o)| !matches!(o, Op::Eq(_))).map(|(i, _)| i).collect();
+    let changes: Vec<usize> = ops
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| !matches!(o, Op::Eq(_)))
+        .map(|(i, _)| i)
+        .collect();
     let mut k = 0;
     while k < changes.len() {
         let first = changes[k];
@@ -197,7 +222,11 @@ fn file_hunks(out: &mut String, old: &str, new: &str) {
         let old_count = slice.iter().filter(|o| !matches!(o, Op::Ins(_))).count();
         let new_count = slice.iter().filter(|o| !matches!(o, Op::Del(_))).count();
         let (sa, sb) = pos[start];
-        out.push_str(&format!("@@ -{} +{} @@\n", range(sa, old_count), range(sb, new_count)));
+        out.push_str(&format!(
+            "@@ -{} +{} @@\n",
+            range(sa, old_count),
+            range(sb, new_count)
+        ));
         for op in slice {
             match *op {
                 Op::Eq(i) => push_line(out, ' ', a[i]),
@@ -217,18 +246,26 @@ pub(crate) fn diff(old: &Tree, new: &Tree) -> String {
             (Some(o), Some(n)) if o == n => {}
             (Some(o), Some(n)) => {
                 out.push_str(&format!("diff --git a/{path} b/{path}\n"));
-                out.push_str(&format!("index {}..{} 100644\n", &blob_sha(o)[..7], &blob_sha(n)[..7]));
+                out.push_str(&format!(
+                    "index {}..{} 100644\n",
+                    &blob_sha(o)[..7],
+                    &blob_sha(n)[..7]
+                ));
                 out.push_str(&format!("--- a/{path}\n+++ b/{path}\n"));
                 file_hunks(&mut out, o, n);
             }
             (None, Some(n)) => {
-                out.push_str(&format!("diff --git a/{path} b/{path}\nnew file mode 100644\n"));
+                out.push_str(&format!(
+                    "diff --git a/{path} b/{path}\nnew file mode 100644\n"
+                ));
                 out.push_str(&format!("index 0000000..{}\n", &blob_sha(n)[..7]));
                 out.push_str(&format!("--- /dev/null\n+++ b/{path}\n"));
                 file_hunks(&mut out, "", n);
             }
             (Some(o), None) => {
-                out.push_str(&format!("diff --git a/{path} b/{path}\ndeleted file mode 100644\n"));
+                out.push_str(&format!(
+                    "diff --git a/{path} b/{path}\ndeleted file mode 100644\n"
+                ));
                 out.push_str(&format!("index {}..0000000\n", &blob_sha(o)[..7]));
                 out.push_str(&format!("--- a/{path}\n+++ /dev/null\n"));
                 file_hunks(&mut out, o, "");
@@ -244,13 +281,19 @@ mod tests {
     use super::*;
 
     fn tree(pairs: &[(&str, &str)]) -> Tree {
-        pairs.iter().map(|(p, c)| (p.to_string(), c.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(p, c)| (p.to_string(), c.to_string()))
+            .collect()
     }
 
     #[test]
     fn blob_sha_matches_git() {
         // `printf 'hello\n' | git hash-object --stdin`
-        assert_eq!(blob_sha("hello\n"), "ce013625030ba8dba906f756967f9e9ca394464a");
+        assert_eq!(
+            blob_sha("hello\n"),
+            "ce013625030ba8dba906f756967f9e9ca394464a"
+        );
     }
 
     #[test]
@@ -258,7 +301,10 @@ mod tests {
         let old = tree(&[("a.py", "1\n2\n3\n4\n5\n6\n7\n8\n9\n")]);
         let new = tree(&[("a.py", "1\n2\n3\n4\nfive\n6\n7\n8\n9\n")]);
         let d = diff(&old, &new);
-        let hunk = d.split_once("+++ b/a.py\n").map(|x| x.1).unwrap_or_default();
+        let hunk = d
+            .split_once("+++ b/a.py\n")
+            .map(|x| x.1)
+            .unwrap_or_default();
         assert_eq!(hunk, "@@ -2,7 +2,7 @@\n 2\n 3\n 4\n-5\n+five\n 6\n 7\n 8\n");
         assert!(d.starts_with("diff --git a/a.py b/a.py\nindex "));
     }
@@ -268,14 +314,18 @@ mod tests {
         let old = tree(&[("gone.txt", "x")]);
         let new = tree(&[("new.txt", "a\nb\n")]);
         let d = diff(&old, &new);
-        assert!(d.contains("--- a/gone.txt\n+++ /dev/null\n@@ -1 +0,0 @@\n-x\n\\ No newline at end of file\n"));
+        assert!(d.contains(
+            "--- a/gone.txt\n+++ /dev/null\n@@ -1 +0,0 @@\n-x\n\\ No newline at end of file\n"
+        ));
         assert!(d.contains("--- /dev/null\n+++ b/new.txt\n@@ -0,0 +1,2 @@\n+a\n+b\n"));
     }
 
     #[test]
     fn distant_changes_make_two_hunks() {
         let old: String = (1..=20).map(|i| format!("{i}\n")).collect();
-        let new = old.replace("2\n", "two\n").replacen("19\n", "nineteen\n", 1);
+        let new = old
+            .replace("2\n", "two\n")
+            .replacen("19\n", "nineteen\n", 1);
         let d = diff(&tree(&[("f", &old)]), &tree(&[("f", &new)]));
         assert_eq!(d.matches("@@ -").count(), 2, "{d}");
     }

@@ -73,7 +73,10 @@ impl GlitchtipState {
     }
 
     pub fn count_between(&self, from: i64, to: i64, now: i64) -> u64 {
-        self.spans.iter().map(|s| self.span_count(s, from, to, now)).sum()
+        self.spans
+            .iter()
+            .map(|s| self.span_count(s, from, to, now))
+            .sum()
     }
 
     pub fn event_count(&self, now: i64) -> u64 {
@@ -93,7 +96,9 @@ impl GlitchtipState {
     }
 
     fn last_event(&self, now: i64) -> Option<i64> {
-        self.event_count(now).checked_sub(1).and_then(|k| self.event_time(k, now))
+        self.event_count(now)
+            .checked_sub(1)
+            .and_then(|k| self.event_time(k, now))
     }
 
     fn status(&self, now: i64) -> &str {
@@ -110,14 +115,21 @@ impl State {
         let broken = match self.glitchtip.mode {
             ProducingMode::On => true,
             ProducingMode::Off => false,
-            ProducingMode::Auto => {
-                self.forgejo.repo.default_tree().is_some_and(|tree| !config.ci.failures(tree).is_empty())
-            }
+            ProducingMode::Auto => self
+                .forgejo
+                .repo
+                .default_tree()
+                .is_some_and(|tree| !config.ci.failures(tree).is_empty()),
         };
         let g = &mut self.glitchtip;
-        g.interval_ms = i64::try_from(config.glitchtip.event_interval_ms).unwrap_or(i64::MAX).max(1);
+        g.interval_ms = i64::try_from(config.glitchtip.event_interval_ms)
+            .unwrap_or(i64::MAX)
+            .max(1);
         match (broken, g.producing()) {
-            (true, false) => g.spans.push(Span { start_ms: now, end_ms: None }),
+            (true, false) => g.spans.push(Span {
+                start_ms: now,
+                end_ms: None,
+            }),
             (false, true) => {
                 if let Some(s) = g.spans.last_mut() {
                     s.end_ms = Some(now);
@@ -140,7 +152,10 @@ fn error(status: StatusCode, detail: &str) -> Response {
 
 fn authorize(shared: &Shared, headers: &HeaderMap) -> Result<(), Response> {
     let expected = format!("Bearer {}", shared.config.tokens.glitchtip_token);
-    match headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+    match headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
         Some(v) if v == expected => Ok(()),
         _ => Err(error(StatusCode::UNAUTHORIZED, "Unauthorized")),
     }
@@ -155,7 +170,11 @@ fn check_issue(shared: &Shared, issue_id: &str) -> Result<(), Response> {
 }
 
 fn short_id(config: &SandboxConfig) -> String {
-    format!("{}-{}", config.glitchtip.project_slug.to_uppercase(), config.glitchtip.issue_id)
+    format!(
+        "{}-{}",
+        config.glitchtip.project_slug.to_uppercase(),
+        config.glitchtip.issue_id
+    )
 }
 
 fn issue_json(shared: &Shared, g: &GlitchtipState, now: i64) -> Value {
@@ -189,7 +208,11 @@ fn issue_json(shared: &Shared, g: &GlitchtipState, now: i64) -> Value {
     })
 }
 
-async fn get_issue(AxState(shared): AxState<Arc<Shared>>, headers: HeaderMap, Path(issue_id): Path<String>) -> Response {
+async fn get_issue(
+    AxState(shared): AxState<Arc<Shared>>,
+    headers: HeaderMap,
+    Path(issue_id): Path<String>,
+) -> Response {
     if let Err(r) = authorize(&shared, &headers).and_then(|()| check_issue(&shared, &issue_id)) {
         return r;
     }
@@ -213,14 +236,19 @@ async fn put_issue(
     }
     let body = match body {
         Ok(Json(b)) => b,
-        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return error(e.status(), "Request body too large"),
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            return error(e.status(), "Request body too large");
+        }
         Err(e) => return error(StatusCode::UNPROCESSABLE_ENTITY, &e.body_text()),
     };
     let now = util::now_ms();
     let mut st = shared.lock();
     if let Some(status) = body.status {
         if !["unresolved", "resolved", "ignored"].contains(&status.as_str()) {
-            return error(StatusCode::UNPROCESSABLE_ENTITY, "status: Input should be 'unresolved', 'resolved' or 'ignored'");
+            return error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "status: Input should be 'unresolved', 'resolved' or 'ignored'",
+            );
         }
         st.glitchtip.status = status;
         st.glitchtip.status_ms = now;
@@ -243,11 +271,17 @@ async fn list_events(
         return r;
     }
     let Ok(limit) = q.get("limit").map_or(Ok(50), |l| l.parse::<u64>()) else {
-        return error(StatusCode::UNPROCESSABLE_ENTITY, "limit: Input should be a valid integer");
+        return error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "limit: Input should be a valid integer",
+        );
     };
     let limit = limit.clamp(1, MAX_LIMIT);
     // Our cursors are "<offset>:0:0" (Sentry's value:offset:is_prev shape, with the offset first).
-    let offset = match q.get("cursor").map(|c| c.split(':').next().unwrap_or("").parse::<u64>()) {
+    let offset = match q
+        .get("cursor")
+        .map(|c| c.split(':').next().unwrap_or("").parse::<u64>())
+    {
         None => 0,
         Some(Ok(o)) => o,
         Some(Err(_)) => return error(StatusCode::UNPROCESSABLE_ENTITY, "cursor: invalid cursor"),
@@ -280,7 +314,10 @@ async fn list_events(
             "entries": [],
         }));
     }
-    let base = format!("{}/api/0/issues/{}/events/", shared.urls.glitchtip, c.issue_id);
+    let base = format!(
+        "{}/api/0/issues/{}/events/",
+        shared.urls.glitchtip, c.issue_id
+    );
     let prev = offset.saturating_sub(limit);
     let next = offset + limit;
     let link = format!(
@@ -329,7 +366,16 @@ mod tests {
     fn spans_count_events_lazily() {
         let mut g = GlitchtipState::seed(0);
         g.interval_ms = 10;
-        g.spans = vec![Span { start_ms: 100, end_ms: Some(130) }, Span { start_ms: 200, end_ms: None }];
+        g.spans = vec![
+            Span {
+                start_ms: 100,
+                end_ms: Some(130),
+            },
+            Span {
+                start_ms: 200,
+                end_ms: None,
+            },
+        ];
         // first span: 100, 110, 120; open span at now=225: 200, 210, 220
         assert_eq!(g.event_count(225), 6);
         assert_eq!(g.event_time(3, 225), Some(200));

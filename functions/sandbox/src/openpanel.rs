@@ -22,20 +22,31 @@ pub(crate) fn router() -> Router<Arc<Shared>> {
 
 fn error(status: StatusCode, message: &str) -> Response {
     let name = status.canonical_reason().unwrap_or("Error");
-    (status, Json(json!({"statusCode": status.as_u16(), "error": name, "message": message}))).into_response()
+    (
+        status,
+        Json(json!({"statusCode": status.as_u16(), "error": name, "message": message})),
+    )
+        .into_response()
 }
 
 fn authorize(shared: &Shared, headers: &HeaderMap) -> Result<(), Response> {
     let t = &shared.config.tokens;
     let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
     match (get("openpanel-client-id"), get("openpanel-client-secret")) {
-        (Some(id), Some(secret)) if id == t.openpanel_client_id && secret == t.openpanel_client_secret => Ok(()),
+        (Some(id), Some(secret))
+            if id == t.openpanel_client_id && secret == t.openpanel_client_secret =>
+        {
+            Ok(())
+        }
         (None, _) | (_, None) => Err((
             StatusCode::UNAUTHORIZED,
             Json(json!({"error": "Unauthorized", "message": "Missing client id or secret"})),
         )
             .into_response()),
-        _ => Err((StatusCode::UNAUTHORIZED, Json(json!({"error": "Unauthorized", "message": "Invalid client"})))
+        _ => Err((
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"error": "Unauthorized", "message": "Invalid client"})),
+        )
             .into_response()),
     }
 }
@@ -121,7 +132,10 @@ fn range_bounds(range: &str, now: i64) -> Option<(i64, i64)> {
             (days_from_civil(py, pm, 1) * DAY_MS, month_start)
         }
         "yearToDate" => (days_from_civil(y, 1, 1) * DAY_MS, now + 1),
-        "lastYear" => (days_from_civil(y - 1, 1, 1) * DAY_MS, days_from_civil(y, 1, 1) * DAY_MS),
+        "lastYear" => (
+            days_from_civil(y - 1, 1, 1) * DAY_MS,
+            days_from_civil(y, 1, 1) * DAY_MS,
+        ),
         _ => return None,
     })
 }
@@ -138,7 +152,11 @@ fn metrics(counts: &[u64]) -> Value {
     })
 }
 
-async fn charts(State(shared): State<Arc<Shared>>, headers: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
+async fn charts(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
     if let Err(r) = authorize(&shared, &headers) {
         return r;
     }
@@ -159,7 +177,9 @@ async fn charts(State(shared): State<Arc<Shared>>, headers: HeaderMap, Query(q):
         Err(e) => return bad(&format!("querystring/series: {e}")),
     };
     if series.is_empty() || series.len() > MAX_SERIES {
-        return bad(&format!("querystring/series: between 1 and {MAX_SERIES} series"));
+        return bad(&format!(
+            "querystring/series: between 1 and {MAX_SERIES} series"
+        ));
     }
     let Some(interval) = Interval::parse(q.get("interval").map_or("day", String::as_str)) else {
         return bad("querystring/interval: Invalid enum value");
@@ -168,10 +188,20 @@ async fn charts(State(shared): State<Arc<Shared>>, headers: HeaderMap, Query(q):
     let range = q.get("range").map_or("7d", String::as_str);
     let (start, end) = if range == "custom" || q.contains_key("startDate") {
         let parse = |k: &str| q.get(k).and_then(|v| util::parse_date(v));
-        match (parse("startDate"), q.get("endDate").map(|v| util::parse_date(v))) {
+        match (
+            parse("startDate"),
+            q.get("endDate").map(|v| util::parse_date(v)),
+        ) {
             (Some(s), None) => (s, now + 1),
             // a bare end date means the whole of that day
-            (Some(s), Some(Some(e))) => (s, if q.get("endDate").is_some_and(|v| v.len() == 10) { e + DAY_MS } else { e + 1 }),
+            (Some(s), Some(Some(e))) => (
+                s,
+                if q.get("endDate").is_some_and(|v| v.len() == 10) {
+                    e + DAY_MS
+                } else {
+                    e + 1
+                },
+            ),
             _ => return bad("querystring/startDate: a date is required for a custom range"),
         }
     } else {
@@ -234,7 +264,13 @@ mod tests {
         assert_eq!(util::iso_s(Interval::Hour.floor(t)), "2026-11-30T14:00:00Z");
         // 2026-11-30 is a Monday
         assert_eq!(util::iso_s(Interval::Week.floor(t)), "2026-11-30T00:00:00Z");
-        assert_eq!(util::iso_s(Interval::Month.next(Interval::Month.floor(t))), "2026-12-01T00:00:00Z");
-        assert_eq!(Interval::Day.next(Interval::Day.floor(t)) - Interval::Day.floor(t), DAY_MS);
+        assert_eq!(
+            util::iso_s(Interval::Month.next(Interval::Month.floor(t))),
+            "2026-12-01T00:00:00Z"
+        );
+        assert_eq!(
+            Interval::Day.next(Interval::Day.floor(t)) - Interval::Day.floor(t),
+            DAY_MS
+        );
     }
 }

@@ -7,7 +7,10 @@ use std::path::Path;
 const MAX_STATE_BYTES: u64 = 64 * 1024 * 1024;
 
 pub(crate) fn load(path: &Path) -> Result<Option<State>> {
-    let err = |message: String| SandboxError::State { path: path.into(), message };
+    let err = |message: String| SandboxError::State {
+        path: path.into(),
+        message,
+    };
     let meta = match std::fs::metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -17,11 +20,16 @@ pub(crate) fn load(path: &Path) -> Result<Option<State>> {
         return Err(err(format!("larger than {MAX_STATE_BYTES} bytes")));
     }
     let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
-    serde_json::from_slice(&bytes).map(Some).map_err(|e| err(format!("not a sandbox state: {e}")))
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|e| err(format!("not a sandbox state: {e}")))
 }
 
 pub(crate) fn save(path: &Path, state: &State) -> Result<()> {
-    let err = |message: String| SandboxError::State { path: path.into(), message };
+    let err = |message: String| SandboxError::State {
+        path: path.into(),
+        message,
+    };
     let bytes = serde_json::to_vec(state).map_err(|e| err(e.to_string()))?;
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");

@@ -61,7 +61,7 @@ pub(crate) struct PlaneState {
 }
 
 impl PlaneState {
-    pub fn seed(seed: &PlaneSeed, _now: i64) -> Self {
+    pub fn seed(seed: &PlaneSeed) -> Self {
         let groups = [
             ("Backlog", "backlog", "#60646C"),
             ("Todo", "unstarted", "#60646C"),
@@ -94,9 +94,18 @@ impl PlaneState {
 pub(crate) fn router() -> Router<Arc<Shared>> {
     let base = "/api/v1/workspaces/{slug}/projects/{project_id}";
     Router::new()
-        .route(&format!("{base}/work-items/"), get(list_issues).post(create_issue))
-        .route(&format!("{base}/work-items/{{pk}}/"), get(get_issue).patch(patch_issue))
-        .route(&format!("{base}/work-items/{{issue_id}}/comments/"), post(create_comment))
+        .route(
+            &format!("{base}/work-items/"),
+            get(list_issues).post(create_issue),
+        )
+        .route(
+            &format!("{base}/work-items/{{pk}}/"),
+            get(get_issue).patch(patch_issue),
+        )
+        .route(
+            &format!("{base}/work-items/{{issue_id}}/comments/"),
+            post(create_comment),
+        )
         .route(&format!("{base}/states/"), get(list_states))
 }
 
@@ -106,12 +115,22 @@ fn error(status: StatusCode, body: Value) -> Response {
 
 /// A body too large keeps its 413; any other unreadable body is DRF's 400 parse error.
 fn rejected(e: &axum::extract::rejection::JsonRejection) -> Response {
-    let status = if e.status() == StatusCode::PAYLOAD_TOO_LARGE { e.status() } else { StatusCode::BAD_REQUEST };
-    error(status, json!({"detail": format!("JSON parse error - {}", e.body_text())}))
+    let status = if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        e.status()
+    } else {
+        StatusCode::BAD_REQUEST
+    };
+    error(
+        status,
+        json!({"detail": format!("JSON parse error - {}", e.body_text())}),
+    )
 }
 
 fn not_found() -> Response {
-    error(StatusCode::NOT_FOUND, json!({"error": "The requested resource does not exist."}))
+    error(
+        StatusCode::NOT_FOUND,
+        json!({"error": "The requested resource does not exist."}),
+    )
 }
 
 fn field_error(field: &str, msg: &str) -> Response {
@@ -119,7 +138,12 @@ fn field_error(field: &str, msg: &str) -> Response {
 }
 
 /// Auth first (401 with DRF's `detail`), then the workspace and project must be the seeded ones (404).
-fn check(shared: &Shared, headers: &HeaderMap, slug: &str, project_id: &str) -> Result<(), Response> {
+fn check(
+    shared: &Shared,
+    headers: &HeaderMap,
+    slug: &str,
+    project_id: &str,
+) -> Result<(), Response> {
     match headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
         None => {
             return Err(error(
@@ -128,7 +152,10 @@ fn check(shared: &Shared, headers: &HeaderMap, slug: &str, project_id: &str) -> 
             ));
         }
         Some(k) if k != shared.config.tokens.plane_api_key => {
-            return Err(error(StatusCode::UNAUTHORIZED, json!({"detail": "Given API token is not valid"})));
+            return Err(error(
+                StatusCode::UNAUTHORIZED,
+                json!({"detail": "Given API token is not valid"}),
+            ));
         }
         Some(_) => {}
     }
@@ -196,7 +223,10 @@ fn paginated(results: Vec<Value>, total: usize, per_page: usize, page: usize) ->
 fn page_params(q: &HashMap<String, String>) -> Result<(usize, usize), Response> {
     let per_page = match q.get("per_page") {
         None => MAX_PER_PAGE,
-        Some(v) => v.parse::<usize>().map_err(|_| field_error("per_page", "Invalid per_page"))?.clamp(1, MAX_PER_PAGE),
+        Some(v) => v
+            .parse::<usize>()
+            .map_err(|_| field_error("per_page", "Invalid per_page"))?
+            .clamp(1, MAX_PER_PAGE),
     };
     let page = match q.get("cursor") {
         None => 0,
@@ -227,13 +257,24 @@ async fn list_issues(
         .plane
         .issues
         .iter()
-        .filter(|i| q.get("external_id").is_none_or(|e| i.external_id.as_deref() == Some(e.as_str())))
-        .filter(|i| q.get("external_source").is_none_or(|e| i.external_source.as_deref() == Some(e.as_str())))
+        .filter(|i| {
+            q.get("external_id")
+                .is_none_or(|e| i.external_id.as_deref() == Some(e.as_str()))
+        })
+        .filter(|i| {
+            q.get("external_source")
+                .is_none_or(|e| i.external_source.as_deref() == Some(e.as_str()))
+        })
         .collect();
     let total = matching.len();
     // newest first, Plane's default `-created_at` order
-    let results =
-        matching.iter().rev().skip(page * per_page).take(per_page).map(|i| issue_json(&shared, &st.plane, i)).collect();
+    let results = matching
+        .iter()
+        .rev()
+        .skip(page * per_page)
+        .take(per_page)
+        .map(|i| issue_json(&shared, &st.plane, i))
+        .collect();
     Json(paginated(results, total, per_page, page)).into_response()
 }
 
@@ -253,18 +294,27 @@ fn validate(st: &PlaneState, body: &IssueBody) -> Result<(), Response> {
             return Err(field_error("name", "This field may not be blank."));
         }
         if name.chars().count() > MAX_NAME_CHARS {
-            return Err(field_error("name", "Ensure this field has no more than 255 characters."));
+            return Err(field_error(
+                "name",
+                "Ensure this field has no more than 255 characters.",
+            ));
         }
     }
     if let Some(p) = &body.priority
         && !PRIORITIES.contains(&p.as_str())
     {
-        return Err(field_error("priority", &format!("\"{p}\" is not a valid choice.")));
+        return Err(field_error(
+            "priority",
+            &format!("\"{p}\" is not a valid choice."),
+        ));
     }
     if let Some(s) = &body.state
         && !st.states.iter().any(|x| &x.id == s)
     {
-        return Err(field_error("state", &format!("Invalid pk \"{s}\" - object does not exist.")));
+        return Err(field_error(
+            "state",
+            &format!("Invalid pk \"{s}\" - object does not exist."),
+        ));
     }
     Ok(())
 }
@@ -290,8 +340,9 @@ async fn create_issue(
         return r;
     }
     if let (Some(src), Some(ext)) = (&body.external_source, &body.external_id)
-        && let Some(existing) =
-            st.plane.issues.iter().find(|i| i.external_source.as_ref() == Some(src) && i.external_id.as_ref() == Some(ext))
+        && let Some(existing) = st.plane.issues.iter().find(|i| {
+            i.external_source.as_ref() == Some(src) && i.external_id.as_ref() == Some(ext)
+        })
     {
         return error(
             StatusCode::CONFLICT,
@@ -300,9 +351,19 @@ async fn create_issue(
     }
     let now = util::now_ms();
     let sequence_id = st.plane.issues.len() as u64 + 1;
-    let default_state = st.plane.states.iter().find(|s| s.default).map(|s| s.id.clone()).unwrap_or_default();
+    let default_state = st
+        .plane
+        .states
+        .iter()
+        .find(|s| s.default)
+        .map(|s| s.id.clone())
+        .unwrap_or_default();
     let issue = Issue {
-        id: util::uuid_from(&[&shared.config.plane.project_id, "issue", &sequence_id.to_string()]),
+        id: util::uuid_from(&[
+            &shared.config.plane.project_id,
+            "issue",
+            &sequence_id.to_string(),
+        ]),
         sequence_id,
         name,
         description_html: body.description_html.unwrap_or_else(|| "<p></p>".into()),
@@ -317,7 +378,10 @@ async fn create_issue(
     let out = issue_json(&shared, &st.plane, &issue);
     st.plane.issues.push(issue);
     if let Err(e) = shared.persist(&st) {
-        return error(StatusCode::INTERNAL_SERVER_ERROR, json!({"error": e.to_string()}));
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            json!({"error": e.to_string()}),
+        );
     }
     (StatusCode::CREATED, Json(out)).into_response()
 }
@@ -359,7 +423,9 @@ async fn patch_issue(
     }
     if let (Some(src), Some(ext)) = (&body.external_source, &body.external_id)
         && let Some(other) = st.plane.issues.iter().find(|i| {
-            i.id != pk && i.external_source.as_ref() == Some(src) && i.external_id.as_ref() == Some(ext)
+            i.id != pk
+                && i.external_source.as_ref() == Some(src)
+                && i.external_id.as_ref() == Some(ext)
         })
     {
         return error(
@@ -368,10 +434,12 @@ async fn patch_issue(
         );
     }
     let now = util::now_ms();
-    let completed_state = body
-        .state
-        .as_ref()
-        .map(|s| st.plane.states.iter().any(|x| &x.id == s && x.group == "completed"));
+    let completed_state = body.state.as_ref().map(|s| {
+        st.plane
+            .states
+            .iter()
+            .any(|x| &x.id == s && x.group == "completed")
+    });
     let issue = &mut st.plane.issues[idx];
     if let Some(v) = body.name {
         issue.name = v;
@@ -384,7 +452,11 @@ async fn patch_issue(
     }
     if let Some(v) = body.state {
         issue.state = v;
-        issue.completed_ms = if completed_state == Some(true) { Some(now) } else { None };
+        issue.completed_ms = if completed_state == Some(true) {
+            Some(now)
+        } else {
+            None
+        };
     }
     if let Some(v) = body.external_source {
         issue.external_source = Some(v);
@@ -395,7 +467,10 @@ async fn patch_issue(
     issue.updated_ms = now;
     let issue = issue.clone();
     if let Err(e) = shared.persist(&st) {
-        return error(StatusCode::INTERNAL_SERVER_ERROR, json!({"error": e.to_string()}));
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            json!({"error": e.to_string()}),
+        );
     }
     Json(issue_json(&shared, &st.plane, &issue)).into_response()
 }
@@ -480,7 +555,9 @@ async fn create_comment(
     }
     if let (Some(src), Some(ext)) = (&body.external_source, &body.external_id)
         && let Some(existing) = st.plane.comments.iter().find(|c| {
-            c.issue == issue_id && c.external_source.as_ref() == Some(src) && c.external_id.as_ref() == Some(ext)
+            c.issue == issue_id
+                && c.external_source.as_ref() == Some(src)
+                && c.external_id.as_ref() == Some(ext)
         })
     {
         return error(
@@ -523,7 +600,10 @@ async fn create_comment(
     });
     st.plane.comments.push(comment);
     if let Err(e) = shared.persist(&st) {
-        return error(StatusCode::INTERNAL_SERVER_ERROR, json!({"error": e.to_string()}));
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            json!({"error": e.to_string()}),
+        );
     }
     (StatusCode::CREATED, Json(out)).into_response()
 }

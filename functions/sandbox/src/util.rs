@@ -40,7 +40,12 @@ pub(crate) fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
 pub(crate) fn iso_ms(ms: i64) -> String {
     let (y, mo, d) = civil_from_days(ms.div_euclid(DAY_MS));
     let rem = ms.rem_euclid(DAY_MS);
-    let (h, mi, s, milli) = (rem / 3_600_000, rem / 60_000 % 60, rem / 1000 % 60, rem % 1000);
+    let (h, mi, s, milli) = (
+        rem / 3_600_000,
+        rem / 60_000 % 60,
+        rem / 1000 % 60,
+        rem % 1000,
+    );
     format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}.{milli:03}Z")
 }
 
@@ -115,7 +120,10 @@ mod tests {
         assert_eq!(iso_ms(ms), "2026-11-30T14:31:05.250Z");
         assert_eq!(iso_s(ms), "2026-11-30T14:31:05Z");
         assert_eq!(parse_date("1970-01-02"), Some(DAY_MS));
-        assert_eq!(parse_date("2024-02-29 01:00:00"), Some(days_from_civil(2024, 2, 29) * DAY_MS + 3_600_000));
+        assert_eq!(
+            parse_date("2024-02-29 01:00:00"),
+            Some(days_from_civil(2024, 2, 29) * DAY_MS + 3_600_000)
+        );
         assert_eq!(parse_date("2024-13-01"), None);
         assert_eq!(parse_date("nope"), None);
     }

@@ -44,9 +44,19 @@ pub(crate) struct ZulipState {
 
 impl ZulipState {
     pub fn seed(seed: &ZulipSeed) -> Self {
-        let channels =
-            seed.channels.iter().zip(1u64..).map(|(name, id)| Channel { id, name: name.clone() }).collect();
-        ZulipState { channels, messages: Vec::new() }
+        let channels = seed
+            .channels
+            .iter()
+            .zip(1u64..)
+            .map(|(name, id)| Channel {
+                id,
+                name: name.clone(),
+            })
+            .collect();
+        ZulipState {
+            channels,
+            messages: Vec::new(),
+        }
     }
 }
 
@@ -57,7 +67,11 @@ pub(crate) fn router() -> Router<Arc<Shared>> {
 }
 
 fn error(status: StatusCode, code: &str, msg: &str) -> Response {
-    (status, Json(json!({"result": "error", "msg": msg, "code": code}))).into_response()
+    (
+        status,
+        Json(json!({"result": "error", "msg": msg, "code": code})),
+    )
+        .into_response()
 }
 
 fn bad_request(msg: &str) -> Response {
@@ -84,10 +98,16 @@ fn authorize(shared: &Shared, headers: &HeaderMap) -> Result<(), Response> {
     let t = &shared.config.tokens;
     match decoded.split_once(':') {
         Some((email, key)) if email == t.zulip_email && key == t.zulip_api_key => Ok(()),
-        Some((email, _)) if email == t.zulip_email => {
-            Err(error(StatusCode::UNAUTHORIZED, "INVALID_API_KEY", "Invalid API key"))
-        }
-        _ => Err(error(StatusCode::UNAUTHORIZED, "UNAUTHORIZED", "Account is not associated with this subdomain")),
+        Some((email, _)) if email == t.zulip_email => Err(error(
+            StatusCode::UNAUTHORIZED,
+            "INVALID_API_KEY",
+            "Invalid API key",
+        )),
+        _ => Err(error(
+            StatusCode::UNAUTHORIZED,
+            "UNAUTHORIZED",
+            "Account is not associated with this subdomain",
+        )),
     }
 }
 
@@ -96,7 +116,10 @@ fn render(content: &str, markdown: bool) -> String {
     if !markdown {
         return content.to_owned();
     }
-    let escaped = content.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
+    let escaped = content
+        .replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;");
     escaped
         .split("\n\n")
         .filter(|p| !p.trim().is_empty())
@@ -121,14 +144,18 @@ async fn send_message(
         Err(e) => return bad_request(&e.body_text()),
     };
     let field = |k: &str| form.get(k).map(String::as_str);
-    let Some(kind) = field("type") else { return bad_request("Missing 'type' argument") };
+    let Some(kind) = field("type") else {
+        return bad_request("Missing 'type' argument");
+    };
     if kind == "direct" || kind == "private" {
         return bad_request("Direct messages are not available in this sandbox realm");
     }
     if kind != "stream" && kind != "channel" {
         return bad_request("Invalid 'type' argument");
     }
-    let Some(to) = field("to") else { return bad_request("Missing 'to' argument") };
+    let Some(to) = field("to") else {
+        return bad_request("Missing 'to' argument");
+    };
     // `to` is a channel name, a channel id, or either JSON-encoded
     let to = match serde_json::from_str::<Value>(to) {
         Ok(Value::String(s)) => s,
@@ -140,21 +167,32 @@ async fn send_message(
     };
     let topic = topic.trim();
     if topic.chars().count() > MAX_TOPIC_CHARS {
-        return bad_request(&format!("Topic too long (limit: {MAX_TOPIC_CHARS} characters)"));
+        return bad_request(&format!(
+            "Topic too long (limit: {MAX_TOPIC_CHARS} characters)"
+        ));
     }
     let Some(content) = field("content").filter(|c| !c.trim().is_empty()) else {
         return bad_request("Message must not be empty");
     };
     if content.len() > MAX_CONTENT_BYTES {
-        return bad_request(&format!("Message too long (limit: {MAX_CONTENT_BYTES} characters)"));
+        return bad_request(&format!(
+            "Message too long (limit: {MAX_CONTENT_BYTES} characters)"
+        ));
     }
     let mut st = shared.lock();
-    let found = st.zulip.channels.iter().find(|c| c.name == to || c.id.to_string() == to).map(|c| c.id);
+    let found = st
+        .zulip
+        .channels
+        .iter()
+        .find(|c| c.name == to || c.id.to_string() == to)
+        .map(|c| c.id);
     let Some(stream_id) = found else {
         return (
             StatusCode::BAD_REQUEST,
-            Json(json!({"result": "error", "msg": format!("Channel '{to}' does not exist"),
-                        "code": "STREAM_DOES_NOT_EXIST", "stream": to})),
+            Json(
+                json!({"result": "error", "msg": format!("Channel '{to}' does not exist"),
+                        "code": "STREAM_DOES_NOT_EXIST", "stream": to}),
+            ),
         )
             .into_response();
     };
@@ -168,7 +206,11 @@ async fn send_message(
         timestamp: util::now_ms() / 1000,
     });
     if let Err(e) = shared.persist(&st) {
-        return error(StatusCode::INTERNAL_SERVER_ERROR, "BAD_REQUEST", &e.to_string());
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "BAD_REQUEST",
+            &e.to_string(),
+        );
     }
     Json(json!({"result": "success", "msg": "", "id": id})).into_response()
 }
@@ -181,6 +223,21 @@ struct NarrowTerm {
     negated: bool,
 }
 
+enum Filter {
+    Channel(u64),
+    /// lower-cased: Zulip matches topics case-insensitively
+    Topic(String),
+}
+
+impl Filter {
+    fn matches(&self, m: &Message) -> bool {
+        match self {
+            Filter::Channel(id) => m.stream_id == *id,
+            Filter::Topic(t) => m.topic.to_lowercase() == *t,
+        }
+    }
+}
+
 fn parse_u64(q: &HashMap<String, String>, k: &str) -> Result<u64, Response> {
     match q.get(k) {
         None => Err(bad_request(&format!("Missing '{k}' argument"))),
@@ -188,7 +245,11 @@ fn parse_u64(q: &HashMap<String, String>, k: &str) -> Result<u64, Response> {
     }
 }
 
-async fn get_messages(State(shared): State<Arc<Shared>>, headers: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
+async fn get_messages(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
     if let Err(r) = authorize(&shared, &headers) {
         return r;
     }
@@ -197,7 +258,9 @@ async fn get_messages(State(shared): State<Arc<Shared>>, headers: HeaderMap, Que
         (Err(r), _) | (_, Err(r)) => return r,
     };
     if num_before + num_after > MAX_WINDOW {
-        return bad_request(&format!("Too many messages requested (maximum {MAX_WINDOW})."));
+        return bad_request(&format!(
+            "Too many messages requested (maximum {MAX_WINDOW})."
+        ));
     }
     let narrow: Vec<NarrowTerm> = match q.get("narrow").map(|n| serde_json::from_str(n)) {
         None => Vec::new(),
@@ -207,7 +270,7 @@ async fn get_messages(State(shared): State<Arc<Shared>>, headers: HeaderMap, Que
     let apply_markdown = q.get("apply_markdown").is_none_or(|v| v != "false");
     let include_anchor = q.get("include_anchor").is_none_or(|v| v != "false");
     let st = shared.lock();
-    let mut filters: Vec<(bool, Box<dyn Fn(&Message) -> bool + '_>)> = Vec::new();
+    let mut filters: Vec<(bool, Filter)> = Vec::new();
     for term in &narrow {
         let operand = match &term.operand {
             Value::String(s) => s.clone(),
@@ -216,23 +279,32 @@ async fn get_messages(State(shared): State<Arc<Shared>>, headers: HeaderMap, Que
         };
         match term.operator.as_str() {
             "channel" | "stream" => {
-                let Some(ch) = st.zulip.channels.iter().find(|c| c.name == operand || c.id.to_string() == operand)
+                let Some(ch) = st
+                    .zulip
+                    .channels
+                    .iter()
+                    .find(|c| c.name == operand || c.id.to_string() == operand)
                 else {
-                    return bad_request(&format!("Invalid narrow operator: unknown channel"));
+                    return bad_request("Invalid narrow operator: unknown channel");
                 };
-                let id = ch.id;
-                filters.push((term.negated, Box::new(move |m: &Message| m.stream_id == id)));
+                filters.push((term.negated, Filter::Channel(ch.id)));
             }
             "topic" | "subject" => {
-                let topic = operand.to_lowercase();
-                // Zulip matches topics case-insensitively
-                filters.push((term.negated, Box::new(move |m: &Message| m.topic.to_lowercase() == topic)));
+                filters.push((term.negated, Filter::Topic(operand.to_lowercase())));
             }
-            other => return bad_request(&format!("Invalid narrow operator: unknown operator {other}")),
+            other => {
+                return bad_request(&format!(
+                    "Invalid narrow operator: unknown operator {other}"
+                ));
+            }
         }
     }
-    let matching: Vec<&Message> =
-        st.zulip.messages.iter().filter(|m| filters.iter().all(|(neg, f)| f(m) != *neg)).collect();
+    let matching: Vec<&Message> = st
+        .zulip
+        .messages
+        .iter()
+        .filter(|m| filters.iter().all(|(neg, f)| f.matches(m) != *neg))
+        .collect();
 
     let anchor = match q.get("anchor").map(String::as_str) {
         None | Some("newest") | Some("first_unread") => NEWEST_ANCHOR,
@@ -245,7 +317,9 @@ async fn get_messages(State(shared): State<Arc<Shared>>, headers: HeaderMap, Que
     let before: Vec<&&Message> = matching.iter().filter(|m| m.id < anchor).collect();
     let at = matching.iter().find(|m| m.id == anchor);
     let after: Vec<&&Message> = matching.iter().filter(|m| m.id > anchor).collect();
-    let take_before = before.len().saturating_sub(usize::try_from(num_before).unwrap_or(usize::MAX));
+    let take_before = before
+        .len()
+        .saturating_sub(usize::try_from(num_before).unwrap_or(usize::MAX));
     let after_n = usize::try_from(num_after).unwrap_or(usize::MAX);
     let mut window: Vec<&Message> = before[take_before..].iter().map(|m| **m).collect();
     if include_anchor {
@@ -259,7 +333,12 @@ async fn get_messages(State(shared): State<Arc<Shared>>, headers: HeaderMap, Que
     let messages: Vec<Value> = window
         .iter()
         .map(|m| {
-            let channel = st.zulip.channels.iter().find(|c| c.id == m.stream_id).map_or("", |c| c.name.as_str());
+            let channel = st
+                .zulip
+                .channels
+                .iter()
+                .find(|c| c.id == m.stream_id)
+                .map_or("", |c| c.name.as_str());
             json!({
                 "id": m.id,
                 "sender_id": BOT_USER_ID,
@@ -302,7 +381,12 @@ async fn users_me(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> Resp
         return r;
     }
     let c = &shared.config;
-    let max_message_id = shared.lock().zulip.messages.last().map_or(-1, |m| i64::try_from(m.id).unwrap_or(-1));
+    let max_message_id = shared
+        .lock()
+        .zulip
+        .messages
+        .last()
+        .map_or(-1, |m| i64::try_from(m.id).unwrap_or(-1));
     Json(json!({
         "result": "success",
         "msg": "",

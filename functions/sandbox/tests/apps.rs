@@ -1,6 +1,8 @@
 //! Each fake app exercised over HTTP against a started sandbox.
 
-use loams_sandbox::{CiCheck, CiRule, Counts, ProducingMode, Sandbox, SandboxConfig, SandboxHandle};
+use loams_sandbox::{
+    CiCheck, CiRule, Counts, ProducingMode, Sandbox, SandboxConfig, SandboxHandle,
+};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -20,7 +22,10 @@ async fn json_of(resp: reqwest::Response) -> Value {
 }
 
 async fn counts(sb: &SandboxHandle) -> Counts {
-    let resp = client().get(format!("{}/_sandbox/state", sb.urls().plane)).send().await;
+    let resp = client()
+        .get(format!("{}/_sandbox/state", sb.urls().plane))
+        .send()
+        .await;
     match resp {
         Ok(r) => r.json().await.unwrap_or_default(),
         Err(e) => panic!("control endpoint: {e}"),
@@ -28,7 +33,9 @@ async fn counts(sb: &SandboxHandle) -> Counts {
 }
 
 fn spec(rel: &str) -> Option<Value> {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/api-specs").join(rel);
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/api-specs")
+        .join(rel);
     let text = std::fs::read_to_string(&path).ok()?;
     serde_json::from_str(&text).ok()
 }
@@ -43,7 +50,9 @@ fn conforms(obj: &Value, schema: &Value, closed: bool) -> Result<(), String> {
         }
     }
     if closed {
-        let props = schema["properties"].as_object().ok_or("schema has no properties")?;
+        let props = schema["properties"]
+            .as_object()
+            .ok_or("schema has no properties")?;
         for k in o.keys() {
             if !props.contains_key(k) {
                 return Err(format!("field {k} is not in the schema"));
@@ -62,32 +71,63 @@ async fn zulip_send_and_read_a_topic() {
         client()
             .post(&url)
             .basic_auth(&t.zulip_email, Some(&t.zulip_api_key))
-            .form(&[("type", "channel"), ("to", "factory"), ("topic", topic), ("content", content)])
+            .form(&[
+                ("type", "channel"),
+                ("to", "factory"),
+                ("topic", topic),
+                ("content", content),
+            ])
             .send()
     };
-    let first = json_of(send("incident 42", "first").await.unwrap_or_else(|e| panic!("{e}"))).await;
+    let first = json_of(
+        send("incident 42", "first")
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .await;
     assert_eq!(first["result"], "success");
     assert_eq!(first["msg"], "");
     assert_eq!(first["id"], 1);
-    send("other topic", "noise").await.unwrap_or_else(|e| panic!("{e}"));
-    send("incident 42", "second **bold**").await.unwrap_or_else(|e| panic!("{e}"));
+    send("other topic", "noise")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    send("incident 42", "second **bold**")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
 
     let narrow = json!([{"operator": "channel", "operand": "factory"}, {"operator": "topic", "operand": "incident 42"}]);
     let resp = client()
         .get(&url)
         .basic_auth(&t.zulip_email, Some(&t.zulip_api_key))
-        .query(&[("anchor", "newest"), ("num_before", "10"), ("num_after", "0"), ("apply_markdown", "false")])
+        .query(&[
+            ("anchor", "newest"),
+            ("num_before", "10"),
+            ("num_after", "0"),
+            ("apply_markdown", "false"),
+        ])
         .query(&[("narrow", narrow.to_string())])
         .send()
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let body = json_of(resp).await;
     let msgs = body["messages"].as_array().cloned().unwrap_or_default();
-    assert_eq!(msgs.iter().map(|m| m["content"].clone()).collect::<Vec<_>>(), vec![json!("first"), json!("second **bold**")]);
+    assert_eq!(
+        msgs.iter()
+            .map(|m| m["content"].clone())
+            .collect::<Vec<_>>(),
+        vec![json!("first"), json!("second **bold**")]
+    );
     assert_eq!(msgs[0]["subject"], "incident 42");
     assert_eq!(msgs[0]["display_recipient"], "factory");
     assert_eq!(msgs[0]["type"], "stream");
-    for k in ["sender_id", "sender_email", "sender_full_name", "stream_id", "timestamp", "id"] {
+    for k in [
+        "sender_id",
+        "sender_email",
+        "sender_full_name",
+        "stream_id",
+        "timestamp",
+        "id",
+    ] {
         assert!(msgs[0].get(k).is_some(), "message lacks {k}");
     }
     assert_eq!(body["found_newest"], true);
@@ -99,29 +139,52 @@ async fn zulip_send_and_read_a_topic() {
     let resp = client()
         .get(&url)
         .basic_auth(&t.zulip_email, Some(&t.zulip_api_key))
-        .query(&[("anchor", "newest"), ("num_before", "1"), ("num_after", "0")])
+        .query(&[
+            ("anchor", "newest"),
+            ("num_before", "1"),
+            ("num_after", "0"),
+        ])
         .send()
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let body = json_of(resp).await;
     assert_eq!(body["messages"].as_array().map(Vec::len), Some(1));
     assert_eq!(body["found_oldest"], false);
-    assert!(body["messages"][0]["content"].as_str().unwrap_or_default().starts_with("<p>"));
+    assert!(
+        body["messages"][0]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("<p>")
+    );
 
     // unknown channel, bad key, no auth
     let r = client()
         .post(&url)
         .basic_auth(&t.zulip_email, Some(&t.zulip_api_key))
-        .form(&[("type", "stream"), ("to", "nope"), ("topic", "x"), ("content", "y")])
+        .form(&[
+            ("type", "stream"),
+            ("to", "nope"),
+            ("topic", "x"),
+            ("content", "y"),
+        ])
         .send()
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 400);
     assert_eq!(json_of(r).await["code"], "STREAM_DOES_NOT_EXIST");
-    let r = client().get(&url).basic_auth(&t.zulip_email, Some("wrong")).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = client()
+        .get(&url)
+        .basic_auth(&t.zulip_email, Some("wrong"))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 401);
     assert_eq!(json_of(r).await["result"], "error");
-    let r = client().get(format!("{}/api/v1/users/me", sb.urls().zulip)).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = client()
+        .get(format!("{}/api/v1/users/me", sb.urls().zulip))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 401);
     let me = client()
         .get(format!("{}/api/v1/users/me", sb.urls().zulip))
@@ -138,28 +201,66 @@ async fn zulip_send_and_read_a_topic() {
 async fn plane_work_items_are_idempotent_on_external_id() {
     let sb = start(SandboxConfig::default()).await;
     let info = sb.info();
-    let base = format!("{}/api/v1/workspaces/{}/projects/{}", sb.urls().plane, info.plane_workspace, info.plane_project_id);
+    let base = format!(
+        "{}/api/v1/workspaces/{}/projects/{}",
+        sb.urls().plane,
+        info.plane_workspace,
+        info.plane_project_id
+    );
     let key = info.tokens.plane_api_key.clone();
     let c = client();
 
-    let states = json_of(c.get(format!("{base}/states/")).header("X-API-Key", &key).send().await.unwrap_or_else(|e| panic!("{e}"))).await;
-    let groups: Vec<&str> = states["results"].as_array().into_iter().flatten().filter_map(|s| s["group"].as_str()).collect();
-    assert_eq!(groups, vec!["backlog", "unstarted", "started", "completed", "cancelled"]);
-    let done = states["results"][3]["id"].as_str().unwrap_or_default().to_string();
+    let states = json_of(
+        c.get(format!("{base}/states/"))
+            .header("X-API-Key", &key)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .await;
+    let groups: Vec<&str> = states["results"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["group"].as_str())
+        .collect();
+    assert_eq!(
+        groups,
+        vec!["backlog", "unstarted", "started", "completed", "cancelled"]
+    );
+    let done = states["results"][3]["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
 
     let item = json!({"name": "Checkout crashes", "description_html": "<p>ZeroDivisionError</p>",
                       "external_source": "loams", "external_id": "factory:r-1"});
-    let r = c.post(format!("{base}/work-items/")).header("X-API-Key", &key).json(&item).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = c
+        .post(format!("{base}/work-items/"))
+        .header("X-API-Key", &key)
+        .json(&item)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 201);
     let created = json_of(r).await;
     let id = created["id"].as_str().unwrap_or_default().to_string();
     assert_eq!(created["sequence_id"], 1);
     assert_eq!(created["external_id"], "factory:r-1");
 
-    let r = c.post(format!("{base}/work-items/")).header("X-API-Key", &key).json(&item).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = c
+        .post(format!("{base}/work-items/"))
+        .header("X-API-Key", &key)
+        .json(&item)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 409);
     let dup = json_of(r).await;
-    assert_eq!(dup["error"], "Issue with the same external id and external source already exists");
+    assert_eq!(
+        dup["error"],
+        "Issue with the same external id and external source already exists"
+    );
     assert_eq!(dup["id"], id.as_str());
 
     let found = json_of(
@@ -171,37 +272,95 @@ async fn plane_work_items_are_idempotent_on_external_id() {
             .unwrap_or_else(|e| panic!("{e}")),
     )
     .await;
-    for k in ["count", "extra_stats", "grouped_by", "next_cursor", "next_page_results", "prev_cursor",
-              "prev_page_results", "results", "sub_grouped_by", "total_count", "total_pages", "total_results"] {
-        assert!(found.get(k).is_some(), "PaginatedWorkItemResponse lacks required {k}");
+    for k in [
+        "count",
+        "extra_stats",
+        "grouped_by",
+        "next_cursor",
+        "next_page_results",
+        "prev_cursor",
+        "prev_page_results",
+        "results",
+        "sub_grouped_by",
+        "total_count",
+        "total_pages",
+        "total_results",
+    ] {
+        assert!(
+            found.get(k).is_some(),
+            "PaginatedWorkItemResponse lacks required {k}"
+        );
     }
     assert_eq!(found["total_results"], 1);
     assert_eq!(found["results"][0]["id"], id.as_str());
     let none = json_of(
-        c.get(format!("{base}/work-items/")).header("X-API-Key", &key).query(&[("external_id", "other")]).send().await.unwrap_or_else(|e| panic!("{e}")),
+        c.get(format!("{base}/work-items/"))
+            .header("X-API-Key", &key)
+            .query(&[("external_id", "other")])
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
     )
     .await;
     assert_eq!(none["results"], json!([]));
 
-    let r = c.patch(format!("{base}/work-items/{id}/")).header("X-API-Key", &key).json(&json!({"state": done})).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = c
+        .patch(format!("{base}/work-items/{id}/"))
+        .header("X-API-Key", &key)
+        .json(&json!({"state": done}))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 200);
     let patched = json_of(r).await;
     assert_eq!(patched["state"], done.as_str());
     assert!(patched["completed_at"].is_string());
-    let r = c.patch(format!("{base}/work-items/{id}/")).header("X-API-Key", &key).json(&json!({"state": "not-a-state"})).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = c
+        .patch(format!("{base}/work-items/{id}/"))
+        .header("X-API-Key", &key)
+        .json(&json!({"state": "not-a-state"}))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 400);
 
-    let r = c.post(format!("{base}/work-items/{id}/comments/")).header("X-API-Key", &key).json(&json!({"comment_html": "<p>PR opened</p>"})).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = c
+        .post(format!("{base}/work-items/{id}/comments/"))
+        .header("X-API-Key", &key)
+        .json(&json!({"comment_html": "<p>PR opened</p>"}))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 201);
     let comment = json_of(r).await;
     assert_eq!(comment["issue"], id.as_str());
     assert_eq!(comment["comment_html"], "<p>PR opened</p>");
 
-    let r = c.get(format!("{base}/work-items/00000000-0000-4000-8000-000000000000/")).header("X-API-Key", &key).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = c
+        .get(format!(
+            "{base}/work-items/00000000-0000-4000-8000-000000000000/"
+        ))
+        .header("X-API-Key", &key)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 404);
-    let r = c.post(format!("{base}/work-items/00000000-0000-4000-8000-000000000000/comments/")).header("X-API-Key", &key).json(&json!({"comment_html": "x"})).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = c
+        .post(format!(
+            "{base}/work-items/00000000-0000-4000-8000-000000000000/comments/"
+        ))
+        .header("X-API-Key", &key)
+        .json(&json!({"comment_html": "x"}))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 404);
-    let r = c.get(format!("{base}/work-items/{id}/")).header("X-API-Key", "wrong").send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = c
+        .get(format!("{base}/work-items/{id}/"))
+        .header("X-API-Key", "wrong")
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 401);
     assert!(json_of(r).await["detail"].is_string());
 
@@ -223,17 +382,30 @@ struct Forgejo {
 impl Forgejo {
     fn new(sb: &SandboxHandle) -> Forgejo {
         let i = sb.info();
-        Forgejo { api: format!("{}/api/v1/repos/{}/{}", sb.urls().forgejo, i.forgejo_owner, i.forgejo_repo), token: i.tokens.forgejo_token }
+        Forgejo {
+            api: format!(
+                "{}/api/v1/repos/{}/{}",
+                sb.urls().forgejo,
+                i.forgejo_owner,
+                i.forgejo_repo
+            ),
+            token: i.tokens.forgejo_token,
+        }
     }
     async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut req = client().request(method, format!("{}{path}", self.api)).header("Authorization", format!("token {}", self.token));
+        let mut req = client()
+            .request(method, format!("{}{path}", self.api))
+            .header("Authorization", format!("token {}", self.token));
         if let Some(b) = body {
             req = req.json(&b);
         }
         let r = req.send().await.unwrap_or_else(|e| panic!("{e}"));
         let status = r.status().as_u16();
         let text = r.text().await.unwrap_or_default();
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
     }
     async fn get(&self, path: &str) -> (u16, Value) {
         self.send(reqwest::Method::GET, path, None).await
@@ -275,16 +447,24 @@ async fn settle(f: &Forgejo, sha: &str) -> Value {
 #[tokio::test]
 async fn forgejo_ci_pr_merge_and_production() {
     let mut config = SandboxConfig::default();
-    config.ci.delay_ms = 150;
+    // long enough that the first read after a commit sees `pending` even on a loaded CI machine
+    config.ci.delay_ms = 500;
     config.glitchtip.event_interval_ms = 10;
     let sb = start(config).await;
     let f = Forgejo::new(&sb);
 
     // branch create, duplicate 409, read back
-    let (s, v) = f.post("/branches", json!({"new_branch_name": "loams/r-1", "old_ref_name": "main"})).await;
+    let (s, v) = f
+        .post(
+            "/branches",
+            json!({"new_branch_name": "loams/r-1", "old_ref_name": "main"}),
+        )
+        .await;
     assert_eq!(s, 201, "{v}");
     assert_eq!(v["name"], "loams/r-1");
-    let (s, _) = f.post("/branches", json!({"new_branch_name": "loams/r-1"})).await;
+    let (s, _) = f
+        .post("/branches", json!({"new_branch_name": "loams/r-1"}))
+        .await;
     assert_eq!(s, 409);
     let (s, v) = f.get("/branches/loams/r-1").await;
     assert_eq!((s, v["name"].clone()), (200, json!("loams/r-1")));
@@ -292,22 +472,42 @@ async fn forgejo_ci_pr_merge_and_production() {
     let original = {
         let (_, v) = f.get("/contents/src/checkout.py?ref=main").await;
         use base64::Engine;
-        let raw = base64::engine::general_purpose::STANDARD.decode(v["content"].as_str().unwrap_or_default()).unwrap_or_default();
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(v["content"].as_str().unwrap_or_default())
+            .unwrap_or_default();
         String::from_utf8(raw).unwrap_or_default()
     };
     assert!(original.contains("/ 0\n"));
 
     // first attempt still broken: pending then failure naming what failed
-    let bad = f.commit("loams/r-1", "src/checkout.py", &original.replace("/ 0\n", "/ 10\n")).await;
+    let bad = f
+        .commit(
+            "loams/r-1",
+            "src/checkout.py",
+            &original.replace("/ 0\n", "/ 10\n"),
+        )
+        .await;
     let first = f.status(&bad).await;
     assert_eq!(first["state"], "pending");
     assert_eq!(first["statuses"][0]["status"], "pending");
     let failed = settle(&f, &bad).await;
     assert_eq!(failed["state"], "failure");
     assert_eq!(failed["statuses"][0]["context"], "loams-ci");
-    assert!(failed["statuses"][0]["description"].as_str().unwrap_or_default().contains("percent / 100"), "{failed}");
+    assert!(
+        failed["statuses"][0]["description"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("percent / 100"),
+        "{failed}"
+    );
     // second attempt fixes it
-    let good = f.commit("loams/r-1", "src/checkout.py", &original.replace("/ 0\n", "/ 100\n")).await;
+    let good = f
+        .commit(
+            "loams/r-1",
+            "src/checkout.py",
+            &original.replace("/ 0\n", "/ 100\n"),
+        )
+        .await;
     assert_eq!(f.status(&good).await["state"], "pending");
     assert_eq!(settle(&f, &good).await["state"], "success");
     assert_eq!(f.status("loams%2Fr-1").await["sha"], good.as_str());
@@ -316,7 +516,12 @@ async fn forgejo_ci_pr_merge_and_production() {
     let (s, diff) = f.get(&format!("/git/commits/{good}.diff")).await;
     assert_eq!(s, 200);
     let diff = diff.as_str().unwrap_or_default().to_string();
-    assert!(diff.contains("-    return price - price * percent / 10\n+    return price - price * percent / 100\n"), "{diff}");
+    assert!(
+        diff.contains(
+            "-    return price - price * percent / 10\n+    return price - price * percent / 100\n"
+        ),
+        "{diff}"
+    );
 
     // PR, duplicate PR 409, merge
     let (s, pr) = f.post("/pulls", json!({"head": "loams/r-1", "base": "main", "title": "Fix discount", "body": "fixes #42"})).await;
@@ -324,7 +529,12 @@ async fn forgejo_ci_pr_merge_and_production() {
     let number = pr["number"].as_u64().unwrap_or_default();
     assert_eq!(pr["head"]["sha"], good.as_str());
     assert_eq!(pr["mergeable"], true);
-    let (s, _) = f.post("/pulls", json!({"head": "loams/r-1", "base": "main", "title": "again"})).await;
+    let (s, _) = f
+        .post(
+            "/pulls",
+            json!({"head": "loams/r-1", "base": "main", "title": "again"}),
+        )
+        .await;
     assert_eq!(s, 409);
     let (s, open) = f.get("/pulls?state=open").await;
     assert_eq!((s, open.as_array().map(Vec::len)), (200, Some(1)));
@@ -334,17 +544,35 @@ async fn forgejo_ci_pr_merge_and_production() {
     let before = counts(&sb).await;
     assert!(before.producing);
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let (s, _) = f.post(&format!("/pulls/{number}/merge"), json!({"Do": "merge", "head_commit_id": "0000000"})).await;
+    let (s, _) = f
+        .post(
+            &format!("/pulls/{number}/merge"),
+            json!({"Do": "merge", "head_commit_id": "0000000"}),
+        )
+        .await;
     assert_eq!(s, 409, "a stale head must not merge");
-    let (s, v) = f.post(&format!("/pulls/{number}/merge"), json!({"Do": "merge", "head_commit_id": good, "delete_branch_after_merge": true})).await;
+    let (s, v) = f
+        .post(
+            &format!("/pulls/{number}/merge"),
+            json!({"Do": "merge", "head_commit_id": good, "delete_branch_after_merge": true}),
+        )
+        .await;
     assert_eq!(s, 200, "{v}");
     let (s, _) = f.get(&format!("/pulls/{number}/merge")).await;
     assert_eq!(s, 204);
     let (_, merged) = f.get(&format!("/pulls/{number}")).await;
-    assert_eq!((merged["state"].clone(), merged["merged"].clone()), (json!("closed"), json!(true)));
-    let merge_sha = merged["merge_commit_sha"].as_str().unwrap_or_default().to_string();
+    assert_eq!(
+        (merged["state"].clone(), merged["merged"].clone()),
+        (json!("closed"), json!(true))
+    );
+    let merge_sha = merged["merge_commit_sha"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     assert_eq!(merge_sha.len(), 40);
-    let (s, _) = f.post(&format!("/pulls/{number}/merge"), json!({"Do": "merge"})).await;
+    let (s, _) = f
+        .post(&format!("/pulls/{number}/merge"), json!({"Do": "merge"}))
+        .await;
     assert_eq!(s, 405, "already merged");
     let (s, _) = f.get("/branches/loams/r-1").await;
     assert_eq!(s, 404, "head branch deleted after merge");
@@ -359,10 +587,19 @@ async fn forgejo_ci_pr_merge_and_production() {
 
     // the merge diff against the old main is the fix
     let (_, d) = f.get(&format!("/git/commits/{merge_sha}.diff")).await;
-    assert!(d.as_str().unwrap_or_default().contains("+    return price - price * percent / 100\n"));
+    assert!(
+        d.as_str()
+            .unwrap_or_default()
+            .contains("+    return price - price * percent / 100\n")
+    );
 
     // auth and unknown ids
-    let r = client().get(format!("{}/pulls", f.api)).header("Authorization", "token wrong").send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = client()
+        .get(format!("{}/pulls", f.api))
+        .header("Authorization", "token wrong")
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 401);
     assert!(json_of(r).await["message"].is_string());
     let (s, v) = f.get("/pulls/999").await;
@@ -372,27 +609,52 @@ async fn forgejo_ci_pr_merge_and_production() {
     assert_eq!(s, 404);
 
     // closing a PR answers 201 and shows it closed
-    let (s, _) = f.post("/branches", json!({"new_branch_name": "loams/r-2"})).await;
+    let (s, _) = f
+        .post("/branches", json!({"new_branch_name": "loams/r-2"}))
+        .await;
     assert_eq!(s, 201);
-    f.commit("loams/r-2", "README.md", "# shop\n\nchanged\n").await;
-    let (s, pr2) = f.post("/pulls", json!({"head": "acme:loams/r-2", "base": "main", "title": "Docs"})).await;
+    f.commit("loams/r-2", "README.md", "# shop\n\nchanged\n")
+        .await;
+    let (s, pr2) = f
+        .post(
+            "/pulls",
+            json!({"head": "acme:loams/r-2", "base": "main", "title": "Docs"}),
+        )
+        .await;
     assert_eq!(s, 201, "{pr2}");
-    let (s, closed) = f.send(reqwest::Method::PATCH, &format!("/pulls/{}", pr2["number"]), Some(json!({"state": "closed"}))).await;
-    assert_eq!((s, closed["state"].clone(), closed["merged"].clone()), (201, json!("closed"), json!(false)));
-    let (s, _) = f.send(reqwest::Method::DELETE, "/branches/loams/r-2", None).await;
+    let (s, closed) = f
+        .send(
+            reqwest::Method::PATCH,
+            &format!("/pulls/{}", pr2["number"]),
+            Some(json!({"state": "closed"})),
+        )
+        .await;
+    assert_eq!(
+        (s, closed["state"].clone(), closed["merged"].clone()),
+        (201, json!("closed"), json!(false))
+    );
+    let (s, _) = f
+        .send(reqwest::Method::DELETE, "/branches/loams/r-2", None)
+        .await;
     assert_eq!(s, 204);
 
     // responses stay inside the official definitions
     if let Some(spec) = spec("forgejo/forgejo-swagger.v1.json") {
         let d = &spec["definitions"];
-        for (name, obj) in [("PullRequest", &merged), ("CombinedStatus", &failed), ("CommitStatus", &failed["statuses"][0])] {
+        for (name, obj) in [
+            ("PullRequest", &merged),
+            ("CombinedStatus", &failed),
+            ("CommitStatus", &failed["statuses"][0]),
+        ] {
             conforms(obj, &d[name], true).unwrap_or_else(|e| panic!("{name}: {e}"));
         }
         let (_, contents) = f.get("/contents/README.md").await;
-        conforms(&contents, &d["ContentsResponse"], true).unwrap_or_else(|e| panic!("ContentsResponse: {e}"));
+        conforms(&contents, &d["ContentsResponse"], true)
+            .unwrap_or_else(|e| panic!("ContentsResponse: {e}"));
         let (_, branch) = f.get("/branches/main").await;
         conforms(&branch, &d["Branch"], true).unwrap_or_else(|e| panic!("Branch: {e}"));
-        conforms(&branch["commit"], &d["PayloadCommit"], true).unwrap_or_else(|e| panic!("PayloadCommit: {e}"));
+        conforms(&branch["commit"], &d["PayloadCommit"], true)
+            .unwrap_or_else(|e| panic!("PayloadCommit: {e}"));
     }
     sb.shutdown().await;
 }
@@ -403,32 +665,90 @@ async fn glitchtip_events_follow_production_and_control() {
     config.glitchtip.event_interval_ms = 10;
     let sb = start(config).await;
     let i = sb.info();
-    let url = format!("{}/api/0/issues/{}/", sb.urls().glitchtip, i.glitchtip_issue_id);
+    let url = format!(
+        "{}/api/0/issues/{}/",
+        sb.urls().glitchtip,
+        i.glitchtip_issue_id
+    );
     let auth = format!("Bearer {}", i.tokens.glitchtip_token);
     tokio::time::sleep(Duration::from_millis(45)).await;
 
-    let issue = json_of(client().get(&url).header("Authorization", &auth).send().await.unwrap_or_else(|e| panic!("{e}"))).await;
+    let issue = json_of(
+        client()
+            .get(&url)
+            .header("Authorization", &auth)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .await;
     assert_eq!(issue["id"], "42");
-    let count: u64 = issue["count"].as_str().and_then(|c| c.parse().ok()).unwrap_or_default();
+    let count: u64 = issue["count"]
+        .as_str()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_default();
     assert!(count >= 4, "{issue}");
     assert_eq!(issue["status"], "unresolved");
 
-    let r = client().get(format!("{url}events/?limit=2")).header("Authorization", &auth).send().await.unwrap_or_else(|e| panic!("{e}"));
-    assert!(r.headers().get("link").and_then(|l| l.to_str().ok()).is_some_and(|l| l.contains("rel=\"next\"; results=\"true\"")));
+    let r = client()
+        .get(format!("{url}events/?limit=2"))
+        .header("Authorization", &auth)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        r.headers()
+            .get("link")
+            .and_then(|l| l.to_str().ok())
+            .is_some_and(|l| l.contains("rel=\"next\"; results=\"true\""))
+    );
     let events = json_of(r).await;
     let list = events.as_array().cloned().unwrap_or_default();
     assert_eq!(list.len(), 2);
-    assert!(list[0]["dateCreated"].as_str() > list[1]["dateCreated"].as_str(), "newest first");
-    let next = json_of(client().get(format!("{url}events/?limit=2&cursor=2:0:0")).header("Authorization", &auth).send().await.unwrap_or_else(|e| panic!("{e}"))).await;
+    assert!(
+        list[0]["dateCreated"].as_str() > list[1]["dateCreated"].as_str(),
+        "newest first"
+    );
+    let next = json_of(
+        client()
+            .get(format!("{url}events/?limit=2&cursor=2:0:0"))
+            .header("Authorization", &auth)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .await;
     assert_ne!(next[0]["eventID"], list[0]["eventID"]);
 
     // stop production by control endpoint; resolve sticks
-    let r = client().post(format!("{}/_sandbox/glitchtip/producing", sb.urls().glitchtip)).json(&json!({"mode": "off"})).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = client()
+        .post(format!(
+            "{}/_sandbox/glitchtip/producing",
+            sb.urls().glitchtip
+        ))
+        .json(&json!({"mode": "off"}))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(json_of(r).await["producing"], false);
-    let r = client().put(&url).header("Authorization", &auth).json(&json!({"status": "resolved"})).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = client()
+        .put(&url)
+        .header("Authorization", &auth)
+        .json(&json!({"status": "resolved"}))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 200);
     tokio::time::sleep(Duration::from_millis(30)).await;
-    let issue = json_of(client().get(&url).header("Authorization", &auth).send().await.unwrap_or_else(|e| panic!("{e}"))).await;
+    let issue = json_of(
+        client()
+            .get(&url)
+            .header("Authorization", &auth)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .await;
     assert_eq!(issue["status"], "resolved");
     let frozen = counts(&sb).await.events;
     tokio::time::sleep(Duration::from_millis(30)).await;
@@ -439,24 +759,46 @@ async fn glitchtip_events_follow_production_and_control() {
         panic!("{e}");
     }
     tokio::time::sleep(Duration::from_millis(30)).await;
-    let issue = json_of(client().get(&url).header("Authorization", &auth).send().await.unwrap_or_else(|e| panic!("{e}"))).await;
+    let issue = json_of(
+        client()
+            .get(&url)
+            .header("Authorization", &auth)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .await;
     assert_eq!(issue["status"], "unresolved");
     assert!(counts(&sb).await.events > frozen);
 
-    let r = client().get(&url).header("Authorization", "Bearer nope").send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = client()
+        .get(&url)
+        .header("Authorization", "Bearer nope")
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 401);
     assert_eq!(json_of(r).await["detail"], "Unauthorized");
-    let r = client().get(format!("{}/api/0/issues/7/", sb.urls().glitchtip)).header("Authorization", &auth).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = client()
+        .get(format!("{}/api/0/issues/7/", sb.urls().glitchtip))
+        .header("Authorization", &auth)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 404);
 
     let alert = sb.alert_payload();
-    let link = alert["attachments"][0]["title_link"].as_str().unwrap_or_default();
+    let link = alert["attachments"][0]["title_link"]
+        .as_str()
+        .unwrap_or_default();
     assert!(link.ends_with("/acme/issues/42"), "{link}");
 
     if let Some(spec) = spec("glitchtip/glitchtip-openapi.json") {
         let s = &spec["components"]["schemas"];
-        conforms(&issue, &s["IssueDetailSchema"], true).unwrap_or_else(|e| panic!("IssueDetailSchema: {e}"));
-        conforms(&list[0], &s["IssueEventSchema"], true).unwrap_or_else(|e| panic!("IssueEventSchema: {e}"));
+        conforms(&issue, &s["IssueDetailSchema"], true)
+            .unwrap_or_else(|e| panic!("IssueDetailSchema: {e}"));
+        conforms(&list[0], &s["IssueEventSchema"], true)
+            .unwrap_or_else(|e| panic!("IssueEventSchema: {e}"));
     }
     sb.shutdown().await;
 }
@@ -473,15 +815,30 @@ async fn openpanel_chart_counts_production_errors() {
             .get(format!("{}/export/charts", sb.urls().openpanel))
             .header("openpanel-client-id", &i.tokens.openpanel_client_id)
             .header("openpanel-client-secret", &i.tokens.openpanel_client_secret)
-            .query(&[("projectId", i.openpanel_project_id.as_str()), ("series", series), ("interval", "minute"), ("range", "30min")])
+            .query(&[
+                ("projectId", i.openpanel_project_id.as_str()),
+                ("series", series),
+                ("interval", "minute"),
+                ("range", "30min"),
+            ])
             .send()
     };
-    let chart = json_of(get(r#"[{"name":"checkout_error"},{"name":"page_view"}]"#).await.unwrap_or_else(|e| panic!("{e}"))).await;
+    let chart = json_of(
+        get(r#"[{"name":"checkout_error"},{"name":"page_view"}]"#)
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .await;
     let s0 = &chart["series"][0];
     assert_eq!(s0["names"], json!(["checkout_error"]));
     let sum = s0["metrics"]["sum"].as_u64().unwrap_or_default();
     assert!(sum >= 4, "{chart}");
-    let data_sum: u64 = s0["data"].as_array().into_iter().flatten().filter_map(|d| d["count"].as_u64()).sum();
+    let data_sum: u64 = s0["data"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| d["count"].as_u64())
+        .sum();
     assert_eq!(data_sum, sum);
     assert!(s0["data"].as_array().map(Vec::len).unwrap_or_default() >= 30);
     assert_eq!(chart["series"][1]["metrics"]["sum"], 0);
@@ -489,7 +846,14 @@ async fn openpanel_chart_counts_production_errors() {
 
     let r = get("not json").await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 400);
-    let r = client().get(format!("{}/export/charts?projectId=shop", sb.urls().openpanel)).send().await.unwrap_or_else(|e| panic!("{e}"));
+    let r = client()
+        .get(format!(
+            "{}/export/charts?projectId=shop",
+            sb.urls().openpanel
+        ))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 401);
     assert_eq!(json_of(r).await["error"], "Unauthorized");
     sb.shutdown().await;
@@ -498,20 +862,37 @@ async fn openpanel_chart_counts_production_errors() {
 #[tokio::test]
 async fn state_survives_a_restart_from_the_state_file() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let mut config = SandboxConfig { state_file: Some(dir.path().join("sandbox.json")), ..SandboxConfig::default() };
-    config.ci = CiCheck { rules: vec![CiRule { path: "README.md".into(), must_contain: vec!["ok".into()], must_not_contain: vec![] }], delay_ms: 0 };
+    let mut config = SandboxConfig {
+        state_file: Some(dir.path().join("sandbox.json")),
+        ..SandboxConfig::default()
+    };
+    config.ci = CiCheck {
+        rules: vec![CiRule {
+            path: "README.md".into(),
+            must_contain: vec!["ok".into()],
+            must_not_contain: vec![],
+        }],
+        delay_ms: 0,
+    };
     let sb = start(config.clone()).await;
     let t = sb.tokens().clone();
     let r = client()
         .post(format!("{}/api/v1/messages", sb.urls().zulip))
         .basic_auth(&t.zulip_email, Some(&t.zulip_api_key))
-        .form(&[("type", "stream"), ("to", "factory"), ("topic", "t"), ("content", "kept")])
+        .form(&[
+            ("type", "stream"),
+            ("to", "factory"),
+            ("topic", "t"),
+            ("content", "kept"),
+        ])
         .send()
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 200);
     let f = Forgejo::new(&sb);
-    let (s, _) = f.post("/branches", json!({"new_branch_name": "keep"})).await;
+    let (s, _) = f
+        .post("/branches", json!({"new_branch_name": "keep"}))
+        .await;
     assert_eq!(s, 201);
     sb.shutdown().await;
 
@@ -519,7 +900,9 @@ async fn state_survives_a_restart_from_the_state_file() {
     let n = counts(&sb).await;
     assert_eq!((n.messages, n.branches), (1, 2));
     let f = Forgejo::new(&sb);
-    let (s, _) = f.post("/branches", json!({"new_branch_name": "keep"})).await;
+    let (s, _) = f
+        .post("/branches", json!({"new_branch_name": "keep"}))
+        .await;
     assert_eq!(s, 409, "the branch came back from the state file");
     sb.shutdown().await;
 }
@@ -533,7 +916,9 @@ async fn oversized_bodies_are_refused() {
         .post(format!("{}/contents", f.api))
         .header("Authorization", format!("token {}", f.token))
         .header("content-type", "application/json")
-        .body(format!("{{\"files\":[{{\"operation\":\"create\",\"path\":\"big\",\"content\":\"{huge}\"}}]}}"))
+        .body(format!(
+            "{{\"files\":[{{\"operation\":\"create\",\"path\":\"big\",\"content\":\"{huge}\"}}]}}"
+        ))
         .send()
         .await
         .unwrap_or_else(|e| panic!("{e}"));

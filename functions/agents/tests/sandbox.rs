@@ -1,0 +1,185 @@
+//! The agents against the real sandbox apps (loams-sandbox), through the `Skills` trait as the A2A server calls them.
+
+use loams_a2a::Skills;
+use loams_agents::*;
+use loams_sandbox::{Sandbox, SandboxConfig, SandboxHandle, SandboxInfo};
+use serde_json::{Value, json};
+
+async fn sandbox() -> (SandboxHandle, SandboxInfo) {
+    let handle = Sandbox::start(SandboxConfig::default()).await.unwrap();
+    let info = handle.info();
+    (handle, info)
+}
+
+async fn ok(agent: &dyn Skills, skill: &str, args: Value) -> Value {
+    match agent.invoke(skill, args.clone()).await {
+        Ok(v) => v,
+        Err(e) => panic!("{skill}({args}) failed: {e:?}"),
+    }
+}
+
+fn zulip(info: &SandboxInfo) -> ZulipAgent {
+    ZulipAgent::new(&ZulipConfig::new(&info.urls.zulip, &info.tokens.zulip_email, &info.tokens.zulip_api_key)).unwrap()
+}
+
+fn plane(info: &SandboxInfo) -> PlaneAgent {
+    let mut cfg = PlaneConfig::new(&info.urls.plane, &info.tokens.plane_api_key, &info.plane_workspace, &info.plane_project_id);
+    cfg.project_identifier = Some("OPS".into());
+    PlaneAgent::new(&cfg).unwrap()
+}
+
+fn forgejo(info: &SandboxInfo) -> ForgejoAgent {
+    let mut cfg = ForgejoConfig::new(&info.urls.forgejo, &info.tokens.forgejo_token, &info.forgejo_owner, &info.forgejo_repo);
+    cfg.base_branch = info.forgejo_base.clone();
+    ForgejoAgent::new(&cfg).unwrap()
+}
+
+#[tokio::test]
+async fn zulip_post_and_read_a_topic() {
+    let (sb, info) = sandbox().await;
+    let agent = zulip(&info);
+    let channel = info.zulip_channel.clone();
+    let first = ok(&agent, "post", json!({"channel": channel, "topic": "checkout 500s", "content": "Investigating"})).await;
+    let second = ok(&agent, "post", json!({"channel": channel, "topic": "checkout 500s", "content": "PR **#1** opened"})).await;
+    assert_ne!(first["message_id"], second["message_id"]);
+    ok(&agent, "post", json!({"channel": channel, "topic": "other", "content": "noise"})).await;
+    let read = ok(&agent, "read", json!({"channel": channel, "topic": "checkout 500s"})).await;
+    let messages = read["messages"].as_array().unwrap();
+    let contents: Vec<&str> = messages.iter().map(|m| m["content"].as_str().unwrap()).collect();
+    assert_eq!(contents, ["Investigating", "PR **#1** opened"]);
+    assert_eq!(messages[0]["id"], first["message_id"]);
+    assert_eq!(messages[0]["sender"], json!(info.tokens.zulip_email));
+
+    let err = agent.invoke("post", json!({"channel": "no-such-channel", "topic": "t", "content": "x"})).await.unwrap_err();
+    assert!(!err.retryable, "{err:?}");
+    let err = agent.invoke("post", json!({"channel": channel, "topic": "t"})).await.unwrap_err();
+    assert!(!err.retryable && err.message.contains("content"), "{err:?}");
+
+    // Wrong credentials: a permanent error that does not echo the key.
+    let bad = ZulipAgent::new(&ZulipConfig::new(&info.urls.zulip, &info.tokens.zulip_email, "wrong-key-123")).unwrap();
+    let err = bad.invoke("read", json!({"channel": channel, "topic": "t"})).await.unwrap_err();
+    assert!(!err.retryable && err.message.contains("401") && !err.message.contains("wrong-key-123"), "{err:?}");
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn plane_create_is_create_if_absent_then_comment_and_state() {
+    let (sb, info) = sandbox().await;
+    let agent = plane(&info);
+    let args = json!({"external_id": "factory:r-0123456789abcdef", "title": "checkout 500s", "description": "ZeroDivisionError <in> checkout"});
+    let first = ok(&agent, "create_issue", args.clone()).await;
+    assert_eq!(first["created"], json!(true));
+    assert!(first["key"].as_str().unwrap().starts_with("OPS-"), "{first}");
+    assert!(first["url"].as_str().unwrap().ends_with(&format!("/acme/browse/{}/", first["key"].as_str().unwrap())));
+    let again = ok(&agent, "create_issue", args).await;
+    assert_eq!(again["created"], json!(false));
+    assert_eq!((&again["id"], &again["key"]), (&first["id"], &first["key"]));
+    let other = ok(&agent, "create_issue", json!({"external_id": "factory:r-other", "title": "x"})).await;
+    assert_ne!(other["id"], first["id"]);
+
+    let id = first["id"].as_str().unwrap();
+    let c = ok(&agent, "comment", json!({"issue_id": id, "body": "Fix proposed"})).await;
+    assert!(c["id"].as_str().is_some_and(|s| !s.is_empty()));
+    let s = ok(&agent, "set_state", json!({"issue_id": id, "state": "completed"})).await;
+    assert_eq!(s["state"], json!("completed"));
+    let err = agent.invoke("set_state", json!({"issue_id": id, "state": "done"})).await.unwrap_err();
+    assert!(!err.retryable);
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn forgejo_patch_pr_ci_merge_flow() {
+    let (sb, info) = sandbox().await;
+    let agent = forgejo(&info);
+    let base = info.forgejo_base.clone();
+    let read = ok(&agent, "read_files", json!({"paths": ["src/checkout.py", "missing.txt"], "ref": base})).await;
+    let original = read["files"][0]["content"].as_str().unwrap().to_string();
+    assert!(original.contains("def apply_discount"));
+    assert_eq!(read["files"][1], json!({"path": "missing.txt", "content": null}));
+
+    let fixed = original.replace("/ 0", "/ 100");
+    let branch = "factory/r-0123456789abcdef";
+    let patch = json!({"branch": branch, "base": base, "message": "Fix division", "files": [{"path": "src/checkout.py", "content": fixed}]});
+    let c1 = ok(&agent, "commit_patch", patch.clone()).await;
+    // Repeating the same patch makes no new commit.
+    let c2 = ok(&agent, "commit_patch", patch).await;
+    assert_eq!(c1["sha"], c2["sha"]);
+    let on_branch = ok(&agent, "read_files", json!({"paths": ["src/checkout.py"], "ref": branch})).await;
+    assert_eq!(on_branch["files"][0]["content"], json!(fixed));
+    let to_base = agent.invoke("commit_patch", json!({"branch": base, "base": base, "message": "x", "files": [{"path": "a", "content": "b"}]})).await;
+    assert!(to_base.is_err_and(|e| !e.retryable));
+
+    let pr_args = json!({"branch": branch, "base": base, "title": "Fix checkout", "body": "Divides by 100", "draft": true});
+    let pr = ok(&agent, "open_pr", pr_args.clone()).await;
+    assert_eq!(pr["head_sha"], c1["sha"]);
+    let pr2 = ok(&agent, "open_pr", pr_args).await;
+    assert_eq!(pr2["number"], pr["number"]);
+    let number = pr["number"].as_u64().unwrap();
+
+    let ci = ok(&agent, "ci_status", json!({"sha": c1["sha"]})).await;
+    assert!(["pending", "success", "failure", "error"].contains(&ci["state"].as_str().unwrap()), "{ci}");
+
+    let wrong = agent.invoke("merge", json!({"number": number, "head_sha": "0000000000000000000000000000000000000000"})).await;
+    assert!(wrong.is_err_and(|e| !e.retryable && e.message.contains("approved")));
+    let merged = ok(&agent, "merge", json!({"number": number, "head_sha": c1["sha"]})).await;
+    let merge_sha = merged["merge_sha"].as_str().unwrap().to_string();
+    let again = ok(&agent, "merge", json!({"number": number, "head_sha": c1["sha"]})).await;
+    assert_eq!(again["merge_sha"], json!(merge_sha));
+    let after = ok(&agent, "read_files", json!({"paths": ["src/checkout.py"]})).await;
+    assert_eq!(after["files"][0]["content"], json!(fixed));
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn forgejo_close_pr_deletes_its_branch() {
+    let (sb, info) = sandbox().await;
+    let agent = forgejo(&info);
+    let base = info.forgejo_base.clone();
+    let branch = "factory/r-close";
+    ok(&agent, "commit_patch", json!({"branch": branch, "base": base, "message": "m", "files": [{"path": "NOTES.md", "content": "n"}]})).await;
+    let pr = ok(&agent, "open_pr", json!({"branch": branch, "base": base, "title": "t", "body": ""})).await;
+    let number = pr["number"].as_u64().unwrap();
+    let wrong = agent.invoke("close_pr", json!({"number": number, "branch": "factory/other"})).await;
+    assert!(wrong.is_err_and(|e| !e.retryable));
+    assert_eq!(ok(&agent, "close_pr", json!({"number": number, "branch": branch})).await, json!({"closed": true}));
+    // Repeat is fine (already closed, branch already gone).
+    assert_eq!(ok(&agent, "close_pr", json!({"number": number, "branch": branch})).await, json!({"closed": true}));
+    let gone = ok(&agent, "read_files", json!({"paths": ["NOTES.md"], "ref": branch})).await;
+    assert_eq!(gone["files"][0]["content"], json!(null));
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn glitchtip_counts_events_and_resolves() {
+    let (sb, info) = sandbox().await;
+    let agent = GlitchTipAgent::new(&GlitchTipConfig::new(&info.urls.glitchtip, &info.tokens.glitchtip_token, &info.glitchtip_org)).unwrap();
+    let id = info.glitchtip_issue_id.to_string();
+    let all = ok(&agent, "issue_events", json!({"issue_id": id, "since_ms": 0})).await;
+    let total = all["count"].as_u64().unwrap();
+    assert!(total > 0, "{all}");
+    let last = all["last_seen_ms"].as_i64().unwrap();
+    let recent = ok(&agent, "issue_events", json!({"issue_id": id, "since_ms": last + 1})).await;
+    assert!(recent["count"].as_u64().unwrap() < total.max(1), "{recent}");
+    let r = ok(&agent, "resolve", json!({"issue_id": info.glitchtip_issue_id})).await;
+    assert_eq!(r["status"], json!("resolved"));
+    let missing = agent.invoke("resolve", json!({"issue_id": 999_999})).await.unwrap_err();
+    assert!(!missing.retryable, "{missing:?}");
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn analytics_series_counts_days() {
+    let (sb, info) = sandbox().await;
+    let cfg = AnalyticsConfig::new(&info.urls.openpanel, &info.tokens.openpanel_client_id, &info.tokens.openpanel_client_secret, &info.openpanel_project_id);
+    let agent = AnalyticsAgent::new(&cfg).unwrap();
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64 - 3 * 86_400_000;
+    let s = ok(&agent, "series", json!({"event": "checkout_error", "since_ms": since})).await;
+    let points = s["points"].as_array().unwrap();
+    assert!((3..=4).contains(&points.len()), "{s}");
+    let sum: f64 = points.iter().map(|p| p["count"].as_f64().unwrap()).sum();
+    assert_eq!(s["total"].as_f64().unwrap(), sum);
+    let bad = AnalyticsAgent::new(&AnalyticsConfig { client_secret: "nope".into(), ..cfg }).unwrap();
+    let err = bad.invoke("series", json!({"event": "x", "since_ms": since})).await.unwrap_err();
+    assert!(!err.retryable && err.message.contains("401"), "{err:?}");
+    sb.shutdown().await;
+}
