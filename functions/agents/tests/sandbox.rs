@@ -39,7 +39,10 @@ async fn zulip_post_and_read_a_topic() {
     let (sb, info) = sandbox().await;
     let agent = zulip(&info);
     let channel = info.zulip_channel.clone();
-    let first = ok(&agent, "post", json!({"channel": channel, "topic": "checkout 500s", "content": "Investigating"})).await;
+    let first = ok(&agent, "open_thread", json!({"channel": channel, "topic": "checkout 500s", "content": "Investigating"})).await;
+    let url = first["url"].as_str().unwrap();
+    assert!(url.starts_with(&format!("{}/#narrow/channel/", info.urls.zulip)), "{url}");
+    assert!(url.ends_with(&format!("/topic/checkout.20500s/near/{}", first["message_id"])), "{url}");
     let second = ok(&agent, "post", json!({"channel": channel, "topic": "checkout 500s", "content": "PR **#1** opened"})).await;
     assert_ne!(first["message_id"], second["message_id"]);
     ok(&agent, "post", json!({"channel": channel, "topic": "other", "content": "noise"})).await;
@@ -118,6 +121,13 @@ async fn forgejo_patch_pr_ci_merge_flow() {
 
     let ci = ok(&agent, "ci_status", json!({"sha": c1["sha"]})).await;
     assert!(["pending", "success", "failure", "error"].contains(&ci["state"].as_str().unwrap()), "{ci}");
+
+    // A draft (WIP) PR cannot be merged: the server refuses, and the error is permanent.
+    let wip = agent.invoke("merge", json!({"number": number, "head_sha": c1["sha"]})).await;
+    assert!(wip.is_err_and(|e| !e.retryable && e.message.contains("405")));
+    // Open-or-update: the same branch without draft updates the title of the same PR.
+    let ready = ok(&agent, "open_pr", json!({"branch": branch, "base": base, "title": "Fix checkout", "body": "Divides by 100"})).await;
+    assert_eq!(ready["number"], pr["number"]);
 
     let wrong = agent.invoke("merge", json!({"number": number, "head_sha": "0000000000000000000000000000000000000000"})).await;
     assert!(wrong.is_err_and(|e| !e.retryable && e.message.contains("approved")));

@@ -7,7 +7,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use aws_lc_rs::rand::{SecureRandom, SystemRandom};
-use aws_lc_rs::signature::{ECDSA_P256_SHA256_FIXED_SIGNING, EcdsaKeyPair};
+use aws_lc_rs::signature::{ECDSA_P256_SHA256_FIXED_SIGNING, EcdsaKeyPair, KeyPair};
 use jsonwebtoken::jwk::{Jwk, JwkSet, PublicKeyUse};
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
@@ -55,13 +55,24 @@ pub struct Issuer {
 
 impl Issuer {
     pub fn generate(iss: impl Into<String>, aud: impl Into<String>) -> Result<Self, ApiError> {
-        let rng = SystemRandom::new();
-        let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng)
-            .map_err(|_| ApiError::Internal("generating the issuer key failed".into()))?;
-        let key = EncodingKey::from_ec_der(pkcs8.as_ref());
-        let mut kid_bytes = [0u8; 8];
-        rng.fill(&mut kid_bytes).map_err(|_| ApiError::Internal("random kid".into()))?;
-        let kid = hex::encode(kid_bytes);
+        Self::from_pkcs8(&Self::generate_pkcs8()?, iss, aud)
+    }
+
+    /// A new P-256 private key (PKCS#8 DER), for an issuer whose key must outlive the process.
+    pub fn generate_pkcs8() -> Result<Vec<u8>, ApiError> {
+        EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &SystemRandom::new())
+            .map(|doc| doc.as_ref().to_vec())
+            .map_err(|_| ApiError::Internal("generating the issuer key failed".into()))
+    }
+
+    /// The issuer over a stored P-256 key. The key id is derived from the public key, so it is the same after a
+    /// restart and tokens issued before it stay valid.
+    pub fn from_pkcs8(pkcs8: &[u8], iss: impl Into<String>, aud: impl Into<String>) -> Result<Self, ApiError> {
+        let pair = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8)
+            .map_err(|_| ApiError::Internal("the issuer key is not a P-256 PKCS#8 key".into()))?;
+        let thumb = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, pair.public_key().as_ref());
+        let kid = hex::encode(&thumb.as_ref()[..8]);
+        let key = EncodingKey::from_ec_der(pkcs8);
         let mut jwk = Jwk::from_encoding_key(&key, Algorithm::ES256)
             .map_err(|e| ApiError::Internal(format!("issuer JWK: {e}")))?;
         jwk.common.key_id = Some(kid.clone());

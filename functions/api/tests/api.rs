@@ -222,6 +222,13 @@ async fn calls_without_a_valid_token_are_unauthenticated() {
     // The JWKS is served for other verifiers.
     let jwks: serde_json::Value = reqwest::get(format!("{}/.well-known/jwks.json", env.base)).await.unwrap().json().await.unwrap();
     assert_eq!(jwks["keys"][0]["kty"], "EC");
+    // A verifier elsewhere fetches that JWKS and accepts the issuer's tokens, for the configured iss/aud only.
+    let fetched = loams_api::Verifier::fetch(&format!("{}/.well-known/jwks.json", env.base), ISS, AUD).await.unwrap();
+    let token = env.issuer.issue("alice", "acme", "", jsonwebtoken::get_current_timestamp(), 600).unwrap();
+    assert_eq!(fetched.verify(&token).await.unwrap().org, "acme");
+    let other_aud = loams_api::Verifier::fetch(&format!("{}/.well-known/jwks.json", env.base), ISS, "other").await.unwrap();
+    assert!(other_aud.verify(&token).await.is_err());
+    assert!(loams_api::Verifier::fetch(&format!("{}/nope", env.base), ISS, AUD).await.is_err());
 }
 
 #[tokio::test]

@@ -634,7 +634,7 @@ impl Run {
             return g
                 .approval_id
                 .is_none()
-                .then(|| Effect::RequestApproval { step: g.request.id.clone(), approval: g.request.clone() });
+                .then(|| Effect::RequestApproval { step: g.request.id.clone(), approval: Box::new(g.request.clone()) });
         }
         let mut effect = self.planned()?;
         if let Effect::Call { agent, skill, .. } = &effect {

@@ -41,6 +41,15 @@ enum Command {
         #[arg(long)]
         sandbox_state: Option<PathBuf>,
     },
+    /// Print a bearer token of the dev issuer (the key in the data directory) for a user.
+    Token {
+        #[arg(long, env = "LOAMS_CONFIG")]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        #[arg(long)]
+        user: String,
+    },
     /// Run only the sandbox apps (fake Zulip, Plane, Forgejo, GlitchTip, OpenPanel) and print their URLs as JSON.
     Sandbox {
         /// File the sandbox keeps its state in, so it survives restarts.
@@ -83,6 +92,15 @@ fn main() -> ExitCode {
                 }
                 config.validate()?;
                 stack::dev(config, sandbox_state).await
+            }
+            Command::Token { config, data_dir, user } => {
+                let mut config = config::Config::load(config.as_deref())?;
+                if let Some(dir) = data_dir {
+                    config.data_dir = dir;
+                }
+                let issuer = stack::dev_issuer(&config.data_dir)?;
+                println!("{}", stack::dev_token(&issuer, &user, &config.org)?);
+                Ok(())
             }
             Command::Sandbox { state, urls_file } => stack::sandbox_only(state, urls_file).await,
         }

@@ -2,7 +2,7 @@
 //! worker and scheduler, and the HTTP API. `loams dev` keeps it up; `loams demo` drives one run through it.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -119,7 +119,7 @@ impl Stack {
             }
         }));
 
-        let issuer = Issuer::generate(DEV_ISSUER, DEV_AUDIENCE).map_err(|e| anyhow!("dev issuer: {e}"))?;
+        let issuer = dev_issuer(&config.data_dir)?;
         let state = ApiState {
             store: store.clone(),
             queue: store.clone(),
@@ -147,8 +147,7 @@ impl Stack {
 
     /// A bearer token of the dev issuer for `user` in `org`, valid for an hour.
     pub fn token(&self, user: &str, org: &str) -> anyhow::Result<String> {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
-        self.issuer.issue(user, org, "runs approvals devices", now, 3600).map_err(|e| anyhow!("issuing a token: {e}"))
+        dev_token(&self.issuer, user, org)
     }
 
     pub async fn shutdown(self) {
@@ -157,6 +156,47 @@ impl Stack {
             let _ = task.await;
         }
     }
+}
+
+/// The dev issuer's key lives in the data directory, so tokens survive a restart of `loams dev`.
+pub fn dev_issuer(data_dir: &Path) -> anyhow::Result<Issuer> {
+    let path = data_dir.join("issuer.pk8");
+    let pkcs8 = match std::fs::read(&path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(data_dir)
+                .with_context(|| format!("setting `data_dir`: cannot create {}", data_dir.display()))?;
+            let key = Issuer::generate_pkcs8().map_err(|e| anyhow!("dev issuer: {e}"))?;
+            write_private(&path, &key)?;
+            key
+        }
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    Issuer::from_pkcs8(&pkcs8, DEV_ISSUER, DEV_AUDIENCE).map_err(|e| anyhow!("{}: {e}", path.display()))
+}
+
+/// Writes a secret readable by its owner only, whole or not at all.
+fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// A bearer token of `issuer` for `user` in `org`, valid for an hour.
+pub fn dev_token(issuer: &Issuer, user: &str, org: &str) -> anyhow::Result<String> {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
+    issuer.issue(user, org, "runs approvals devices", now, 3600).map_err(|e| anyhow!("issuing a token: {e}"))
 }
 
 /// The webhook opens runs through the worker, which owns run creation and the cooldown.

@@ -49,7 +49,8 @@ async fn kill_switch_stops_the_run_and_compensates() {
     let s = &report.sandbox_state;
     assert_eq!(count(s, "forgejo", "merges"), 0, "{s}");
     assert_eq!(count(s, "forgejo", "open_prs"), 0, "the PR is closed by compensation: {s}");
-    assert_eq!(report.approvals_decided, 0, "{out}");
+    // Closing a PR is destructive, so even compensation asks a person (the safety wall).
+    assert_eq!(report.approvals_decided, 1, "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,6 +24,13 @@ const MAX_PR_BODY_BYTES: usize = 64 * 1024;
 const MAX_BRANCH_CHARS: usize = 255;
 const DEFAULT_PAGE_LIMIT: usize = 30;
 const MAX_PAGE_LIMIT: usize = 50;
+/// Forgejo's label name column is 255 characters; its description is free text, capped here.
+const MAX_LABEL_NAME_CHARS: usize = 255;
+const MAX_LABEL_DESCRIPTION_CHARS: usize = 1024;
+/// A repository has few labels; more than this is refused rather than grown without bound.
+const MAX_LABELS: usize = 1000;
+/// Labels named in one add request.
+const MAX_LABELS_PER_REQUEST: usize = 100;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct Pull {
@@ -41,6 +48,20 @@ pub(crate) struct Pull {
     updated_ms: i64,
     closed_ms: Option<i64>,
     merged_ms: Option<i64>,
+    /// Label ids, in the order they were added.
+    #[serde(default)]
+    labels: Vec<u64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct Label {
+    id: u64,
+    name: String,
+    /// Six hex digits without `#`, as the API answers it.
+    color: String,
+    description: String,
+    exclusive: bool,
+    is_archived: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -71,6 +92,8 @@ pub(crate) struct ForgejoState {
     pub pulls: Vec<Pull>,
     pub statuses: Vec<StatusRecord>,
     pub merges: u64,
+    #[serde(default)]
+    pub labels: Vec<Label>,
 }
 
 impl ForgejoState {
@@ -86,6 +109,7 @@ impl ForgejoState {
             pulls: Vec::new(),
             statuses: Vec::new(),
             merges: 0,
+            labels: Vec::new(),
         }
     }
 
@@ -154,7 +178,15 @@ pub(crate) fn router() -> Router<Arc<Shared>> {
             &format!("{base}/commits/{{reference}}/status"),
             get(combined_status),
         )
-        .route(&format!("{base}/git/commits/{{sha}}"), get(commit_diff))
+        .route(&format!("{base}/git/commits/{{sha}}"), get(get_commit))
+        .route(
+            &format!("{base}/labels"),
+            get(list_labels).post(create_label),
+        )
+        .route(
+            &format!("{base}/issues/{{index}}/labels"),
+            get(issue_labels).post(add_issue_labels),
+        )
 }
 
 fn api_error(status: StatusCode, message: &str) -> Response {
@@ -701,7 +733,7 @@ async fn change_files(
     let sha = st
         .forgejo
         .repo
-        .add_commit(Some(&parent.sha), tree, &message, now);
+        .add_commit([Some(&parent.sha), None], tree, &message, now);
     st.forgejo.repo.branches.insert(target.clone(), sha.clone());
     st.after_commit(&shared.config, &target, &sha, now);
     if let Err(r) = persist_or_500(&shared, &st) {
@@ -772,7 +804,7 @@ fn pull_json(shared: &Shared, st: &ForgejoState, p: &Pull) -> Value {
         "user": user_json(shared),
         "title": p.title,
         "body": p.body,
-        "labels": [],
+        "labels": p.labels.iter().filter_map(|id| st.labels.iter().find(|l| l.id == *id)).map(|l| label_json(shared, l)).collect::<Vec<_>>(),
         "milestone": null,
         "assignee": null,
         "assignees": [],
@@ -888,6 +920,7 @@ async fn create_pull(
         updated_ms: now,
         closed_ms: None,
         merged_ms: None,
+        labels: Vec::new(),
     };
     let out = pull_json(&shared, &st.forgejo, &pull);
     st.forgejo.pulls.push(pull);
@@ -1162,10 +1195,12 @@ async fn merge_pull(
             m.map_or(t.clone(), |m| format!("{t}\n\n{m}"))
         }
     };
+    // `merge` and `rebase-merge` make a merge commit (base first, head second); the other styles a linear one
+    let second = matches!(body.action.as_deref(), Some("merge" | "rebase-merge")).then_some(head.sha.as_str());
     let sha = st
         .forgejo
         .repo
-        .add_commit(Some(&base.sha), head.tree.clone(), &message, now);
+        .add_commit([Some(&base.sha), second], head.tree.clone(), &message, now);
     st.forgejo.repo.branches.insert(p.base.clone(), sha.clone());
     if body.delete_branch_after_merge == Some(true) {
         st.forgejo.repo.branches.remove(&p.head);

@@ -10,6 +10,9 @@ pub(crate) type Tree = BTreeMap<String, String>;
 pub(crate) struct Commit {
     pub sha: String,
     pub parent: Option<String>,
+    /// The merged-in head of a merge commit (git's second parent); absent in state files written before merges had it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merge_parent: Option<String>,
     pub tree: Tree,
     pub message: String,
     pub time_ms: i64,
@@ -51,31 +54,32 @@ impl Repo {
             commits: BTreeMap::new(),
             branches: BTreeMap::new(),
         };
-        let sha = repo.add_commit(None, files.clone(), "Initial commit", now_ms);
+        let sha = repo.add_commit([None, None], files.clone(), "Initial commit", now_ms);
         repo.branches.insert(default_branch.into(), sha);
         repo
     }
 
-    /// Stores a commit and returns its id. The id covers parent, tree, message and time, so two commits with the
-    /// same content at different times differ, as in git.
+    /// Stores a commit with its first and (for a merge) second parent and returns its id. The id covers parents,
+    /// tree, message and time, so two commits with the same content at different times differ, as in git.
     pub fn add_commit(
         &mut self,
-        parent: Option<&str>,
+        [parent, merge_parent]: [Option<&str>; 2],
         tree: Tree,
         message: &str,
         now_ms: i64,
     ) -> String {
-        let encoded = format!(
-            "tree {}\nparent {}\ntime {now_ms}\n\n{message}",
-            tree_sha(&tree),
-            parent.unwrap_or("")
-        );
+        let mut encoded = format!("tree {}\nparent {}\n", tree_sha(&tree), parent.unwrap_or(""));
+        if let Some(second) = merge_parent {
+            encoded.push_str(&format!("parent {second}\n"));
+        }
+        encoded.push_str(&format!("time {now_ms}\n\n{message}"));
         let sha = sha1_hex(encoded.as_bytes());
         self.commits.insert(
             sha.clone(),
             Commit {
                 sha: sha.clone(),
                 parent: parent.map(str::to_owned),
+                merge_parent: merge_parent.map(str::to_owned),
                 tree,
                 message: message.into(),
                 time_ms: now_ms,
@@ -109,6 +113,16 @@ impl Repo {
         self.branches
             .get(branch)
             .and_then(|sha| self.commits.get(sha))
+    }
+
+    /// The tree of a commit's first parent; empty for a root commit. Diffs and stats compare against it, as
+    /// Forgejo does for merge commits too.
+    pub fn parent_tree(&self, c: &Commit) -> Tree {
+        c.parent
+            .as_ref()
+            .and_then(|p| self.commits.get(p))
+            .map(|p| p.tree.clone())
+            .unwrap_or_default()
     }
 
     pub fn default_tree(&self) -> Option<&Tree> {
@@ -237,6 +251,40 @@ fn file_hunks(out: &mut String, old: &str, new: &str) {
     }
 }
 
+/// One changed file of a commit, as `git diff --numstat` plus the change kind Forgejo reports.
+pub(crate) struct FileStat {
+    pub path: String,
+    /// `added`, `removed` or `modified`
+    pub status: &'static str,
+    pub additions: usize,
+    pub deletions: usize,
+}
+
+/// Per-file line counts of the change from `old` to `new`, in path order.
+pub(crate) fn diff_stat(old: &Tree, new: &Tree) -> Vec<FileStat> {
+    let paths: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
+    let mut out = Vec::new();
+    for path in paths {
+        let (o, n) = (old.get(path), new.get(path));
+        let status = match (o, n) {
+            (Some(a), Some(b)) if a == b => continue,
+            (Some(_), Some(_)) => "modified",
+            (None, Some(_)) => "added",
+            (Some(_), None) => "removed",
+            (None, None) => continue,
+        };
+        let (a, b) = (lines(o.map_or("", String::as_str)), lines(n.map_or("", String::as_str)));
+        let ops = edit_script(&a, &b);
+        out.push(FileStat {
+            path: path.clone(),
+            status,
+            additions: ops.iter().filter(|op| matches!(op, Op::Ins(_))).count(),
+            deletions: ops.iter().filter(|op| matches!(op, Op::Del(_))).count(),
+        });
+    }
+    out
+}
+
 /// A git-style unified diff turning `old` into `new`.
 pub(crate) fn diff(old: &Tree, new: &Tree) -> String {
     let mut out = String::new();
@@ -328,6 +376,35 @@ mod tests {
             .replacen("19\n", "nineteen\n", 1);
         let d = diff(&tree(&[("f", &old)]), &tree(&[("f", &new)]));
         assert_eq!(d.matches("@@ -").count(), 2, "{d}");
+    }
+
+    #[test]
+    fn diff_stat_counts_lines_per_file() {
+        let old = tree(&[("a", "1\n2\n3\n"), ("gone", "x\ny\n"), ("same", "s\n")]);
+        let new = tree(&[("a", "1\ntwo\n3\n4\n"), ("new", "n\n"), ("same", "s\n")]);
+        let got: Vec<(String, &str, usize, usize)> = diff_stat(&old, &new)
+            .into_iter()
+            .map(|f| (f.path, f.status, f.additions, f.deletions))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("a".to_string(), "modified", 2, 1),
+                ("gone".to_string(), "removed", 0, 2),
+                ("new".to_string(), "added", 1, 0),
+            ]
+        );
+    }
+
+    #[test]
+    fn merge_parent_changes_the_commit_id() {
+        let mut repo = Repo::seed("o", "r", "main", &tree(&[("a", "1")]), 1);
+        let base = repo.head("main").map(|c| c.sha.clone()).unwrap_or_default();
+        let t = tree(&[("a", "2")]);
+        let plain = repo.add_commit([Some(&base), None], t.clone(), "m", 5);
+        let merge = repo.add_commit([Some(&base), Some("feed")], t, "m", 5);
+        assert_ne!(plain, merge);
+        assert_eq!(repo.commits.get(&merge).and_then(|c| c.merge_parent.as_deref()), Some("feed"));
     }
 
     #[test]

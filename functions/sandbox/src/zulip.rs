@@ -64,6 +64,7 @@ pub(crate) fn router() -> Router<Arc<Shared>> {
     Router::new()
         .route("/api/v1/messages", get(get_messages).post(send_message))
         .route("/api/v1/users/me", get(users_me))
+        .route("/api/v1/get_stream_id", get(get_stream_id))
 }
 
 fn error(status: StatusCode, code: &str, msg: &str) -> Response {
@@ -408,4 +409,32 @@ async fn users_me(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> Resp
         "profile_data": {},
     }))
     .into_response()
+}
+
+#[derive(Deserialize)]
+struct StreamQuery {
+    stream: String,
+}
+
+/// `GET /get_stream_id?stream=NAME` (get-stream-id): `{result, msg, stream_id}`, or 400 for an unknown channel.
+async fn get_stream_id(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    query: Result<Query<StreamQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    if let Err(r) = authorize(&shared, &headers) {
+        return r;
+    }
+    let Ok(Query(query)) = query else {
+        return error(StatusCode::BAD_REQUEST, "BAD_REQUEST", "Missing 'stream' argument");
+    };
+    let st = shared.lock();
+    match st.zulip.channels.iter().find(|c| c.name == query.stream) {
+        Some(channel) => Json(json!({"result": "success", "msg": "", "stream_id": channel.id})).into_response(),
+        None => error(
+            StatusCode::BAD_REQUEST,
+            "STREAM_DOES_NOT_EXIST",
+            &format!("Channel '{}' does not exist", query.stream),
+        ),
+    }
 }

@@ -65,7 +65,7 @@ impl Worker {
         let (run, opened) = loams_factory::open(signal.clone(), &ctx).map_err(|e| WorkerError::OpenRefused(e.to_string()))?;
         let created = d
             .store
-            .create_run(org, &run.id, state_name(&run), &to_json(&run)?, &to_json(&opened)?, now)
+            .create_run(org, &run.id, state_name(&run), &to_json(&run)?, &logged(&opened, &run, now)?, now)
             .await?;
         if created {
             let last = LastRun { run_id: run.id.clone(), at_ms: now };
@@ -166,10 +166,11 @@ impl Worker {
             if events.is_empty() {
                 return Ok(run);
             }
+            let mut bodies = Vec::with_capacity(events.len());
             for event in &events {
                 run.apply(event);
+                bodies.push(logged(event, &run, now)?);
             }
-            let bodies = events.iter().map(to_json).collect::<Result<Vec<_>, _>>()?;
             match d.store.append(org, run_id, row.version, state_name(&run), &to_json(&run)?, &bodies, now).await {
                 Ok(_) => {
                     self.after_recorded(org, &events).await?;
@@ -335,6 +336,17 @@ fn fingerprint_key(fingerprint: &str) -> String {
 
 fn state_name(run: &Run) -> &'static str {
     run.state.as_str()
+}
+
+/// The stored form of an event: the event itself plus when it was recorded and the stage it left the run in, so a
+/// timeline can say what happened when without replaying the run. Folding ignores the two extra fields.
+fn logged(event: &Event, run: &Run, now_ms: i64) -> Result<Vec<u8>, WorkerError> {
+    let mut value = serde_json::to_value(event).map_err(|e| WorkerError::Corrupt(e.to_string()))?;
+    if let Some(fields) = value.as_object_mut() {
+        fields.entry("at_ms").or_insert(json!(now_ms));
+        fields.insert("stage".into(), json!(run.stage.as_str()));
+    }
+    to_json(&value)
 }
 
 fn to_json<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, WorkerError> {

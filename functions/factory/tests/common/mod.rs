@@ -42,7 +42,8 @@ pub struct World {
     pub performed: HashMap<String, (Effect, Outcome)>,
     /// Step ids in the order first performed.
     pub order: Vec<String>,
-    pub approve: bool,
+    /// Skills whose approval requests people deny.
+    pub deny: Vec<&'static str>,
     /// Answers that replace the defaults for chosen effects.
     pub hook: Hook,
 }
@@ -53,7 +54,7 @@ pub fn fix_text(attempt: u32) -> String {
 
 impl World {
     pub fn new() -> World {
-        World { performed: HashMap::new(), order: Vec::new(), approve: true, hook: Box::new(|_| None) }
+        World { performed: HashMap::new(), order: Vec::new(), deny: Vec::new(), hook: Box::new(|_| None) }
     }
 
     pub fn with(hook: impl Fn(&Effect) -> Option<Outcome> + 'static) -> World {
@@ -124,7 +125,7 @@ impl World {
             }
             Effect::RequestApproval { approval, .. } => later.push(Input::ApprovalSettled {
                 approval_id: approval.id.clone(),
-                approved: self.approve,
+                approved: !self.deny.contains(&approval.action.skill.as_str()),
                 by: "bob".into(),
             }),
             _ => {}

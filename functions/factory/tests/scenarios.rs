@@ -1,0 +1,484 @@
+//! Stages, guards and walls, each driven through the simulator.
+
+mod common;
+
+use common::*;
+use loams_factory::{
+    Cursor, Effect, Event, Input, LastRun, ObserveVerdict, Outcome, Reason, Rejection, Rule, Run, RunState, Verdict,
+    decide, open,
+};
+use serde_json::json;
+
+fn ci_hook(f: impl Fn(u32) -> &'static str + 'static) -> impl Fn(&Effect) -> Option<Outcome> {
+    move |e| match e {
+        Effect::Call { skill, step, .. } if skill == "ci_status" => {
+            Some(Outcome::Agent(json!({"state": "failure", "log": f(parts(step).1)})))
+        }
+        _ => None,
+    }
+}
+
+fn ended(worker: &Worker) -> (RunState, Option<Reason>) {
+    match worker.log.last() {
+        Some(Event::Ended { state, reason, .. }) => (*state, *reason),
+        other => panic!("not ended: {other:?}"),
+    }
+}
+
+fn drive(world: &mut World, ctx: loams_factory::Ctx) -> (Worker, Run) {
+    let mut w = Worker::start(signal(), ctx);
+    let run = w.drain(world);
+    (w, run)
+}
+
+fn draft_pr_args(world: &World, run: &Run) -> serde_json::Value {
+    let (e, _) = &world.performed[&format!("{}:close:{}:draft_pr", run.id, run.attempt)];
+    let Effect::Call { args, skill, .. } = e else { panic!() };
+    assert_eq!(skill, "open_pr");
+    args.clone()
+}
+
+#[test]
+fn attempts_exhausted_hand_off_as_fail_safe() {
+    let mut world = World::with(ci_hook(|a| match a {
+        1 => "FAIL test_one",
+        2 => "FAIL test_two",
+        _ => "FAIL test_three",
+    }));
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::FailSafe)));
+    assert_eq!(run.attempt, 3);
+    let args = draft_pr_args(&world, &run);
+    assert_eq!(args["draft"], true);
+    assert_eq!(args["labels"], json!(["factory:needs-human"]));
+    let t = trace(&world);
+    assert!(!t.iter().any(|s| s.starts_with("approval.")), "no approval in a hand-off: {t:?}");
+    assert_eq!(&t[t.len() - 3..], ["forgejo.open_pr", "plane.comment", "zulip.post"]);
+}
+
+#[test]
+fn same_ci_failure_twice_is_no_progress() {
+    let mut world = World::with(ci_hook(|_| "FAIL test_checkout"));
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::NoProgress)));
+    assert_eq!(run.attempt, 2);
+    assert_eq!(draft_pr_args(&world, &run)["labels"], json!(["factory:needs-human"]));
+}
+
+#[test]
+fn identical_patch_is_no_progress() {
+    let mut world = World::with(|e| match e {
+        Effect::Model { purpose, .. } if purpose == "fix" => {
+            Some(Outcome::Model { text: fix_text(1), input_tokens: 10, output_tokens: 10 })
+        }
+        Effect::Call { skill, step, .. } if skill == "ci_status" => {
+            Some(Outcome::Agent(json!({"state": "failure", "log": format!("FAIL t{}", parts(step).1)})))
+        }
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::NoProgress)));
+    assert!(run.ending.unwrap().detail.contains("same patch"));
+    assert!(!world.performed.contains_key(&format!("{}:fix:2:commit_patch", run.id)));
+}
+
+#[test]
+fn a_check_that_passed_and_now_fails_is_oscillation() {
+    let mut world = World::with(ci_hook(|a| if a == 1 { "PASS test_a\nFAIL test_b" } else { "FAIL test_a\nPASS test_b" }));
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::Oscillation)));
+    assert!(run.ending.unwrap().detail.contains("`test_a` passed in attempt 1 and fails in attempt 2"));
+}
+
+#[test]
+fn lead_review_changes_go_back_to_fix_with_the_report() {
+    let mut world = World::with(|e| match e {
+        Effect::Model { purpose, step, .. } if purpose == "lead_review" && parts(step).1 == 2 => {
+            Some(Outcome::Model { text: "Please handle a missing order.\nAll good, almost".into(), input_tokens: 1, output_tokens: 1 })
+        }
+        _ => None,
+    });
+    let (_, run) = drive(&mut world, ctx());
+    assert_eq!(run.state, RunState::Succeeded);
+    assert_eq!(run.attempt, 3);
+    let (fix3, _) = &world.performed[&format!("{}:fix:3:propose", run.id)];
+    let Effect::Model { messages, .. } = fix3 else { panic!() };
+    assert!(messages[1].content.contains("Please handle a missing order."));
+}
+
+#[test]
+fn high_audit_finding_goes_back_to_fix() {
+    let mut world = World::with(|e| match e {
+        Effect::Model { purpose, step, .. } if purpose == "security_audit" && parts(step).1 == 2 => Some(Outcome::Model {
+            text: format!("HIGH src/checkout.py:1 trusts client currency\n{}", loams_factory::AUDIT_APPROVAL),
+            input_tokens: 1,
+            output_tokens: 1,
+        }),
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(run.state, RunState::Succeeded);
+    assert_eq!(run.attempt, 3);
+    assert!(w.log.iter().any(|e| matches!(e, Event::SecurityAudited { approved: false, findings, .. } if findings.len() == 1)));
+}
+
+#[test]
+fn denied_merge_compensates() {
+    let mut world = World::new();
+    world.deny = vec!["merge"];
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::ApprovalDenied)));
+    let t = calls(&world);
+    assert!(!t.contains(&"forgejo.merge".to_string()));
+    // close_pr is destructive, so it is itself gated; then the issue and the thread are told.
+    assert_eq!(&t[t.len() - 4..], ["approval.close_pr", "forgejo.close_pr", "plane.comment", "zulip.post"]);
+    assert!(run.links.deploy_ref.is_none());
+}
+
+#[test]
+fn kill_input_before_merge_compensates_and_ends_killed() {
+    let mut world = World::new();
+    let mut w = Worker::start(signal(), ctx());
+    // Run until the first PR exists.
+    while let Some(msg) = w.queue.pop_front() {
+        w.process(&msg, &mut world, None);
+        if w.run().links.pr_number.is_some() {
+            break;
+        }
+    }
+    w.queue.push_front(Some(Input::Kill { by: "carol".into(), reason: "wrong fix".into() }));
+    let run = w.drain(&mut world);
+    assert_eq!(ended(&w), (RunState::Killed, Some(Reason::Killed)));
+    assert_eq!(run.state, RunState::Killed);
+    let t = calls(&world);
+    assert_eq!(&t[t.len() - 4..], ["approval.close_pr", "forgejo.close_pr", "plane.comment", "zulip.post"]);
+    assert!(!t.contains(&"model.lead_review".to_string()));
+    // A second kill is a no-op.
+    assert_eq!(decide(&run, &Input::Kill { by: "x".into(), reason: "y".into() }, &ctx()).unwrap(), vec![]);
+}
+
+#[test]
+fn kill_after_merge_reverts_behind_an_approval() {
+    let mut world = World::new();
+    let mut w = Worker::start(signal(), ctx());
+    while let Some(msg) = w.queue.pop_front() {
+        w.process(&msg, &mut world, None);
+        if w.run().links.deploy_ref.is_some() {
+            break;
+        }
+    }
+    w.queue.push_front(Some(Input::Kill { by: "carol".into(), reason: "stop".into() }));
+    let run = w.drain(&mut world);
+    assert_eq!(run.state, RunState::Killed);
+    let t = calls(&world);
+    assert_eq!(&t[t.len() - 4..], ["approval.revert", "forgejo.revert", "plane.comment", "zulip.post"]);
+    assert_eq!(run.links.follow_pr_url.as_deref(), Some("https://forgejo.example/pr/8"));
+}
+
+#[test]
+fn org_kill_switch_stops_everything() {
+    let mut world = World::new();
+    let mut w = Worker::start(signal(), ctx());
+    for _ in 0..6 {
+        let msg = w.queue.pop_front().unwrap();
+        w.process(&msg, &mut world, None);
+    }
+    let performed = world.order.len();
+    w.ctx.kill.org = true;
+    let run = w.drain(&mut world);
+    assert_eq!(run.state, RunState::Killed);
+    assert_eq!(world.order.len(), performed, "no call once the organisation is killed, not even compensation");
+    assert!(w.log.iter().any(|e| matches!(e, Event::FinishStepSkipped { .. })));
+}
+
+#[test]
+fn agent_kill_switch_kills_the_run_at_that_agent() {
+    let mut c = ctx();
+    c.kill.agents = vec!["plane".into()];
+    let mut world = World::new();
+    let (w, run) = drive(&mut world, c);
+    assert_eq!(ended(&w), (RunState::Killed, Some(Reason::Killed)));
+    assert!(run.links.issue_id.is_none());
+    assert!(!trace(&world).iter().any(|s| s.starts_with("plane.")));
+    assert_eq!(trace(&world).last().map(String::as_str), Some("zulip.post"), "the thread is told");
+}
+
+#[test]
+fn budget_stops_before_the_next_model_call() {
+    let mut c = ctx();
+    c.config.budget_tokens = 1_000;
+    let mut world = World::new();
+    let (w, run) = drive(&mut world, c);
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::Budget)));
+    // Attempt 1's fix starts with nothing spent; after its 1 200 tokens attempt 2's fix does not start.
+    assert_eq!(trace(&world).iter().filter(|s| s.starts_with("model.")).count(), 1);
+    assert_eq!(draft_pr_args(&world, &run)["draft"], true);
+}
+
+#[test]
+fn policy_deny_stops_and_policy_approve_gates_writes() {
+    let mut c = ctx();
+    c.policy.rules = vec![Rule { agent: Some("plane".into()), skill: None, env: None, verdict: Verdict::Deny }];
+    let mut world = World::new();
+    let (w, _) = drive(&mut world, c);
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::PolicyDenied)));
+    assert!(!trace(&world).iter().any(|s| s.starts_with("plane.")));
+
+    let mut c = ctx();
+    c.policy.protected_envs = vec!["production".into()];
+    let mut world = World::new();
+    let (_, run) = drive(&mut world, c);
+    assert_eq!(run.state, RunState::Succeeded);
+    let t = trace(&world);
+    assert_eq!(&t[..2], ["approval.open_thread", "zulip.open_thread"]);
+    assert!(t.contains(&"approval.commit_patch".to_string()));
+}
+
+#[test]
+fn auto_triage_needs_no_person() {
+    let mut c = ctx();
+    c.policy.auto_triage = true;
+    let mut world = World::new();
+    let (w, run) = drive(&mut world, c);
+    assert_eq!(run.state, RunState::Succeeded);
+    assert!(!trace(&world).contains(&"wait.await_decision".to_string()));
+    assert!(w.log.iter().any(|e| matches!(e, Event::TriageDecided { automatic: true, .. })));
+}
+
+fn until_run(w: &mut Worker, world: &mut World, done: impl Fn(&Run) -> bool) {
+    while let Some(msg) = w.queue.pop_front() {
+        w.process(&msg, world, None);
+        if done(&w.run()) {
+            return;
+        }
+    }
+    panic!("never reached the wanted state");
+}
+
+/// Runs until the run rests at `cursor` with nothing to do but wait.
+fn until(w: &mut Worker, world: &mut World, cursor: Cursor) {
+    until_run(w, world, |r| r.cursor == cursor && r.next_effect().is_none());
+}
+
+/// The trace without timers, whose presence depends on how fast a settlement arrives.
+fn calls(world: &World) -> Vec<String> {
+    trace(world).into_iter().filter(|s| !s.starts_with("wait.")).collect()
+}
+
+#[test]
+fn triage_wait_stalls_and_rejection_ends_the_run() {
+    let mut world = World::new();
+    let mut w = Worker::start(signal(), ctx());
+    until(&mut w, &mut world, Cursor::AwaitTriage);
+    w.queue.clear();
+    let run = w.run();
+    let timer_id = run.wait.clone().unwrap().timer_id;
+    assert_eq!(timer_id, format!("{}:triage:0:await_decision", run.id));
+    assert_eq!(decide(&run, &Input::TimerFired { timer_id: "other".into() }, &w.ctx).unwrap(), vec![]);
+    w.queue.push_back(Some(Input::TimerFired { timer_id }));
+    let run = w.drain(&mut world);
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::Stalled)));
+    assert_eq!(run.links.issue_id, None);
+    assert_eq!(trace(&world).last().map(String::as_str), Some("zulip.post"));
+
+    let mut world = World::new();
+    let mut w = Worker::start(signal(), ctx());
+    until(&mut w, &mut world, Cursor::AwaitTriage);
+    w.queue.clear();
+    w.queue.push_back(Some(Input::TriageDecided { accept: false, by: "oncall".into() }));
+    w.drain(&mut world);
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::TriageRejected)));
+}
+
+fn count_hook(count: u64) -> impl Fn(&Effect) -> Option<Outcome> {
+    move |e| match e {
+        Effect::Call { skill, .. } if skill == "issue_events" => Some(Outcome::Agent(json!({"count": count, "last_seen_ms": NOW}))),
+        _ => None,
+    }
+}
+
+#[test]
+fn regression_reverts_behind_approval_and_asks_for_a_follow_up() {
+    let mut world = World::with(count_hook(50));
+    let (w, run) = drive(&mut world, ctx());
+    let Some(Event::Ended { state, reason, verdict, follow_up }) = w.log.last() else { panic!() };
+    assert_eq!((*state, *reason, *verdict), (RunState::Failed, Some(Reason::Regressed), Some(ObserveVerdict::Regressed)));
+    let t = calls(&world);
+    assert_eq!(&t[t.len() - 4..], ["approval.revert", "forgejo.revert", "plane.comment", "zulip.post"]);
+    let (revert, _) = &world.performed[&format!("{}:close:2:revert", run.id)];
+    let Effect::Call { args, approval_id, .. } = revert else { panic!() };
+    assert_eq!(args["merge_sha"], "m3rge");
+    assert!(approval_id.is_some());
+
+    let follow = follow_up.clone().expect("follow-up below the cap");
+    assert_eq!(follow.generation, 2);
+    assert_eq!(follow.parent_run, run.id);
+    // The follow-up opens despite the fingerprint's cooldown; its own regression hits the generation cap (2).
+    let mut c = ctx();
+    c.last_run = Some(LastRun { run_id: run.id.clone(), at_ms: NOW });
+    let (child, _) = open(follow.signal.clone(), &c).unwrap();
+    assert_eq!(child.generation, 2);
+    assert_eq!(child.parent_run.as_deref(), Some(run.id.as_str()));
+    let mut world = World::with(count_hook(50));
+    let mut w = Worker::start(follow.signal, c);
+    w.drain(&mut world);
+    assert!(matches!(w.log.last(), Some(Event::Ended { follow_up: None, reason: Some(Reason::Regressed), .. })));
+}
+
+#[test]
+fn inconclusive_extends_once_then_asks_a_person() {
+    let mut world = World::with(count_hook(2));
+    let mut w = Worker::start(signal(), ctx());
+    until(&mut w, &mut world, Cursor::AwaitVerdict);
+    let run = w.run();
+    assert_eq!(run.observe_round, 2);
+    assert!(world.performed.contains_key(&format!("{}:observe:2:issue_events", run.id)));
+    assert_eq!(run.state, RunState::Waiting);
+    assert!(decide(&run, &Input::VerdictGiven { verdict: ObserveVerdict::Inconclusive, by: "bob".into() }, &w.ctx).is_err());
+    w.queue.clear();
+    w.queue.push_back(Some(Input::VerdictGiven { verdict: ObserveVerdict::Resolved, by: "bob".into() }));
+    let run = w.drain(&mut world);
+    assert_eq!(run.state, RunState::Succeeded);
+    assert!(w.log.iter().any(|e| matches!(e, Event::VerdictReached { by: Some(b), .. } if b == "bob")));
+}
+
+#[test]
+fn ill_typed_output_is_a_recorded_failure() {
+    let mut world = World::with(|e| match e {
+        Effect::Call { skill, .. } if skill == "open_pr" => Some(Outcome::Agent(json!({"number": "seven"}))),
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
+    assert!(run.ending.unwrap().detail.contains("`number`"));
+    assert!(w.log.iter().any(|e| matches!(e, Event::StepFailed { retryable: false, .. })));
+}
+
+#[test]
+fn retryable_failure_retries_under_a_new_step_id() {
+    let mut world = World::with(|e| match e {
+        Effect::Call { skill, step, .. } if skill == "create_issue" && !step.ends_with("~3") => {
+            Some(Outcome::Failed { error: "503".into(), retryable: true })
+        }
+        _ => None,
+    });
+    let (_, run) = drive(&mut world, ctx());
+    assert_eq!(run.state, RunState::Succeeded);
+    for s in ["create_issue", "create_issue~2", "create_issue~3"] {
+        assert!(world.performed.contains_key(&format!("{}:plan:0:{s}", run.id)), "{s}");
+    }
+
+    let mut world = World::with(|e| match e {
+        Effect::Call { skill, .. } if skill == "create_issue" => Some(Outcome::Failed { error: "503".into(), retryable: true }),
+        _ => None,
+    });
+    let (w, _) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
+}
+
+#[test]
+fn duplicates_and_stale_inputs_are_ignored() {
+    let mut world = World::new();
+    let mut w = Worker::start(signal(), ctx());
+    let run = w.run();
+    let effect = run.next_effect().unwrap();
+    let (outcome, _) = world.perform(&effect);
+    let done = Input::Completed { step: effect.step().into(), outcome };
+    let ev = decide(&run, &done, &w.ctx).unwrap();
+    assert!(!ev.is_empty());
+    let mut after = run.clone();
+    ev.iter().for_each(|e| after.apply(e));
+    assert_eq!(decide(&after, &done, &w.ctx).unwrap(), vec![], "duplicate completion");
+    let stale = Input::Completed { step: format!("{}:fix:9:open_pr", run.id), outcome: Outcome::Agent(json!({})) };
+    assert_eq!(decide(&after, &stale, &w.ctx).unwrap(), vec![]);
+    let foreign = Input::Completed { step: "r-ffffffffffffffff:triage:0:open_thread".into(), outcome: Outcome::Agent(json!({})) };
+    assert!(matches!(decide(&after, &foreign, &w.ctx), Err(Rejection::InvalidInput(_))));
+    assert_eq!(decide(&after, &Input::ApprovalSettled { approval_id: "nope".into(), approved: true, by: "b".into() }, &w.ctx).unwrap(), vec![]);
+
+    // An approval settled twice counts once.
+    until_run(&mut w, &mut world, |r| r.gate.is_some() && r.cursor == Cursor::Merge);
+    let run = w.run();
+    let gate = run.gate.clone().expect("merge gate");
+    let settle = Input::ApprovalSettled { approval_id: gate.request.id.clone(), approved: true, by: "bob".into() };
+    let ev = decide(&run, &settle, &w.ctx).unwrap();
+    let mut after = run.clone();
+    ev.iter().for_each(|e| after.apply(e));
+    assert!(matches!(after.next_effect(), Some(Effect::Call { ref skill, .. }) if skill == "merge"));
+    assert_eq!(decide(&after, &settle, &w.ctx).unwrap(), vec![]);
+    // The stale expiry timer of the settled approval does nothing.
+    let timer = Input::TimerFired { timer_id: format!("{}.wait", gate.request.id) };
+    assert_eq!(decide(&after, &timer, &w.ctx).unwrap(), vec![]);
+}
+
+#[test]
+fn safety_wall_holds_without_an_approval_whatever_the_policy() {
+    let mut c = ctx();
+    c.policy.rules = vec![Rule { agent: None, skill: None, env: None, verdict: Verdict::Allow }];
+    let mut world = World::new();
+    let mut w = Worker::start(signal(), c);
+    until_run(&mut w, &mut world, |r| r.gate.is_some() && r.cursor == Cursor::Merge);
+    let run = w.run();
+    assert!(run.gate.is_some(), "merge gated although the policy allows everything");
+    assert_eq!(run.stage, loams_factory::Stage::Approve);
+    // Even with the gate removed by hand, next_effect refuses the unapproved destructive call.
+    let mut forged = run.clone();
+    forged.gate = None;
+    forged.wait = None;
+    assert_eq!(forged.next_effect(), None);
+}
+
+#[test]
+fn open_refusals() {
+    let mut c = ctx();
+    let (run, e) = open(signal(), &c).unwrap();
+    assert_eq!(run.version, 1);
+    assert_eq!(open(signal(), &c).unwrap().1, e, "opening twice gives the same first event");
+    c.last_run = Some(LastRun { run_id: "r-0000000000000000".into(), at_ms: NOW - 1_000 });
+    assert_eq!(open(signal(), &c).unwrap_err(), Rejection::Cooldown { until_ms: NOW - 1_000 + 600_000 });
+    c.last_run = Some(LastRun { run_id: run.id.clone(), at_ms: NOW - 1_000 });
+    assert!(open(signal(), &c).is_ok(), "the same run is not its own cooldown");
+    let mut s = signal();
+    s.generation = 3;
+    s.parent_run = Some("r-1".into());
+    assert_eq!(open(s, &ctx()).unwrap_err(), Rejection::GenerationCap { generation: 3, cap: 2 });
+    let mut k = ctx();
+    k.kill.org = true;
+    assert!(matches!(open(signal(), &k), Err(Rejection::Killed(_))));
+    let mut s = signal();
+    s.title = "x".repeat(10_000);
+    assert!(matches!(open(s, &ctx()), Err(Rejection::InvalidSignal(_))));
+    let mut bad = ctx();
+    bad.org = "Not An Org".into();
+    assert!(matches!(open(signal(), &bad), Err(Rejection::InvalidSignal(_))));
+}
+
+#[test]
+fn oversized_model_answer_is_paid_and_recorded_as_a_failure() {
+    let mut world = World::with(|e| match e {
+        Effect::Model { purpose, .. } if purpose == "fix" => Some(Outcome::Model {
+            text: "x".repeat(loams_factory::MAX_MODEL_TEXT + 1),
+            input_tokens: 5,
+            output_tokens: 7,
+        }),
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
+    assert_eq!(run.budget.tokens, 12);
+    // Before any commit there is no PR to close: only the issue and the thread are told.
+    assert_eq!(&calls(&world)[calls(&world).len() - 2..], ["plane.comment", "zulip.post"]);
+}
+
+#[test]
+fn wire_shapes() {
+    let (_, e) = open(signal(), &ctx()).unwrap();
+    let v = serde_json::to_value(&e).unwrap();
+    assert_eq!(v["type"], "opened");
+    let env = loams_factory::Envelope { org: "acme".into(), run: "r-1".into(), input: Some(Input::Kill { by: "a".into(), reason: "b".into() }) };
+    let json = serde_json::to_string(&env).unwrap();
+    assert_eq!(json, r#"{"org":"acme","run":"r-1","input":{"type":"kill","by":"a","reason":"b"}}"#);
+    let back: loams_factory::Envelope = serde_json::from_str(r#"{"org":"acme","run":"r-1"}"#).unwrap();
+    assert_eq!(back.input, None);
+    let done: Input = serde_json::from_str(r#"{"type":"completed","step":"s","outcome":{"agent":{"sha":"x"}}}"#).unwrap();
+    assert_eq!(done, Input::Completed { step: "s".into(), outcome: Outcome::Agent(json!({"sha": "x"})) });
+}
