@@ -155,7 +155,10 @@ impl AnalyticsAgent {
                 }
                 let s = self.client.daily_counts(&project, &a.event, a.since_ms, now).await?;
                 let points: Vec<Value> = s.points.iter().map(|p| json!({"date": p.date, "count": p.count})).collect();
-                Ok(json!({"points": points, "total": s.total}))
+                // Counts of events are whole numbers; OpenPanel sends them as JSON numbers that may carry a
+                // fraction, so the skill's contract (`total` a non-negative integer) is kept here.
+                let total = if s.total.is_finite() && s.total > 0.0 { s.total.round() as u64 } else { 0 };
+                Ok(json!({"points": points, "total": total}))
             }
             other => Err(AgentError::UnknownSkill(other.into())),
         }

@@ -10,34 +10,69 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
+/// What `/_sandbox/state` answers: effect counters grouped by app, so tests can check that nothing happened twice.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Counts {
+    pub zulip: ZulipCounts,
+    pub plane: PlaneCounts,
+    pub forgejo: ForgejoCounts,
+    pub glitchtip: GlitchtipCounts,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ZulipCounts {
     pub messages: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PlaneCounts {
     pub issues: u64,
     pub comments: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ForgejoCounts {
     pub branches: u64,
+    /// Pull requests ever opened, whatever their state now.
     pub prs: u64,
+    pub open_prs: u64,
     pub merges: u64,
     pub commits: u64,
     pub statuses: u64,
+    pub labels: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct GlitchtipCounts {
     pub events: u64,
-    /// Whether the seeded GlitchTip issue is receiving events right now.
+    /// Whether the seeded issue is receiving events right now.
     pub producing: bool,
 }
 
 pub(crate) fn counts(st: &State, now: i64) -> Counts {
     let n = |x: usize| x as u64;
+    let f = &st.forgejo;
     Counts {
-        messages: n(st.zulip.messages.len()),
-        issues: n(st.plane.issues.len()),
-        comments: n(st.plane.comments.len()),
-        branches: n(st.forgejo.repo.branches.len()),
-        prs: n(st.forgejo.pulls.len()),
-        merges: st.forgejo.merges,
-        commits: n(st.forgejo.repo.commits.len()),
-        statuses: n(st.forgejo.statuses.len()),
-        events: st.glitchtip.event_count(now),
-        producing: st.glitchtip.producing(),
+        zulip: ZulipCounts {
+            messages: n(st.zulip.messages.len()),
+        },
+        plane: PlaneCounts {
+            issues: n(st.plane.issues.len()),
+            comments: n(st.plane.comments.len()),
+        },
+        forgejo: ForgejoCounts {
+            branches: n(f.repo.branches.len()),
+            prs: n(f.pulls.len()),
+            open_prs: n(f.pulls.iter().filter(|p| p.is_open()).count()),
+            merges: f.merges,
+            commits: n(f.repo.commits.len()),
+            statuses: n(f.statuses.len()),
+            labels: n(f.labels.len()),
+        },
+        glitchtip: GlitchtipCounts {
+            events: st.glitchtip.event_count(now),
+            producing: st.glitchtip.producing(),
+        },
     }
 }
 

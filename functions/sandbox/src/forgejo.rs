@@ -76,6 +76,12 @@ pub(crate) struct StatusRecord {
     description: String,
 }
 
+impl Pull {
+    pub fn is_open(&self) -> bool {
+        self.open
+    }
+}
+
 impl StatusRecord {
     fn view(&self, now: i64) -> (&str, &str) {
         if now < self.settle_ms {
@@ -804,7 +810,7 @@ fn pull_json(shared: &Shared, st: &ForgejoState, p: &Pull) -> Value {
         "user": user_json(shared),
         "title": p.title,
         "body": p.body,
-        "labels": p.labels.iter().filter_map(|id| st.labels.iter().find(|l| l.id == *id)).map(|l| label_json(shared, l)).collect::<Vec<_>>(),
+        "labels": pull_labels_json(shared, st, p),
         "milestone": null,
         "assignee": null,
         "assignees": [],
@@ -1196,11 +1202,12 @@ async fn merge_pull(
         }
     };
     // `merge` and `rebase-merge` make a merge commit (base first, head second); the other styles a linear one
-    let second = matches!(body.action.as_deref(), Some("merge" | "rebase-merge")).then_some(head.sha.as_str());
-    let sha = st
-        .forgejo
-        .repo
-        .add_commit([Some(&base.sha), second], head.tree.clone(), &message, now);
+    let second = matches!(body.action.as_deref(), Some("merge" | "rebase-merge"))
+        .then_some(head.sha.as_str());
+    let sha =
+        st.forgejo
+            .repo
+            .add_commit([Some(&base.sha), second], head.tree.clone(), &message, now);
     st.forgejo.repo.branches.insert(p.base.clone(), sha.clone());
     if body.delete_branch_after_merge == Some(true) {
         st.forgejo.repo.branches.remove(&p.head);
@@ -1288,37 +1295,308 @@ async fn combined_status(
     .into_response()
 }
 
-async fn commit_diff(
+/// `GET /git/commits/{sha}` (repoGetSingleCommit, a Commit object) and its `{sha}.diff` form (the raw diff
+/// against the first parent). `sha` may also be a branch name or an unambiguous prefix.
+async fn get_commit(
     State(shared): State<Arc<Shared>>,
     headers: HeaderMap,
     Path((owner, repo, sha)): Path<(String, String, String)>,
+    Query(q): Query<HashMap<String, String>>,
 ) -> Response {
     if let Err(r) = check(&shared, &headers, &owner, &repo) {
         return r;
     }
-    // only the `.diff` form of this route is served
-    let Some(sha) = sha.strip_suffix(".diff") else {
-        return not_found();
+    let (reference, as_diff) = match sha.strip_suffix(".diff") {
+        Some(s) => (s, true),
+        None => (sha.as_str(), false),
     };
+    if !valid_branch_name(reference) {
+        return unprocessable(&format!("no valid ref or sha: {reference}"));
+    }
     let st = shared.lock();
     let repo = &st.forgejo.repo;
-    let Some(commit) = repo
-        .commits
-        .get(sha)
-        .or_else(|| repo.resolve(sha).filter(|c| c.sha.starts_with(sha)))
-    else {
+    let Some(commit) = repo.resolve(reference) else {
         return not_found();
     };
-    let empty = Tree::new();
-    let parent = commit
+    let parent_tree = repo.parent_tree(commit);
+    if as_diff {
+        return Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
+            .body(Body::from(git::diff(&parent_tree, &commit.tree)))
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    }
+    // each part is on unless its query flag says false, as in Forgejo
+    let on = |k: &str| q.get(k).is_none_or(|v| v != "false" && v != "0");
+    let api = api_repo_url(&shared);
+    let date = util::iso_s(commit.time_ms);
+    let who = json!({"name": "Loams", "email": shared.config.tokens.zulip_email, "date": date});
+    let stats = git::diff_stat(&parent_tree, &commit.tree);
+    let parents: Vec<Value> = commit
         .parent
-        .as_ref()
-        .and_then(|p| repo.commits.get(p))
-        .map_or(&empty, |c| &c.tree);
-    let text = git::diff(parent, &commit.tree);
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
-        .body(Body::from(text))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+        .iter()
+        .chain(commit.merge_parent.iter())
+        .map(|p| json!({"url": format!("{api}/git/commits/{p}"), "sha": p}))
+        .collect();
+    let tree_sha = git::tree_sha(&commit.tree);
+    let (additions, deletions) = stats
+        .iter()
+        .fold((0, 0), |(a, d), f| (a + f.additions, d + f.deletions));
+    Json(json!({
+        "url": format!("{api}/git/commits/{}", commit.sha),
+        "sha": commit.sha,
+        "created": date,
+        "html_url": format!("{}/commit/{}", repo_url(&shared), commit.sha),
+        "commit": {
+            "url": format!("{api}/git/commits/{}", commit.sha),
+            "author": who,
+            "committer": who,
+            "message": commit.message,
+            "tree": {"url": format!("{api}/git/trees/{tree_sha}"), "sha": tree_sha, "created": date},
+            "verification": if on("verification") {
+                json!({"verified": false, "reason": "gpg.error.not_signed_commit", "signature": "", "signer": null, "payload": ""})
+            } else {
+                Value::Null
+            },
+        },
+        "author": user_json(&shared),
+        "committer": user_json(&shared),
+        "parents": parents,
+        "files": if on("files") {
+            json!(stats.iter().map(|f| json!({"filename": f.path, "status": f.status})).collect::<Vec<_>>())
+        } else {
+            Value::Null
+        },
+        "stats": if on("stat") {
+            json!({"total": additions + deletions, "additions": additions, "deletions": deletions})
+        } else {
+            Value::Null
+        },
+    }))
+    .into_response()
+}
+
+fn label_json(shared: &Shared, l: &Label) -> Value {
+    json!({
+        "id": l.id,
+        "name": l.name,
+        "exclusive": l.exclusive,
+        "is_archived": l.is_archived,
+        "color": l.color,
+        "description": l.description,
+        "url": format!("{}/labels/{}", api_repo_url(shared), l.id),
+    })
+}
+
+/// Forgejo's label order: by name (ids break ties between equal names, which Forgejo allows).
+fn sorted_labels<'a>(labels: impl Iterator<Item = &'a Label>) -> Vec<&'a Label> {
+    let mut v: Vec<&Label> = labels.collect();
+    v.sort_by(|a, b| a.name.cmp(&b.name).then(a.id.cmp(&b.id)));
+    v
+}
+
+async fn list_labels(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo)): Path<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let page = q
+        .get("page")
+        .and_then(|p| p.parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1);
+    let limit = q
+        .get("limit")
+        .and_then(|p| p.parse::<usize>().ok())
+        .unwrap_or(DEFAULT_PAGE_LIMIT)
+        .clamp(1, MAX_PAGE_LIMIT);
+    let st = shared.lock();
+    let all = sorted_labels(st.forgejo.labels.iter());
+    let total = all.len();
+    let out: Vec<Value> = all
+        .into_iter()
+        .skip((page - 1).saturating_mul(limit))
+        .take(limit)
+        .map(|l| label_json(&shared, l))
+        .collect();
+    let mut resp = Json(out).into_response();
+    resp.headers_mut().insert("x-total-count", total.into());
+    resp
+}
+
+#[derive(Deserialize)]
+struct CreateLabelOption {
+    name: Option<String>,
+    color: Option<String>,
+    description: Option<String>,
+    exclusive: Option<bool>,
+    is_archived: Option<bool>,
+}
+
+/// `#rgb`, `#rrggbb`, with or without `#`, to Forgejo's stored six lower-case digits.
+fn normalize_color(color: &str) -> Option<String> {
+    let hex = color.trim().trim_start_matches('#');
+    if !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    match hex.len() {
+        6 => Some(hex.to_ascii_lowercase()),
+        3 => Some(
+            hex.chars()
+                .flat_map(|c| [c, c])
+                .collect::<String>()
+                .to_ascii_lowercase(),
+        ),
+        _ => None,
+    }
+}
+
+/// `POST /labels` (issueCreateLabel). Forgejo does not require label names to be unique, and neither does this.
+async fn create_label(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo)): Path<(String, String)>,
+    body: Result<Json<CreateLabelOption>, JsonRejection>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let body = match body {
+        Ok(Json(b)) => b,
+        Err(e) => return rejected(&e),
+    };
+    let Some(name) = body.name.filter(|n| !n.trim().is_empty()) else {
+        return unprocessable("[Name]: Required");
+    };
+    if name.chars().count() > MAX_LABEL_NAME_CHARS {
+        return unprocessable("[Name]: MaxSize");
+    }
+    let Some(raw_color) = body.color.filter(|c| !c.trim().is_empty()) else {
+        return unprocessable("[Color]: Required");
+    };
+    let Some(color) = normalize_color(&raw_color) else {
+        return unprocessable(&format!("bad color code: {raw_color}"));
+    };
+    let description = body.description.unwrap_or_default();
+    if description.chars().count() > MAX_LABEL_DESCRIPTION_CHARS {
+        return unprocessable("[Description]: MaxSize");
+    }
+    let mut st = shared.lock();
+    if st.forgejo.labels.len() >= MAX_LABELS {
+        return unprocessable(&format!("the sandbox keeps at most {MAX_LABELS} labels"));
+    }
+    let label = Label {
+        id: st.forgejo.labels.iter().map(|l| l.id).max().unwrap_or(0) + 1,
+        name,
+        color,
+        description,
+        exclusive: body.exclusive.unwrap_or(false),
+        is_archived: body.is_archived.unwrap_or(false),
+    };
+    let out = label_json(&shared, &label);
+    st.forgejo.labels.push(label);
+    if let Err(r) = persist_or_500(&shared, &st) {
+        return r;
+    }
+    (StatusCode::CREATED, Json(out)).into_response()
+}
+
+fn pull_labels_json(shared: &Shared, st: &ForgejoState, p: &Pull) -> Value {
+    let on_pull = st.labels.iter().filter(|l| p.labels.contains(&l.id));
+    json!(
+        sorted_labels(on_pull)
+            .into_iter()
+            .map(|l| label_json(shared, l))
+            .collect::<Vec<_>>()
+    )
+}
+
+/// `GET /issues/{index}/labels` (issueGetLabels); pull requests share the issue index space.
+async fn issue_labels(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, index)): Path<(String, String, String)>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let st = shared.lock();
+    match find_pull(&st.forgejo, &index) {
+        Some(i) => {
+            Json(pull_labels_json(&shared, &st.forgejo, &st.forgejo.pulls[i])).into_response()
+        }
+        None => not_found(),
+    }
+}
+
+#[derive(Deserialize)]
+struct IssueLabelsOption {
+    #[serde(default)]
+    labels: Vec<Value>,
+}
+
+/// `POST /issues/{index}/labels` (issueAddLabel): adds labels named by id or by name and answers the full list.
+/// As in Forgejo, ids and names that match no label of the repository are skipped, not an error.
+async fn add_issue_labels(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, index)): Path<(String, String, String)>,
+    body: Result<Json<IssueLabelsOption>, JsonRejection>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let body = match body {
+        Ok(Json(b)) => b,
+        Err(e) => return rejected(&e),
+    };
+    if body.labels.len() > MAX_LABELS_PER_REQUEST {
+        return unprocessable(&format!(
+            "[Labels]: at most {MAX_LABELS_PER_REQUEST} labels per request"
+        ));
+    }
+    let mut st = shared.lock();
+    let Some(i) = find_pull(&st.forgejo, &index) else {
+        return not_found();
+    };
+    let mut ids = Vec::new();
+    for item in &body.labels {
+        let found: Vec<u64> = match item {
+            Value::Number(n) => n
+                .as_u64()
+                .filter(|id| st.forgejo.labels.iter().any(|l| l.id == *id))
+                .into_iter()
+                .collect(),
+            Value::String(name) => st
+                .forgejo
+                .labels
+                .iter()
+                .filter(|l| &l.name == name)
+                .map(|l| l.id)
+                .collect(),
+            _ => {
+                return unprocessable("[Labels]: items must be label ids or label names");
+            }
+        };
+        ids.extend(found);
+    }
+    let now = util::now_ms();
+    let pull = &mut st.forgejo.pulls[i];
+    let before = pull.labels.len();
+    for id in ids {
+        if !pull.labels.contains(&id) {
+            pull.labels.push(id);
+        }
+    }
+    if pull.labels.len() != before {
+        pull.updated_ms = now;
+        if let Err(r) = persist_or_500(&shared, &st) {
+            return r;
+        }
+    }
+    Json(pull_labels_json(&shared, &st.forgejo, &st.forgejo.pulls[i])).into_response()
 }

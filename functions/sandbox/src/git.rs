@@ -68,7 +68,11 @@ impl Repo {
         message: &str,
         now_ms: i64,
     ) -> String {
-        let mut encoded = format!("tree {}\nparent {}\n", tree_sha(&tree), parent.unwrap_or(""));
+        let mut encoded = format!(
+            "tree {}\nparent {}\n",
+            tree_sha(&tree),
+            parent.unwrap_or("")
+        );
         if let Some(second) = merge_parent {
             encoded.push_str(&format!("parent {second}\n"));
         }
@@ -273,7 +277,10 @@ pub(crate) fn diff_stat(old: &Tree, new: &Tree) -> Vec<FileStat> {
             (Some(_), None) => "removed",
             (None, None) => continue,
         };
-        let (a, b) = (lines(o.map_or("", String::as_str)), lines(n.map_or("", String::as_str)));
+        let (a, b) = (
+            lines(o.map_or("", String::as_str)),
+            lines(n.map_or("", String::as_str)),
+        );
         let ops = edit_script(&a, &b);
         out.push(FileStat {
             path: path.clone(),
@@ -404,7 +411,12 @@ mod tests {
         let plain = repo.add_commit([Some(&base), None], t.clone(), "m", 5);
         let merge = repo.add_commit([Some(&base), Some("feed")], t, "m", 5);
         assert_ne!(plain, merge);
-        assert_eq!(repo.commits.get(&merge).and_then(|c| c.merge_parent.as_deref()), Some("feed"));
+        assert_eq!(
+            repo.commits
+                .get(&merge)
+                .and_then(|c| c.merge_parent.as_deref()),
+            Some("feed")
+        );
     }
 
     #[test]

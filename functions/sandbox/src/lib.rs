@@ -20,7 +20,7 @@ mod util;
 mod zulip;
 
 pub use ci::{CiCheck, CiRule};
-pub use control::Counts;
+pub use control::{Counts, ForgejoCounts, GlitchtipCounts, PlaneCounts, ZulipCounts};
 pub use glitchtip::ProducingMode;
 
 use axum::Router;
@@ -112,6 +112,7 @@ pub struct PlaneSeed {
     pub project_id: String,
     /// Project identifier used in work item keys (`OPS-12`).
     pub project_identifier: String,
+    pub project_name: String,
 }
 
 impl Default for PlaneSeed {
@@ -120,6 +121,7 @@ impl Default for PlaneSeed {
             workspace: "acme".into(),
             project_id: "5f0c8d2e-3b1a-4c6d-9e8f-7a6b5c4d3e2f".into(),
             project_identifier: "OPS".into(),
+            project_name: "Operations".into(),
         }
     }
 }

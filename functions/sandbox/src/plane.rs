@@ -94,6 +94,7 @@ impl PlaneState {
 pub(crate) fn router() -> Router<Arc<Shared>> {
     let base = "/api/v1/workspaces/{slug}/projects/{project_id}";
     Router::new()
+        .route(&format!("{base}/"), get(get_project))
         .route(
             &format!("{base}/work-items/"),
             get(list_issues).post(create_issue),
@@ -620,4 +621,78 @@ fn strip_tags(html: &str) -> String {
         }
     }
     out
+}
+
+/// `GET /workspaces/{slug}/projects/{pk}/` (retrieve_project): the seeded project, with the identifier that
+/// prefixes work item keys.
+async fn get_project(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((slug, project_id)): Path<(String, String)>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &slug, &project_id) {
+        return r;
+    }
+    let p = &shared.config.plane;
+    let st = shared.lock();
+    let created = "2026-01-01T00:00:00.000000Z";
+    let default_state = st
+        .plane
+        .states
+        .iter()
+        .find(|s| s.default)
+        .map(|s| s.id.clone());
+    // two literals: one would pass serde_json's macro recursion limit
+    let mut out = json!({
+        "id": p.project_id,
+        "total_members": 1,
+        "total_cycles": 0,
+        "total_modules": 0,
+        "is_member": true,
+        "sort_order": 65535.0,
+        "member_role": 20,
+        "is_deployed": false,
+        "cover_image_url": null,
+        "created_at": created,
+        "updated_at": created,
+        "deleted_at": null,
+        "name": p.project_name,
+        "description": "",
+        "description_text": null,
+        "description_html": null,
+        "network": 2,
+        "identifier": p.project_identifier,
+        "emoji": null,
+        "icon_prop": null,
+        "module_view": true,
+        "cycle_view": true,
+        "issue_views_view": true,
+        "page_view": true,
+        "intake_view": false,
+        "is_time_tracking_enabled": false,
+        "is_issue_type_enabled": false,
+        "guest_view_all_features": false,
+        "cover_image": null,
+        "archive_in": 0,
+        "close_in": 0,
+        "logo_props": {},
+        "archived_at": null,
+        "timezone": "UTC",
+    });
+    let rest = json!({
+        "external_source": null,
+        "external_id": null,
+        "created_by": st.plane.user_id,
+        "updated_by": st.plane.user_id,
+        "workspace": st.plane.workspace_id,
+        "default_assignee": null,
+        "project_lead": null,
+        "cover_image_asset": null,
+        "estimate": null,
+        "default_state": default_state,
+    });
+    if let (Some(o), Value::Object(r)) = (out.as_object_mut(), rest) {
+        o.extend(r);
+    }
+    Json(out).into_response()
 }

@@ -426,15 +426,18 @@ async fn get_stream_id(
         return r;
     }
     let Ok(Query(query)) = query else {
-        return error(StatusCode::BAD_REQUEST, "BAD_REQUEST", "Missing 'stream' argument");
+        return error(
+            StatusCode::BAD_REQUEST,
+            "BAD_REQUEST",
+            "Missing 'stream' argument",
+        );
     };
     let st = shared.lock();
     match st.zulip.channels.iter().find(|c| c.name == query.stream) {
-        Some(channel) => Json(json!({"result": "success", "msg": "", "stream_id": channel.id})).into_response(),
-        None => error(
-            StatusCode::BAD_REQUEST,
-            "STREAM_DOES_NOT_EXIST",
-            &format!("Channel '{}' does not exist", query.stream),
-        ),
+        Some(channel) => {
+            Json(json!({"result": "success", "msg": "", "stream_id": channel.id})).into_response()
+        }
+        // zulip.yaml's get-stream-id example: a plain BAD_REQUEST, unlike send-message's STREAM_DOES_NOT_EXIST
+        None => bad_request(&format!("Invalid channel name '{}'", query.stream)),
     }
 }

@@ -26,8 +26,12 @@ async fn counts(sb: &SandboxHandle) -> Counts {
         .get(format!("{}/_sandbox/state", sb.urls().plane))
         .send()
         .await;
+    // a shape mismatch must fail the test, not read as all zeros
     match resp {
-        Ok(r) => r.json().await.unwrap_or_default(),
+        Ok(r) => r
+            .json()
+            .await
+            .unwrap_or_else(|e| panic!("control endpoint answer: {e}")),
         Err(e) => panic!("control endpoint: {e}"),
     }
 }
@@ -193,7 +197,7 @@ async fn zulip_send_and_read_a_topic() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(json_of(me).await["email"], t.zulip_email.as_str());
-    assert_eq!(counts(&sb).await.messages, 3);
+    assert_eq!(counts(&sb).await.zulip.messages, 3);
     sb.shutdown().await;
 }
 
@@ -365,7 +369,7 @@ async fn plane_work_items_are_idempotent_on_external_id() {
     assert!(json_of(r).await["detail"].is_string());
 
     let n = counts(&sb).await;
-    assert_eq!((n.issues, n.comments), (1, 1));
+    assert_eq!((n.plane.issues, n.plane.comments), (1, 1));
     sb.shutdown().await;
 }
 
@@ -542,7 +546,7 @@ async fn forgejo_ci_pr_merge_and_production() {
     assert_eq!(s, 404);
 
     let before = counts(&sb).await;
-    assert!(before.producing);
+    assert!(before.glitchtip.producing);
     tokio::time::sleep(Duration::from_millis(50)).await;
     let (s, _) = f
         .post(
@@ -579,11 +583,18 @@ async fn forgejo_ci_pr_merge_and_production() {
 
     // production is fixed: events stop
     let after_merge = counts(&sb).await;
-    assert!(!after_merge.producing);
-    assert!(after_merge.events > 0);
+    assert!(!after_merge.glitchtip.producing);
+    assert!(after_merge.glitchtip.events > 0);
     tokio::time::sleep(Duration::from_millis(60)).await;
-    assert_eq!(counts(&sb).await.events, after_merge.events);
-    assert_eq!(after_merge.merges, 1);
+    assert_eq!(
+        counts(&sb).await.glitchtip.events,
+        after_merge.glitchtip.events
+    );
+    assert_eq!(after_merge.forgejo.merges, 1);
+    assert_eq!(
+        (after_merge.forgejo.prs, after_merge.forgejo.open_prs),
+        (1, 0)
+    );
 
     // the merge diff against the old main is the fix
     let (_, d) = f.get(&format!("/git/commits/{merge_sha}.diff")).await;
@@ -750,9 +761,9 @@ async fn glitchtip_events_follow_production_and_control() {
     )
     .await;
     assert_eq!(issue["status"], "resolved");
-    let frozen = counts(&sb).await.events;
+    let frozen = counts(&sb).await.glitchtip.events;
     tokio::time::sleep(Duration::from_millis(30)).await;
-    assert_eq!(counts(&sb).await.events, frozen);
+    assert_eq!(counts(&sb).await.glitchtip.events, frozen);
 
     // forcing it on again is a regression: new events reopen the issue
     if let Err(e) = sb.set_producing(ProducingMode::On) {
@@ -769,7 +780,7 @@ async fn glitchtip_events_follow_production_and_control() {
     )
     .await;
     assert_eq!(issue["status"], "unresolved");
-    assert!(counts(&sb).await.events > frozen);
+    assert!(counts(&sb).await.glitchtip.events > frozen);
 
     let r = client()
         .get(&url)
@@ -894,11 +905,18 @@ async fn state_survives_a_restart_from_the_state_file() {
         .post("/branches", json!({"new_branch_name": "keep"}))
         .await;
     assert_eq!(s, 201);
+    let (s, _) = f
+        .post("/labels", json!({"name": "kept", "color": "#00aabb"}))
+        .await;
+    assert_eq!(s, 201);
     sb.shutdown().await;
 
     let sb = start(config).await;
     let n = counts(&sb).await;
-    assert_eq!((n.messages, n.branches), (1, 2));
+    assert_eq!(
+        (n.zulip.messages, n.forgejo.branches, n.forgejo.labels),
+        (1, 2, 1)
+    );
     let f = Forgejo::new(&sb);
     let (s, _) = f
         .post("/branches", json!({"new_branch_name": "keep"}))
@@ -923,6 +941,385 @@ async fn oversized_bodies_are_refused() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 413);
-    assert_eq!(counts(&sb).await.commits, 1);
+    assert_eq!(counts(&sb).await.forgejo.commits, 1);
+    sb.shutdown().await;
+}
+
+/// A PR from a new branch that fixes `src/checkout.py` on top of main and appends `extra`; returns
+/// (PR number, head sha).
+async fn open_fix_pr(f: &Forgejo, branch: &str, extra: &str) -> (u64, String) {
+    let (s, v) = f
+        .post(
+            "/branches",
+            json!({"new_branch_name": branch, "old_ref_name": "main"}),
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    let original = {
+        let (_, v) = f.get("/contents/src/checkout.py?ref=main").await;
+        use base64::Engine;
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(v["content"].as_str().unwrap_or_default())
+            .unwrap_or_default();
+        String::from_utf8(raw).unwrap_or_default()
+    };
+    let head = f
+        .commit(
+            branch,
+            "src/checkout.py",
+            &format!("{}{extra}", original.replace("/ 0\n", "/ 100\n")),
+        )
+        .await;
+    let (s, pr) = f
+        .post(
+            "/pulls",
+            json!({"head": branch, "base": "main", "title": format!("Fix from {branch}")}),
+        )
+        .await;
+    assert_eq!(s, 201, "{pr}");
+    (pr["number"].as_u64().unwrap_or_default(), head)
+}
+
+async fn raw_state(sb: &SandboxHandle) -> Value {
+    let r = client()
+        .get(format!("{}/_sandbox/state", sb.urls().forgejo))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    json_of(r).await
+}
+
+#[tokio::test]
+async fn forgejo_labels_are_created_listed_and_put_on_a_pull_request() {
+    let sb = start(SandboxConfig::default()).await;
+    let f = Forgejo::new(&sb);
+    let (number, _) = open_fix_pr(&f, "loams/labels", "").await;
+
+    let (s, v) = f.get("/labels").await;
+    assert_eq!((s, v), (200, json!([])));
+    let (s, _) = f.post("/labels", json!({"name": "factory"})).await;
+    assert_eq!(s, 422, "color is required");
+    let (s, _) = f.post("/labels", json!({"color": "#e4e669"})).await;
+    assert_eq!(s, 422, "name is required");
+    let (s, v) = f
+        .post("/labels", json!({"name": "x", "color": "#zzz"}))
+        .await;
+    assert_eq!(s, 422, "{v}");
+    let (s, factory) = f
+        .post(
+            "/labels",
+            json!({"name": "factory", "color": "#E4E669", "description": "made by loams"}),
+        )
+        .await;
+    assert_eq!(s, 201, "{factory}");
+    assert_eq!(factory["color"], "e4e669");
+    assert_eq!(factory["description"], "made by loams");
+    let (s, bug) = f
+        .post("/labels", json!({"name": "bug", "color": "f00"}))
+        .await;
+    assert_eq!((s, bug["color"].clone()), (201, json!("ff0000")));
+    assert_ne!(bug["id"], factory["id"]);
+    assert!(
+        bug["url"]
+            .as_str()
+            .is_some_and(|u| u.ends_with(&format!("/labels/{}", bug["id"]))),
+        "{bug}"
+    );
+    if let Some(spec) = spec("forgejo/forgejo-swagger.v1.json") {
+        conforms(&factory, &spec["definitions"]["Label"], true)
+            .unwrap_or_else(|e| panic!("Label: {e}"));
+    }
+
+    // listed by name, paged, with the total in a header
+    let r = client()
+        .get(format!("{}/labels?limit=1&page=2", f.api))
+        .header("Authorization", format!("token {}", f.token))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        r.headers()
+            .get("x-total-count")
+            .and_then(|v| v.to_str().ok()),
+        Some("2")
+    );
+    let page2 = json_of(r).await;
+    assert_eq!(page2.as_array().map(Vec::len), Some(1));
+    assert_eq!(page2[0]["name"], "factory");
+    let (_, all) = f.get("/labels?limit=50").await;
+    let names: Vec<&str> = all
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| l["name"].as_str())
+        .collect();
+    assert_eq!(names, ["bug", "factory"]);
+
+    // added by id and by name; unknown ones are skipped; adding again changes nothing
+    let path = format!("/issues/{number}/labels");
+    let body = json!({"labels": [factory["id"], "bug", 999, "no-such-label"]});
+    let (s, on_pr) = f.post(&path, body.clone()).await;
+    assert_eq!(s, 200, "{on_pr}");
+    let ids = |v: &Value| -> Vec<Value> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .map(|l| l["id"].clone())
+            .collect()
+    };
+    assert_eq!(ids(&on_pr), vec![bug["id"].clone(), factory["id"].clone()]);
+    let (s, again) = f.post(&path, body).await;
+    assert_eq!((s, ids(&again)), (200, ids(&on_pr)));
+    let (s, listed) = f.get(&path).await;
+    assert_eq!((s, ids(&listed)), (200, ids(&on_pr)));
+    let (_, pr) = f.get(&format!("/pulls/{number}")).await;
+    assert_eq!(ids(&pr["labels"]), ids(&on_pr));
+    assert_eq!(pr["labels"][1]["name"], "factory");
+    let (s, _) = f.post(&path, json!({"labels": [true]})).await;
+    assert_eq!(s, 422);
+
+    // unknown issue index, bad token
+    let (s, _) = f.post("/issues/99/labels", json!({"labels": [1]})).await;
+    assert_eq!(s, 404);
+    let (s, _) = f.get("/issues/99/labels").await;
+    assert_eq!(s, 404);
+    let r = client()
+        .post(format!("{}/labels", f.api))
+        .json(&json!({"name": "n", "color": "#000000"}))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.status(), 401);
+
+    let n = counts(&sb).await;
+    assert_eq!(
+        (n.forgejo.labels, n.forgejo.prs, n.forgejo.open_prs),
+        (2, 1, 1)
+    );
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn forgejo_single_commit_has_parents_files_and_stats() {
+    let sb = start(SandboxConfig::default()).await;
+    let f = Forgejo::new(&sb);
+    let (_, old_main) = f.get("/branches/main").await;
+    let old_main = old_main["commit"]["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let (number, head) = open_fix_pr(&f, "loams/merge", "").await;
+    let (s, v) = f
+        .post(
+            &format!("/pulls/{number}/merge"),
+            json!({"Do": "merge", "head_commit_id": head}),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    let (_, pr) = f.get(&format!("/pulls/{number}")).await;
+    let merge_sha = pr["merge_commit_sha"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+
+    // a merge commit: base first, then the merged head
+    let (s, c) = f.get(&format!("/git/commits/{merge_sha}?stat=false")).await;
+    assert_eq!(s, 200, "{c}");
+    assert_eq!(c["sha"], merge_sha.as_str());
+    let parents: Vec<&str> = c["parents"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["sha"].as_str())
+        .collect();
+    assert_eq!(parents, [old_main.as_str(), head.as_str()]);
+    assert_eq!(c["stats"], Value::Null, "stat=false leaves the stats out");
+    assert_eq!(
+        c["files"],
+        json!([{"filename": "src/checkout.py", "status": "modified"}])
+    );
+    assert!(
+        c["commit"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("Merge pull request")),
+        "{c}"
+    );
+    if let Some(spec) = spec("forgejo/forgejo-swagger.v1.json") {
+        let d = &spec["definitions"];
+        conforms(&c, &d["Commit"], true).unwrap_or_else(|e| panic!("Commit: {e}"));
+        conforms(&c["commit"], &d["RepoCommit"], true)
+            .unwrap_or_else(|e| panic!("RepoCommit: {e}"));
+    }
+    let (_, with_stats) = f.get(&format!("/git/commits/{merge_sha}")).await;
+    assert_eq!(
+        with_stats["stats"],
+        json!({"total": 2, "additions": 1, "deletions": 1})
+    );
+    // a ref names its head commit; the raw diff form is still served
+    let (s, by_ref) = f.get("/git/commits/main").await;
+    assert_eq!((s, by_ref["sha"].clone()), (200, json!(merge_sha)));
+    let (s, d) = f.get(&format!("/git/commits/{merge_sha}.diff")).await;
+    assert_eq!(s, 200);
+    assert!(
+        d.as_str()
+            .unwrap_or_default()
+            .contains("+    return price - price * percent / 100\n")
+    );
+
+    // a squash merge is linear: one parent
+    let (number, head) = open_fix_pr(&f, "loams/squash", "# squashed\n").await;
+    let (s, v) = f
+        .post(
+            &format!("/pulls/{number}/merge"),
+            json!({"Do": "squash", "head_commit_id": head}),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    let (_, c) = f.get("/git/commits/main").await;
+    let parents = c["parents"].as_array().cloned().unwrap_or_default();
+    assert_eq!(parents.len(), 1, "{c}");
+    assert_eq!(parents[0]["sha"], merge_sha.as_str());
+    // the seed commit has none
+    let (_, root) = f.get(&format!("/git/commits/{old_main}")).await;
+    assert_eq!(root["parents"], json!([]));
+
+    let (s, _) = f
+        .get("/git/commits/0123456789abcdef0123456789abcdef01234567")
+        .await;
+    assert_eq!(s, 404);
+    let (s, _) = f.get("/git/commits/bad..ref").await;
+    assert_eq!(s, 422);
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn plane_project_names_its_identifier() {
+    let sb = start(SandboxConfig::default()).await;
+    let info = sb.info();
+    let key = info.tokens.plane_api_key.clone();
+    let project = |slug: &str, id: &str| {
+        format!(
+            "{}/api/v1/workspaces/{slug}/projects/{id}/",
+            sb.urls().plane
+        )
+    };
+    let url = project(&info.plane_workspace, &info.plane_project_id);
+    let r = client()
+        .get(&url)
+        .header("X-API-Key", &key)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.status(), 200);
+    let p = json_of(r).await;
+    assert_eq!(p["id"], info.plane_project_id.as_str());
+    assert_eq!(p["identifier"], "OPS");
+    assert_eq!(p["name"], "Operations");
+    assert!(
+        p["workspace"].as_str().is_some_and(|w| w.len() == 36),
+        "{p}"
+    );
+    // the default state is the one new work items get
+    let states = client()
+        .get(format!("{url}states/"))
+        .header("X-API-Key", &key)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let states = json_of(states).await;
+    let default = states["results"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|s| s["default"] == true)
+        .map(|s| s["id"].clone());
+    assert_eq!(Some(p["default_state"].clone()), default);
+
+    for (u, k, want) in [
+        (url.clone(), "wrong", 401),
+        (project("other", &info.plane_project_id), key.as_str(), 404),
+        (
+            project(
+                &info.plane_workspace,
+                "5f0c8d2e-0000-4000-8000-000000000000",
+            ),
+            key.as_str(),
+            404,
+        ),
+    ] {
+        let r = client()
+            .get(&u)
+            .header("X-API-Key", k)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.status(), want, "{u}");
+    }
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn control_state_groups_counters_by_app() {
+    let sb = start(SandboxConfig::default()).await;
+    let f = Forgejo::new(&sb);
+    let (number, _) = open_fix_pr(&f, "loams/open", "").await;
+    let s = raw_state(&sb).await;
+    assert_eq!(s["forgejo"]["open_prs"], 1, "{s}");
+    assert_eq!(s["forgejo"]["prs"], 1, "{s}");
+    assert_eq!(s["forgejo"]["merges"], 0, "{s}");
+    assert_eq!(s["plane"]["issues"], 0, "{s}");
+    assert_eq!(s["zulip"]["messages"], 0, "{s}");
+    assert!(s["glitchtip"]["producing"].is_boolean(), "{s}");
+    let (status, _) = f
+        .send(
+            reqwest::Method::PATCH,
+            &format!("/pulls/{number}"),
+            Some(json!({"state": "closed"})),
+        )
+        .await;
+    assert_eq!(status, 201);
+    let s = raw_state(&sb).await;
+    assert_eq!(
+        (
+            s["forgejo"]["open_prs"].clone(),
+            s["forgejo"]["prs"].clone()
+        ),
+        (json!(0), json!(1))
+    );
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn zulip_get_stream_id_by_name() {
+    let sb = start(SandboxConfig::default()).await;
+    let t = sb.tokens().clone();
+    let url = format!("{}/api/v1/get_stream_id", sb.urls().zulip);
+    let get = |stream: &'static str, key: &str| {
+        client()
+            .get(&url)
+            .basic_auth(&t.zulip_email, Some(key))
+            .query(&[("stream", stream)])
+            .send()
+    };
+    let r = get("factory", &t.zulip_api_key)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        json_of(r).await,
+        json!({"result": "success", "msg": "", "stream_id": 1})
+    );
+    let r = get("nonexistent", &t.zulip_api_key)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.status(), 400);
+    assert_eq!(
+        json_of(r).await,
+        json!({"result": "error", "code": "BAD_REQUEST", "msg": "Invalid channel name 'nonexistent'"})
+    );
+    let r = get("factory", "wrong")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.status(), 401);
     sb.shutdown().await;
 }
