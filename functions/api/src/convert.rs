@@ -92,14 +92,11 @@ pub(crate) fn event(row: &EventRow) -> pf::TimelineEvent {
     let detail_json = String::from_utf8_lossy(&row.body).into_owned();
     let v: Value = serde_json::from_slice(&row.body).unwrap_or(Value::Null);
     let kind = text(&v, &["type"]);
-    let mut summary = kind.replace('_', " ");
-    for key in ["reason", "title", "summary", "error", "verdict", "skill"] {
-        let extra = text(&v, &[key]);
-        if !extra.is_empty() {
-            summary = format!("{summary}: {extra}");
-            break;
-        }
-    }
+    // The worker logs each event with the engine's one-line summary; the type names an event without one.
+    let summary = match text(&v, &["summary"]) {
+        s if s.is_empty() => kind.replace('_', " "),
+        s => s,
+    };
     pf::TimelineEvent {
         seq: row.seq,
         at_ms: int(&v, &["at_ms"]),
@@ -223,9 +220,12 @@ mod tests {
 
     #[test]
     fn event_maps_type_stage_and_summary() {
-        let body = serde_json::to_vec(&serde_json::json!({"type": "run_killed", "reason": "by alice", "at_ms": 3})).unwrap();
-        let e = event(&EventRow { seq: 4, body });
-        assert_eq!((e.seq, e.at_ms, e.r#type.as_str(), e.summary.as_str()), (4, 3, "run_killed", "run killed: by alice"));
+        let logged = serde_json::json!({"type": "ended", "summary": "run killed (killed)", "at_ms": 3, "stage": "fix"});
+        let e = event(&EventRow { seq: 4, body: serde_json::to_vec(&logged).unwrap() });
+        assert_eq!((e.seq, e.at_ms, e.r#type.as_str(), e.stage.as_str()), (4, 3, "ended", "fix"));
+        assert_eq!(e.summary, "run killed (killed)");
+        let bare = event(&EventRow { seq: 5, body: br#"{"type":"timer_fired"}"#.to_vec() });
+        assert_eq!(bare.summary, "timer fired");
         assert_eq!(truncate("é".repeat(200), 5).chars().count(), 3);
     }
 }

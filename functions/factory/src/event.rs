@@ -144,3 +144,87 @@ pub enum Event {
     FinishStepSkipped { step: String, action: FinishStep, reason: String },
     Ended { state: RunState, reason: Option<Reason>, verdict: Option<ObserveVerdict>, follow_up: Option<FollowUp> },
 }
+
+impl Event {
+    /// One line saying what happened, for timelines (phones, `loams demo`). Untrusted text (titles, reports, logs)
+    /// stays out of it: those are in the event's fields, shown quoted where a person asks for them.
+    pub fn summary(&self) -> String {
+        match self {
+            Event::Opened { signal, .. } => format!("run opened from {} (generation {})", signal.source, signal.generation),
+            Event::StepFailed { step, retryable, .. } => {
+                format!("step {} failed{}", step.rsplit(':').next().unwrap_or(step), if *retryable { ", will retry" } else { "" })
+            }
+            Event::WaitStarted { kind, .. } => format!("waiting ({})", wait_name(*kind)),
+            Event::TimerScheduled { .. } => "timer set".into(),
+            Event::TimerFired { .. } => "timer fired".into(),
+            Event::ThreadOpened { message_id, .. } => format!("triage thread opened (message {message_id})"),
+            Event::TriageDecided { accept, automatic, by } => format!(
+                "triage {} {}",
+                if *accept { "accepted" } else { "rejected" },
+                if *automatic { "automatically by policy".to_string() } else { format!("by {by}") }
+            ),
+            Event::IssueCreated { key, .. } => format!("issue {key} created"),
+            Event::IssueLinked { .. } => "issue linked in the thread".into(),
+            Event::AttemptStarted { attempt } => format!("fix attempt {attempt}"),
+            Event::FilesRead { files } => format!("read {} file(s)", files.len()),
+            Event::ModelAnswered { purpose, input_tokens, output_tokens, .. } => {
+                format!("model answered for {purpose} ({} tokens)", input_tokens + output_tokens)
+            }
+            Event::PatchProposed { files, .. } => format!("patch proposed for {} file(s)", files.len()),
+            Event::Committed { sha } => format!("committed {}", short_sha(sha)),
+            Event::PrOpened { number, .. } => format!("pull request #{number} opened"),
+            Event::CiPending { poll } => format!("CI pending (poll {poll})"),
+            Event::CiFinished { passed, report } => {
+                if *passed {
+                    "CI passed".into()
+                } else {
+                    format!("CI failed ({} failing check(s))", report.failing.len().max(1))
+                }
+            }
+            Event::LeadReviewed { approved, .. } => {
+                if *approved { "lead review: All good".into() } else { "lead review asks for changes".into() }
+            }
+            Event::SecurityAudited { approved, findings, .. } => {
+                format!("security audit {} ({} finding(s))", if *approved { "passed" } else { "blocks" }, findings.len())
+            }
+            Event::AttemptFailed { attempt, reason, .. } => format!("attempt {attempt} failed: {reason}"),
+            Event::GateOpened { request } => format!("approval needed for {}.{}", request.action.agent, request.action.skill),
+            Event::ApprovalRequested { .. } => "approval requested".into(),
+            Event::ApprovalSettled { approved, by, .. } => {
+                format!("{} by {by}", if *approved { "approved" } else { "denied" })
+            }
+            Event::Merged { merge_sha, .. } => format!("merged and deployed {}", short_sha(merge_sha)),
+            Event::IssueEventsRead { count, .. } => format!("{count} error event(s) since the merge"),
+            Event::SeriesRead { total } => format!("analytics: {total} event(s)"),
+            Event::VerdictReached { verdict, .. } => format!("verdict: {}", verdict_name(*verdict)),
+            Event::Abandoned { reason, .. } => format!("stopped: {}", reason_name(*reason)),
+            Event::FinishStepDone { action, .. } => format!("{} done", action.action()),
+            Event::FinishStepSkipped { action, .. } => format!("{} skipped", action.action()),
+            Event::Ended { state, reason, .. } => match reason {
+                Some(reason) => format!("run {} ({})", state.as_str(), reason_name(*reason)),
+                None => format!("run {}", state.as_str()),
+            },
+        }
+    }
+}
+
+fn short_sha(sha: &str) -> &str {
+    sha.get(..10).unwrap_or(sha)
+}
+
+/// The snake_case wire name of a unit enum value.
+fn wire_name<T: Serialize>(value: T) -> String {
+    serde_json::to_value(value).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
+}
+
+fn wait_name(kind: WaitKind) -> String {
+    wire_name(kind)
+}
+
+fn verdict_name(verdict: ObserveVerdict) -> String {
+    wire_name(verdict)
+}
+
+fn reason_name(reason: Reason) -> String {
+    wire_name(reason)
+}

@@ -338,13 +338,14 @@ fn state_name(run: &Run) -> &'static str {
     run.state.as_str()
 }
 
-/// The stored form of an event: the event itself plus when it was recorded and the stage it left the run in, so a
-/// timeline can say what happened when without replaying the run. Folding ignores the two extra fields.
+/// The stored form of an event: the event itself plus when it was recorded, the stage it left the run in and a
+/// one-line summary, so a timeline can say what happened when without replaying the run. Folding ignores them.
 fn logged(event: &Event, run: &Run, now_ms: i64) -> Result<Vec<u8>, WorkerError> {
     let mut value = serde_json::to_value(event).map_err(|e| WorkerError::Corrupt(e.to_string()))?;
     if let Some(fields) = value.as_object_mut() {
         fields.entry("at_ms").or_insert(json!(now_ms));
         fields.insert("stage".into(), json!(run.stage.as_str()));
+        fields.insert("summary".into(), json!(event.summary()));
     }
     to_json(&value)
 }
