@@ -136,7 +136,7 @@ fn start_dev(config: &Path, log: &Path) -> Reaped {
 
 async fn wait_api(api: &str) {
     let start = Instant::now();
-    while reqwest::get(format!("{api}/.well-known/jwks.json")).await.map(|r| r.status().is_success()) != Ok(true) {
+    while !reqwest::get(format!("{api}/.well-known/jwks.json")).await.is_ok_and(|r| r.status().is_success()) {
         assert!(start.elapsed() < Duration::from_secs(30), "API at {api} never came up");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
