@@ -43,46 +43,61 @@ fn int(v: &Value, keys: &[&str]) -> i64 {
     keys.iter().find_map(|k| v.get(*k).and_then(Value::as_i64)).unwrap_or(0)
 }
 
+fn uint(v: &Value, keys: &[&str]) -> u64 {
+    keys.iter().find_map(|k| v.get(*k).and_then(Value::as_u64)).unwrap_or(0)
+}
+
+fn stage_name(v: &Value) -> String {
+    match v.get("stage") {
+        Some(Value::String(s)) => s.clone(),
+        // A stage stored as a tagged object (`{"stage": {"fix": {...}}}` or `{"type": "fix"}`).
+        Some(Value::Object(o)) => o
+            .get("type")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .or_else(|| o.keys().next().cloned())
+            .unwrap_or_default(),
+        _ => String::new(),
+    }
+}
+
 pub(crate) fn run(row: &RunRow) -> Result<pf::Run, ApiError> {
-    let run: loams_factory::Run = serde_json::from_slice(&row.snapshot)
+    let v: Value = serde_json::from_slice(&row.snapshot)
         .map_err(|e| ApiError::Internal(format!("run {} has a malformed snapshot: {e}", row.id)))?;
-    let l = &run.links;
-    let some = |v: &Option<String>| v.clone().unwrap_or_default();
+    let signal = v.get("signal").map(|s| pf::Signal {
+        source: text(s, &["source"]),
+        fingerprint: text(s, &["fingerprint"]),
+        title: text(s, &["title"]),
+        link: text(s, &["link"]),
+    });
+    let links = v.get("links").map(|l| pf::RunLinks {
+        thread: text(l, &["thread", "thread_url"]),
+        issue: text(l, &["issue", "issue_url"]),
+        pr: text(l, &["pr", "pr_url"]),
+        deploy_ref: text(l, &["deploy_ref", "merge_sha"]),
+    });
+    let budget = v.get("budget").map(|b| pf::Budget {
+        limit_micros: int(b, &["limit_micros", "limit"]),
+        spent_micros: int(b, &["spent_micros", "micros"]),
+        tokens_limit: uint(b, &["tokens_limit", "limit_tokens"]),
+        tokens_spent: uint(b, &["tokens_spent", "tokens"]),
+    });
+    let generation = uint(&v, &["generation"]);
     Ok(pf::Run {
         id: row.id.clone(),
         org: row.org.clone(),
-        env: run.env.clone(),
-        generation: run.generation,
-        parent_run: some(&run.parent_run),
-        signal: Some(pf::Signal {
-            source: run.signal.source.clone(),
-            fingerprint: run.signal.fingerprint.clone(),
-            title: run.signal.title.clone(),
-            link: run.signal.link.clone(),
-        }),
+        env: text(&v, &["env"]),
+        generation: u32::try_from(generation).unwrap_or(u32::MAX),
+        parent_run: text(&v, &["parent_run"]),
+        signal,
         // The row's state is what the store indexes and filters by, so it is the one shown.
         state: row.state.clone(),
-        stage: run.stage.as_str().to_string(),
-        stage_state: serde_json::to_value(run.cursor).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default(),
-        links: Some(pf::RunLinks {
-            thread: some(&l.thread_url),
-            issue: some(&l.issue_url),
-            // After a hand-off or a revert, the PR a person should look at next.
-            pr: l.follow_pr_url.clone().or_else(|| l.pr_url.clone()).unwrap_or_default(),
-            deploy_ref: some(&l.deploy_ref),
-        }),
-        budget: Some(pf::Budget {
-            limit_micros: i64::try_from(run.budget.limit_micros).unwrap_or(i64::MAX),
-            spent_micros: i64::try_from(run.budget.micros).unwrap_or(i64::MAX),
-            tokens_limit: run.budget.limit_tokens,
-            tokens_spent: run.budget.tokens,
-        }),
-        verdict: run
-            .verdict
-            .and_then(|v| serde_json::to_value(v).ok())
-            .and_then(|v| v.as_str().map(str::to_owned))
-            .unwrap_or_default(),
-        started_at_ms: run.started_at_ms,
+        stage: stage_name(&v),
+        stage_state: text(&v, &["stage_state"]),
+        links,
+        budget,
+        verdict: text(&v, &["verdict", "ending"]),
+        started_at_ms: int(&v, &["started_at_ms", "started_at", "opened_at_ms"]),
         updated_at_ms: row.updated_ms,
         version: row.version,
     })
@@ -99,10 +114,9 @@ pub(crate) fn event(row: &EventRow) -> pf::TimelineEvent {
     };
     pf::TimelineEvent {
         seq: row.seq,
-        at_ms: int(&v, &["at_ms"]),
+        at_ms: int(&v, &["at_ms", "at", "now_ms"]),
         r#type: kind,
-        // The worker stores each event with the stage it left the run in (see loams-worker).
-        stage: text(&v, &["stage"]),
+        stage: stage_name(&v),
         summary: truncate(summary, MAX_SUMMARY),
         detail_json,
     }
@@ -185,35 +199,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn run_snapshot_maps_the_factory_run() {
-        let signal = loams_factory::Signal {
-            source: "glitchtip".into(),
-            fingerprint: "gt:42".into(),
-            title: "boom".into(),
-            link: "https://gt/x/issues/42".into(),
-            glitchtip_issue_id: Some("42".into()),
-            severity: "error".into(),
-            generation: 2,
-            parent_run: Some("r-0".into()),
-        };
-        let (mut run_record, _) = loams_factory::open(signal, &loams_factory::Ctx::new("acme", "prod", 5)).unwrap();
-        run_record.links.thread_url = Some("https://z/t".into());
-        run_record.budget.micros = 7;
+    fn run_snapshot_maps_known_fields_and_tolerates_shapes() {
+        let snapshot = serde_json::json!({
+            "id": "r-1", "org": "acme", "env": "prod", "generation": 2, "parent_run": "r-0",
+            "signal": {"source": "glitchtip", "fingerprint": "gt:42", "title": "boom", "link": "https://gt/x/issues/42"},
+            "stage": "fix",
+            "links": {"thread": "https://z/t", "issue": {"id": "i", "url": "https://plane/i"}, "pr": null},
+            "budget": {"limit_micros": 100, "spent_micros": 7},
+            "started_at_ms": 5
+        });
         let row = RunRow {
             org: "acme".into(),
-            id: run_record.id.clone(),
+            id: "r-1".into(),
             version: 9,
             state: "waiting".into(),
-            snapshot: serde_json::to_vec(&run_record).unwrap(),
+            snapshot: serde_json::to_vec(&snapshot).unwrap(),
             updated_ms: 77,
         };
         let r = run(&row).unwrap();
         assert_eq!((r.env.as_str(), r.generation, r.parent_run.as_str()), ("prod", 2, "r-0"));
         assert_eq!(r.signal.unwrap().fingerprint, "gt:42");
         let links = r.links.unwrap();
-        assert_eq!((links.thread.as_str(), links.issue.as_str(), links.pr.as_str()), ("https://z/t", "", ""));
+        assert_eq!((links.thread.as_str(), links.issue.as_str(), links.pr.as_str()), ("https://z/t", "https://plane/i", ""));
         assert_eq!(r.budget.unwrap().spent_micros, 7);
-        assert_eq!((r.state.as_str(), r.stage.as_str(), r.version, r.updated_at_ms, r.started_at_ms), ("waiting", "triage", 9, 77, 5));
+        assert_eq!((r.state.as_str(), r.stage.as_str(), r.version, r.updated_at_ms, r.started_at_ms), ("waiting", "fix", 9, 77, 5));
         let bad = RunRow { snapshot: b"{".to_vec(), ..row };
         assert!(run(&bad).is_err());
     }
