@@ -134,12 +134,14 @@ impl A2aClient {
     }
 
     /// Runs `skill` with `args` under `message_id` (the step id): repeats with the same id return
-    /// the first outcome instead of running the skill again.
+    /// the first outcome instead of running the skill again. A gated call names its settled approval in the
+    /// message metadata (`approval_id`), for the agent to check against the call.
     pub async fn call(
         &self,
         message_id: &str,
         skill: &str,
         args: Value,
+        approval_id: Option<&str>,
     ) -> Result<Value, CallError> {
         let message = Message {
             message_id: message_id.to_string(),
@@ -147,7 +149,7 @@ impl A2aClient {
             task_id: None,
             role: Role::User,
             parts: vec![Part::data(json!({"skill": skill, "args": args}))],
-            metadata: None,
+            metadata: approval_id.map(|id| [("approval_id".to_string(), json!(id))].into()),
             extensions: None,
             reference_task_ids: None,
         };

@@ -256,7 +256,7 @@ async fn send_message_completes_and_repeats_do_not_rerun_the_skill() {
     // The client maps the same exchange onto the skill output, deduplicated as well.
     let client = A2aClient::new(&agent.base, &agent.jwks).await.unwrap();
     let out = client
-        .call("r-1:fix:1:open_pr", "count", json!({"x": 1}))
+        .call("r-1:fix:1:open_pr", "count", json!({"x": 1}), None)
         .await
         .unwrap();
     assert_eq!(out, json!({"count": 1, "args": {"x": 1}}));
@@ -328,7 +328,7 @@ async fn concurrent_repeat_sees_the_task_working() {
     assert_error(&cancel, -32002, "TASK_NOT_CANCELABLE");
 
     let client = A2aClient::new(&agent.base, &agent.jwks).await.unwrap();
-    let err = client.call("m-slow", "slow", json!({})).await.unwrap_err();
+    let err = client.call("m-slow", "slow", json!({}), None).await.unwrap_err();
     assert!(
         matches!(err, CallError::InProgress(_)) && err.retryable(),
         "{err}"
@@ -341,7 +341,7 @@ async fn concurrent_repeat_sees_the_task_working() {
         "{done}"
     );
     assert_eq!(
-        client.call("m-slow", "slow", json!({})).await.unwrap(),
+        client.call("m-slow", "slow", json!({}), None).await.unwrap(),
         json!({"count": 1})
     );
     assert_eq!(agent.calls(), 1);
@@ -407,7 +407,7 @@ async fn skill_failures_become_failed_tasks_with_the_retryable_flag() {
 
     let client = A2aClient::new(&agent.base, &agent.jwks).await.unwrap();
     let err = client
-        .call("m-retry", "fail", json!({"retryable": true}))
+        .call("m-retry", "fail", json!({"retryable": true}), None)
         .await
         .unwrap_err();
     match &err {
@@ -418,7 +418,7 @@ async fn skill_failures_become_failed_tasks_with_the_retryable_flag() {
     // A retryable failure had no effect, so the same message id gets a fresh attempt.
     assert!(
         client
-            .call("m-retry", "fail", json!({"retryable": true}))
+            .call("m-retry", "fail", json!({"retryable": true}), None)
             .await
             .is_err()
     );
@@ -534,7 +534,7 @@ async fn protocol_errors() {
 async fn client_reports_protocol_and_transport_errors() {
     let agent = start().await;
     let client = A2aClient::new(&agent.base, &agent.jwks).await.unwrap();
-    let err = client.call("m-x", "launch", json!({})).await.unwrap_err();
+    let err = client.call("m-x", "launch", json!({}), None).await.unwrap_err();
     assert!(
         matches!(err, CallError::Protocol { code: -32602, .. }),
         "{err}"
@@ -549,7 +549,7 @@ async fn client_reports_protocol_and_transport_errors() {
         .await
         .unwrap();
     let err = client
-        .call("m-small", "count", json!({}))
+        .call("m-small", "count", json!({}), None)
         .await
         .unwrap_err();
     assert!(matches!(err, CallError::InvalidResponse(_)), "{err}");
@@ -561,7 +561,7 @@ async fn client_reports_protocol_and_transport_errors() {
     let client = A2aClient::with_options(&agent.base, &agent.jwks, hasty)
         .await
         .unwrap();
-    let err = client.call("m-hasty", "slow", json!({})).await.unwrap_err();
+    let err = client.call("m-hasty", "slow", json!({}), None).await.unwrap_err();
     assert!(
         matches!(err, CallError::Transport(_)) && err.retryable(),
         "{err}"

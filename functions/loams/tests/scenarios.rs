@@ -49,7 +49,7 @@ async fn kill_switch_stops_the_run_and_compensates() {
     assert_eq!(run.state, "killed", "{out}");
     let s = &report.sandbox_state;
     assert_eq!(count(s, "forgejo", "merges"), 0, "{s}");
-    assert_eq!(count(s, "forgejo", "open_prs"), 0, "the PR is closed by compensation: {s}");
+    assert_eq!(count(s, "forgejo", "open_prs"), 0, "the PR is closed by compensation: {s}\n{out}");
     // Closing a PR is destructive, so even compensation asks a person (the safety wall); no merge approval.
     assert!(report.approvals_decided <= 1, "{out}");
 }

@@ -13,10 +13,11 @@ pub enum AgentReply {
 }
 
 /// Calls an agent's skill with the step id as A2A `messageId`, so a repeated call is answered from the agent's
-/// task store and performs nothing twice.
+/// task store and performs nothing twice. A gated call names its settled approval, which the agent checks against
+/// the call before acting.
 #[async_trait]
 pub trait AgentCaller: Send + Sync {
-    async fn call(&self, agent: &str, step: &str, skill: &str, args: Value) -> AgentReply;
+    async fn call(&self, agent: &str, step: &str, skill: &str, args: Value, approval_id: Option<&str>) -> AgentReply;
 }
 
 /// The five agents over A2A JSON-RPC.
@@ -32,11 +33,11 @@ impl A2aAgents {
 
 #[async_trait]
 impl AgentCaller for A2aAgents {
-    async fn call(&self, agent: &str, step: &str, skill: &str, args: Value) -> AgentReply {
+    async fn call(&self, agent: &str, step: &str, skill: &str, args: Value, approval_id: Option<&str>) -> AgentReply {
         let Some(client) = self.clients.get(agent) else {
             return AgentReply::Failed { error: format!("no agent named {agent} is configured"), retryable: false };
         };
-        match client.call(step, skill, args).await {
+        match client.call(step, skill, args, approval_id).await {
             Ok(output) => AgentReply::Done(output),
             Err(e) => {
                 let retryable = e.retryable();

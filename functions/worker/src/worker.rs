@@ -203,9 +203,9 @@ impl Worker {
     async fn perform(&self, run: &Run, effect: &Effect) -> Result<Outcome, WorkerError> {
         let d = &self.deps;
         match effect {
-            Effect::Call { step, agent, skill, args, .. } => {
+            Effect::Call { step, agent, skill, args, approval_id } => {
                 let span = info_span!("invoke_agent", gen_ai.agent.name = %agent, gen_ai.tool.name = %skill, step = %step);
-                let reply = d.agents.call(agent, step, skill, args.clone()).instrument(span).await;
+                let reply = d.agents.call(agent, step, skill, args.clone(), approval_id.as_deref()).instrument(span).await;
                 Ok(match reply {
                     AgentReply::Done(output) => Outcome::Agent(output),
                     AgentReply::Failed { error, retryable } => Outcome::Failed { error, retryable },
