@@ -15,7 +15,7 @@ use loams_sandbox::{Sandbox, SandboxConfig};
 
 use crate::config::Config;
 use crate::phone::Phone;
-use crate::stack::{Stack, sandbox_apps};
+use crate::stack::{Backend, Stack, sandbox_apps};
 
 /// The recorded model answers of the demo: a first fix that fails CI, a second that passes, a lead review and a
 /// security audit that approve.
@@ -121,7 +121,7 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
     }
     let model = Arc::new(Replay::from_json_str(&scenario.cassette).context("reading the cassette")?);
     let config = &scenario.config;
-    let stack = Stack::start(config, &sandbox_apps(&sandbox.info()), model).await?;
+    let stack = Stack::start(config, &sandbox_apps(&sandbox.info()), model, Backend::sqlite(&config.data_dir)?).await?;
     writeln!(out, "loams demo: API {}  store {}", stack.api_url, config.data_dir.display())?;
 
     // The approver's phone, and the on-call engineer's view of the runs (the run acts on their behalf, so they

@@ -16,7 +16,7 @@ use loams_agents::{
 use loams_api::{ApiConfig, ApiError, ApiState, GlitchtipHook, Issuer, RunOpener};
 use loams_factory::Signal;
 use loams_model::{ChatModel, ModelConfig, OpenAiCompatible, Replay};
-use loams_platform::{Clock, Sqlite, SystemClock};
+use loams_platform::{Clock, Queue, Sqlite, Store, SystemClock, Timers};
 use loams_sandbox::{Sandbox, SandboxConfig, SandboxInfo};
 use loams_worker::{A2aAgents, Scheduler, Worker, WorkerDeps};
 use tokio::net::TcpListener;
@@ -37,25 +37,46 @@ const WORKERS: usize = 2;
 pub const DEV_ISSUER: &str = "loams-dev";
 pub const DEV_AUDIENCE: &str = "loams-api";
 
+/// The state the stack runs on: the ports, and the clock they share.
+#[derive(Clone)]
+pub struct Backend {
+    pub store: Arc<dyn Store>,
+    pub queue: Arc<dyn Queue>,
+    pub timers: Arc<dyn Timers>,
+    pub clock: Arc<dyn Clock>,
+}
+
+impl Backend {
+    /// The embedded default: one SQLite file in the data directory serving all three ports.
+    pub fn sqlite(data_dir: &Path) -> anyhow::Result<Backend> {
+        std::fs::create_dir_all(data_dir)
+            .with_context(|| format!("setting `data_dir`: cannot create {}", data_dir.display()))?;
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let db = data_dir.join("loams.db");
+        let sqlite =
+            Arc::new(Sqlite::open(&db, clock.clone()).with_context(|| format!("opening the store {}", db.display()))?);
+        Ok(Backend { store: sqlite.clone(), queue: sqlite.clone(), timers: sqlite, clock })
+    }
+}
+
 /// The running backend.
 pub struct Stack {
     pub api_url: String,
     pub worker: Arc<Worker>,
-    pub store: Arc<Sqlite>,
+    pub store: Arc<dyn Store>,
     pub issuer: Issuer,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
 
 impl Stack {
-    pub async fn start(config: &Config, apps: &AppSettings, model: Arc<dyn ChatModel>) -> anyhow::Result<Stack> {
-        std::fs::create_dir_all(&config.data_dir)
-            .with_context(|| format!("setting `data_dir`: cannot create {}", config.data_dir.display()))?;
-        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let db = config.data_dir.join("loams.db");
-        let store = Arc::new(
-            Sqlite::open(&db, clock.clone()).with_context(|| format!("opening the store {}", db.display()))?,
-        );
+    pub async fn start(
+        config: &Config,
+        apps: &AppSettings,
+        model: Arc<dyn ChatModel>,
+        backend: Backend,
+    ) -> anyhow::Result<Stack> {
+        let Backend { store, queue, timers, clock } = backend;
         let (stop, stop_rx) = watch::channel(false);
         let mut tasks = Vec::new();
 
@@ -89,8 +110,8 @@ impl Stack {
 
         let worker = Arc::new(Worker::new(WorkerDeps {
             store: store.clone(),
-            queue: store.clone(),
-            timers: store.clone(),
+            queue: queue.clone(),
+            timers: timers.clone(),
             clock: clock.clone(),
             agents: Arc::new(A2aAgents::new(directory)),
             model,
@@ -105,7 +126,7 @@ impl Stack {
             let stop = stop_rx.clone();
             tasks.push(tokio::spawn(async move { worker.run(stop).await }));
         }
-        let scheduler = Scheduler::new(store.clone(), store.clone(), clock.clone());
+        let scheduler = Scheduler::new(timers, queue.clone(), clock.clone());
         let mut scheduler_stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
             while !*scheduler_stop.borrow() {
@@ -122,7 +143,7 @@ impl Stack {
         let issuer = dev_issuer(&config.data_dir)?;
         let state = ApiState {
             store: store.clone(),
-            queue: store.clone(),
+            queue,
             verifier: issuer.verifier(),
             clock: clock.clone(),
             config: Arc::new(ApiConfig {
@@ -261,7 +282,7 @@ fn agents(apps: &AppSettings) -> anyhow::Result<Vec<(&'static str, Arc<dyn Skill
 async fn serve_agent(
     name: &str,
     skills: Arc<dyn Skills>,
-    store: Arc<Sqlite>,
+    store: Arc<dyn Store>,
     org: &str,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<((String, loams_a2a::Jwks), JoinHandle<()>)> {
@@ -348,7 +369,7 @@ pub async fn dev(config: Config, sandbox_state: Option<PathBuf>) -> anyhow::Resu
             (sandbox_apps(&sandbox.info()), Some(sandbox))
         }
     };
-    let stack = Stack::start(&config, &apps, model).await?;
+    let stack = Stack::start(&config, &apps, model, Backend::sqlite(&config.data_dir)?).await?;
     println!("loams dev: API on {}", stack.api_url);
     println!("  JWKS:     {}/.well-known/jwks.json", stack.api_url);
     println!("  webhook:  {}/webhooks/glitchtip/<webhook_token>", stack.api_url);
