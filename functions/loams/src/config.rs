@@ -10,6 +10,31 @@ use serde::Deserialize;
 
 /// Largest configuration file accepted; a real one is a few hundred bytes.
 const MAX_CONFIG_BYTES: u64 = 256 * 1024;
+/// Shortest webhook token accepted: the URL is the only secret of an unsigned webhook.
+pub const MIN_WEBHOOK_TOKEN: usize = 24;
+/// The agents a policy rule may name.
+const AGENTS: [&str; 5] = ["zulip", "plane", "forgejo", "glitchtip", "analytics"];
+
+/// A credential read from the config: kept out of `Debug` output so a logged config never shows it.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -34,10 +59,13 @@ pub struct Config {
     pub org: String,
     /// Environment name runs are opened in (policy decides per environment).
     pub env: String,
-    /// Shared secret in the GlitchTip alert webhook URL (`/webhooks/glitchtip/<token>`).
-    pub webhook_token: String,
+    /// Shared secret in the GlitchTip alert webhook URL (`/webhooks/glitchtip/<token>`). Unset: a random one is
+    /// made on first start and kept in the data directory (`webhook.token`).
+    pub webhook_token: Option<Secret>,
     pub model: ModelSettings,
     pub factory: FactorySettings,
+    /// Which agent calls are allowed, need an approval or are denied (DESIGN.md section 5 defaults).
+    pub policy: loams_factory::Policy,
     /// App endpoints and credentials. Absent: the sandbox apps are started in-process.
     pub apps: Option<AppSettings>,
 }
@@ -60,7 +88,6 @@ pub struct FactorySettings {
     pub max_generations: u32,
     pub observe_window_ms: u64,
     pub ci_poll_ms: u64,
-    pub auto_triage: bool,
     pub budget_micros: u64,
     pub budget_tokens: u64,
     pub cooldown_ms: u64,
@@ -85,14 +112,14 @@ pub struct AppSettings {
 pub struct ZulipSettings {
     pub url: String,
     pub email: String,
-    pub api_key: String,
+    pub api_key: Secret,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PlaneSettings {
     pub url: String,
-    pub api_key: String,
+    pub api_key: Secret,
     pub workspace: String,
     pub project_id: String,
 }
@@ -101,7 +128,7 @@ pub struct PlaneSettings {
 #[serde(deny_unknown_fields)]
 pub struct ForgejoSettings {
     pub url: String,
-    pub token: String,
+    pub token: Secret,
     pub owner: String,
     pub repo: String,
     pub base: String,
@@ -111,7 +138,7 @@ pub struct ForgejoSettings {
 #[serde(deny_unknown_fields)]
 pub struct GlitchtipSettings {
     pub url: String,
-    pub token: String,
+    pub token: Secret,
     pub org: String,
 }
 
@@ -120,7 +147,7 @@ pub struct GlitchtipSettings {
 pub struct AnalyticsSettings {
     pub url: String,
     pub client_id: String,
-    pub client_secret: String,
+    pub client_secret: Secret,
     pub project_id: String,
 }
 
@@ -131,9 +158,10 @@ impl Default for Config {
             data_dir: PathBuf::from(".loams"),
             org: "acme".into(),
             env: "production".into(),
-            webhook_token: "dev-webhook-token".into(),
+            webhook_token: None,
             model: ModelSettings::default(),
             factory: FactorySettings::default(),
+            policy: loams_factory::Policy::default(),
             apps: None,
         }
     }
@@ -157,7 +185,6 @@ impl Default for FactorySettings {
             max_generations: 2,
             observe_window_ms: 60_000,
             ci_poll_ms: 2_000,
-            auto_triage: false,
             budget_micros: 2_000_000,
             budget_tokens: 400_000,
             cooldown_ms: 600_000,
@@ -203,8 +230,18 @@ impl Config {
         if self.env.is_empty() {
             return invalid("env", "must not be empty");
         }
-        if self.webhook_token.len() < 16 {
-            return invalid("webhook_token", "must be at least 16 characters");
+        if self.webhook_token.as_ref().is_some_and(|t| t.expose().len() < MIN_WEBHOOK_TOKEN) {
+            return invalid("webhook_token", "must be at least 24 characters (or unset, to generate one)");
+        }
+        for (i, rule) in self.policy.rules.iter().enumerate() {
+            if let Some(agent) = &rule.agent
+                && !AGENTS.contains(&agent.as_str())
+            {
+                return Err(ConfigError::Invalid {
+                    setting: "policy.rules",
+                    message: format!("rule {} names agent `{agent}`; known agents: {}", i + 1, AGENTS.join(", ")),
+                });
+            }
         }
         let f = &self.factory;
         if !(1..=10).contains(&f.max_attempts) {
@@ -274,7 +311,8 @@ mod tests {
     fn bad_values_name_their_setting() {
         let cases = [
             ("org = \"Acme\"", "org"),
-            ("webhook_token = \"short\"", "webhook_token"),
+            ("webhook_token = \"short-token\"", "webhook_token"),
+            ("[[policy.rules]]\nagent = \"jira\"\nverdict = \"allow\"", "policy.rules"),
             ("[factory]\nmax_attempts = 0", "factory.max_attempts"),
             ("[model]\nbase_url = \"ftp://x\"", "model.base_url"),
         ];
@@ -282,6 +320,44 @@ mod tests {
             let err = Config::parse(text).unwrap().validate().unwrap_err().to_string();
             assert!(err.contains(setting), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn secrets_stay_out_of_debug_output() {
+        // Top-level keys first: in TOML a key after a table header belongs to that table.
+        let text = "webhook_token = \"webhook-secret-6-long-enough-here\"\n\
+                    [apps.zulip]\nurl = \"http://z\"\nemail = \"bot@z\"\napi_key = \"zulip-secret-1\"\n\
+                    [apps.plane]\nurl = \"http://p\"\napi_key = \"plane-secret-2\"\nworkspace = \"w\"\nproject_id = \"p\"\n\
+                    [apps.forgejo]\nurl = \"http://f\"\ntoken = \"forgejo-secret-3\"\nowner = \"o\"\nrepo = \"r\"\nbase = \"main\"\n\
+                    [apps.glitchtip]\nurl = \"http://g\"\ntoken = \"glitchtip-secret-4\"\norg = \"o\"\n\
+                    [apps.analytics]\nurl = \"http://a\"\nclient_id = \"id\"\nclient_secret = \"openpanel-secret-5\"\nproject_id = \"p\"\n";
+        let config = Config::parse(text).unwrap();
+        config.validate().unwrap();
+        let shown = format!("{config:?}");
+        for secret in ["zulip-secret-1", "plane-secret-2", "forgejo-secret-3", "glitchtip-secret-4", "openpanel-secret-5", "webhook-secret-6"] {
+            assert!(!shown.contains(secret), "{secret} leaked: {shown}");
+        }
+        assert_eq!(config.apps.unwrap().zulip.api_key.expose(), "zulip-secret-1");
+    }
+
+    #[test]
+    fn policy_rules_are_read() {
+        let config = Config::parse(
+            "[policy]\nauto_triage = true\nprotected_envs = [\"production\"]\n\
+             [[policy.rules]]\nagent = \"plane\"\nskill = \"comment\"\nverdict = \"deny\"\n",
+        )
+        .unwrap();
+        config.validate().unwrap();
+        let p = &config.policy;
+        assert!(p.auto_triage);
+        assert_eq!(
+            p.decide("plane", "comment", loams_factory::Risk::Write, "staging"),
+            loams_factory::Verdict::Deny
+        );
+        assert_eq!(
+            p.decide("zulip", "post", loams_factory::Risk::Write, "production"),
+            loams_factory::Verdict::Approve
+        );
     }
 
     #[test]

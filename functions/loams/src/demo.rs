@@ -55,7 +55,7 @@ impl Scenario {
         let mut config = Config::default();
         config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
         config.data_dir = data_dir;
-        config.factory.auto_triage = true;
+        config.policy.auto_triage = true;
         config.factory.observe_window_ms = 1_500;
         config.factory.ci_poll_ms = 100;
         let mut sandbox = SandboxConfig::default();
@@ -131,7 +131,7 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
         .with_header("authorization", format!("Bearer {}", stack.token("oncall", &config.org)?))?;
 
     let alert = sandbox.alert_payload();
-    let hook = format!("{}/webhooks/glitchtip/{}", stack.api_url, config.webhook_token);
+    let hook = format!("{}/webhooks/glitchtip/{}", stack.api_url, crate::stack::webhook_token(config)?);
     let response = reqwest::Client::new().post(&hook).json(&alert).send().await.context("posting the alert")?;
     let status = response.status();
     let body: serde_json::Value = response.json().await.unwrap_or_default();

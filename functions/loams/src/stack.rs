@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::{
-    AnalyticsSettings, AppSettings, Config, ForgejoSettings, GlitchtipSettings, PlaneSettings, ZulipSettings,
+    AnalyticsSettings, AppSettings, Config, ForgejoSettings, GlitchtipSettings, PlaneSettings, Secret, ZulipSettings,
 };
 
 /// Timeout of every app call an agent makes.
@@ -49,8 +49,7 @@ pub struct Backend {
 impl Backend {
     /// The embedded default: one SQLite file in the data directory serving all three ports.
     pub fn sqlite(data_dir: &Path) -> anyhow::Result<Backend> {
-        std::fs::create_dir_all(data_dir)
-            .with_context(|| format!("setting `data_dir`: cannot create {}", data_dir.display()))?;
+        create_private_dir(data_dir)?;
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let db = data_dir.join("loams.db");
         let sqlite =
@@ -105,8 +104,6 @@ impl Stack {
         factory.channel = f.channel.clone();
         factory.base_branch = apps.forgejo.base.clone();
         factory.analytics_project_id = apps.analytics.project_id.clone();
-        let mut policy = loams_factory::Policy::default();
-        policy.auto_triage = f.auto_triage;
 
         let worker = Arc::new(Worker::new(WorkerDeps {
             store: store.clone(),
@@ -117,7 +114,7 @@ impl Stack {
             model,
             env: config.env.clone(),
             config: factory,
-            policy,
+            policy: config.policy.clone(),
             prices: loams_factory::Prices::default(),
             owner: Some("oncall".into()),
         }));
@@ -150,7 +147,7 @@ impl Stack {
                 glitchtip_hooks: vec![GlitchtipHook {
                     org: config.org.clone(),
                     env: config.env.clone(),
-                    token: config.webhook_token.clone(),
+                    token: webhook_token(config)?,
                 }],
                 ..ApiConfig::default()
             }),
@@ -185,8 +182,7 @@ pub fn dev_issuer(data_dir: &Path) -> anyhow::Result<Issuer> {
     let pkcs8 = match std::fs::read(&path) {
         Ok(bytes) => bytes,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::create_dir_all(data_dir)
-                .with_context(|| format!("setting `data_dir`: cannot create {}", data_dir.display()))?;
+            create_private_dir(data_dir)?;
             let key = Issuer::generate_pkcs8().map_err(|e| anyhow!("dev issuer: {e}"))?;
             write_private(&path, &key)?;
             key
@@ -196,15 +192,47 @@ pub fn dev_issuer(data_dir: &Path) -> anyhow::Result<Issuer> {
     Issuer::from_pkcs8(&pkcs8, DEV_ISSUER, DEV_AUDIENCE).map_err(|e| anyhow!("{}: {e}", path.display()))
 }
 
-/// Writes a secret readable by its owner only, whole or not at all.
+/// The GlitchTip webhook's URL token: the configured one, or one made at first start and kept in the data
+/// directory, so the URL given to GlitchTip stays valid across restarts.
+pub fn webhook_token(config: &Config) -> anyhow::Result<String> {
+    if let Some(token) = &config.webhook_token {
+        return Ok(token.expose().to_string());
+    }
+    let path = config.data_dir.join("webhook.token");
+    match std::fs::read_to_string(&path) {
+        Ok(token) => Ok(token.trim().to_string()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut bytes = [0u8; 24];
+            aws_lc_rs::rand::fill(&mut bytes).map_err(|_| anyhow!("no randomness for the webhook token"))?;
+            let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            create_private_dir(&config.data_dir)?;
+            write_private(&path, token.as_bytes())?;
+            Ok(token)
+        }
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+}
+
+/// Creates the data directory readable by its owner only (it holds the store and keys).
+fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("setting `data_dir`: cannot create {}", dir.display()))
+}
+
+/// Writes a secret readable by its owner only, whole or not at all. The temporary file is created fresh (never
+/// an existing file or a symlink someone planted), then renamed over the target.
 fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
     let mut file = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o600)
         .open(&tmp)
         .with_context(|| format!("writing {}", tmp.display()))?;
@@ -234,12 +262,12 @@ fn agents(apps: &AppSettings) -> anyhow::Result<Vec<(&'static str, Arc<dyn Skill
     let zulip = ZulipAgent::new(&ZulipConfig {
         base_url: apps.zulip.url.clone(),
         email: apps.zulip.email.clone(),
-        api_key: apps.zulip.api_key.clone(),
+        api_key: apps.zulip.api_key.expose().to_string(),
         timeout: APP_TIMEOUT,
     })?;
     let plane = PlaneAgent::new(&PlaneConfig {
         base_url: apps.plane.url.clone(),
-        api_key: apps.plane.api_key.clone(),
+        api_key: apps.plane.api_key.expose().to_string(),
         workspace_slug: apps.plane.workspace.clone(),
         project_id: apps.plane.project_id.clone(),
         web_url: None,
@@ -249,7 +277,7 @@ fn agents(apps: &AppSettings) -> anyhow::Result<Vec<(&'static str, Arc<dyn Skill
     })?;
     let forgejo = ForgejoAgent::new(&ForgejoConfig {
         base_url: apps.forgejo.url.clone(),
-        token: apps.forgejo.token.clone(),
+        token: apps.forgejo.token.expose().to_string(),
         owner: apps.forgejo.owner.clone(),
         repo: apps.forgejo.repo.clone(),
         base_branch: apps.forgejo.base.clone(),
@@ -257,14 +285,14 @@ fn agents(apps: &AppSettings) -> anyhow::Result<Vec<(&'static str, Arc<dyn Skill
     })?;
     let glitchtip = GlitchTipAgent::new(&GlitchTipConfig {
         base_url: apps.glitchtip.url.clone(),
-        token: apps.glitchtip.token.clone(),
+        token: apps.glitchtip.token.expose().to_string(),
         org_slug: apps.glitchtip.org.clone(),
         timeout: APP_TIMEOUT,
     })?;
     let analytics = AnalyticsAgent::new(&AnalyticsConfig {
         base_url: apps.analytics.url.clone(),
         client_id: apps.analytics.client_id.clone(),
-        client_secret: apps.analytics.client_secret.clone(),
+        client_secret: apps.analytics.client_secret.expose().to_string(),
         project_id: apps.analytics.project_id.clone(),
         timeout: APP_TIMEOUT,
     })?;
@@ -329,29 +357,29 @@ pub fn model(config: &Config) -> anyhow::Result<Arc<dyn ChatModel>> {
 pub fn sandbox_apps(info: &SandboxInfo) -> AppSettings {
     let t = &info.tokens;
     AppSettings {
-        zulip: ZulipSettings { url: info.urls.zulip.clone(), email: t.zulip_email.clone(), api_key: t.zulip_api_key.clone() },
+        zulip: ZulipSettings { url: info.urls.zulip.clone(), email: t.zulip_email.clone(), api_key: Secret::new(t.zulip_api_key.clone()) },
         plane: PlaneSettings {
             url: info.urls.plane.clone(),
-            api_key: t.plane_api_key.clone(),
+            api_key: Secret::new(t.plane_api_key.clone()),
             workspace: info.plane_workspace.clone(),
             project_id: info.plane_project_id.clone(),
         },
         forgejo: ForgejoSettings {
             url: info.urls.forgejo.clone(),
-            token: t.forgejo_token.clone(),
+            token: Secret::new(t.forgejo_token.clone()),
             owner: info.forgejo_owner.clone(),
             repo: info.forgejo_repo.clone(),
             base: info.forgejo_base.clone(),
         },
         glitchtip: GlitchtipSettings {
             url: info.urls.glitchtip.clone(),
-            token: t.glitchtip_token.clone(),
+            token: Secret::new(t.glitchtip_token.clone()),
             org: info.glitchtip_org.clone(),
         },
         analytics: AnalyticsSettings {
             url: info.urls.openpanel.clone(),
             client_id: t.openpanel_client_id.clone(),
-            client_secret: t.openpanel_client_secret.clone(),
+            client_secret: Secret::new(t.openpanel_client_secret.clone()),
             project_id: info.openpanel_project_id.clone(),
         },
     }
@@ -372,7 +400,7 @@ pub async fn dev(config: Config, sandbox_state: Option<PathBuf>) -> anyhow::Resu
     let stack = Stack::start(&config, &apps, model, Backend::sqlite(&config.data_dir)?).await?;
     println!("loams dev: API on {}", stack.api_url);
     println!("  JWKS:     {}/.well-known/jwks.json", stack.api_url);
-    println!("  webhook:  {}/webhooks/glitchtip/<webhook_token>", stack.api_url);
+    println!("  webhook:  {}/webhooks/glitchtip/{}", stack.api_url, webhook_token(&config)?);
     println!("  token:    {}", stack.token("dev", &config.org)?);
     if let Some(sandbox) = &sandbox {
         println!("  sandbox:  {}", serde_json::to_string(&sandbox.info().urls)?);

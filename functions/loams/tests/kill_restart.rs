@@ -15,6 +15,7 @@ use loams_sandbox::SandboxInfo;
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_loams");
+const WEBHOOK_TOKEN: &str = "kill-test-webhook-token-0123456789";
 /// Moments (ms after the API answers) at which each `loams dev` process is killed.
 const KILL_AFTER_MS: [u64; 8] = [150, 300, 450, 600, 250, 400, 700, 900];
 
@@ -48,12 +49,15 @@ fn config(dir: &Path, port: u16, info: &SandboxInfo) -> String {
         r#"listen = "127.0.0.1:{port}"
 data_dir = "{data}"
 org = "acme"
+webhook_token = "{webhook}"
 
 [model]
 cassette = "{cassette}"
 
-[factory]
+[policy]
 auto_triage = true
+
+[factory]
 observe_window_ms = 1500
 ci_poll_ms = 100
 
@@ -87,6 +91,7 @@ client_secret = "{op_secret}"
 project_id = "{op_project}"
 "#,
         data = dir.join("data").display(),
+        webhook = WEBHOOK_TOKEN,
         cassette = dir.join("cassette.json").display(),
         zulip = info.urls.zulip,
         zulip_email = t.zulip_email,
@@ -192,7 +197,7 @@ async fn killed_at_step_boundaries_the_run_completes_without_duplicates() {
         .with_header("authorization", format!("Bearer {}", token(&config_path, "oncall")))
         .unwrap();
     let alert = reqwest::Client::new()
-        .post(format!("{api}/webhooks/glitchtip/dev-webhook-token"))
+        .post(format!("{api}/webhooks/glitchtip/{WEBHOOK_TOKEN}"))
         .json(&serde_json::json!({
             "alias": "GlitchTip", "text": "GlitchTip Alert",
             "attachments": [{"title": "ZeroDivisionError: division by zero",

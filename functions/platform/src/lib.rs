@@ -10,6 +10,7 @@
 
 pub mod clock;
 pub mod conformance;
+mod counting;
 mod error;
 pub mod limits;
 mod ports;
@@ -17,6 +18,7 @@ mod sqlite;
 mod types;
 
 pub use clock::{Clock, ManualClock, SystemClock, TimeControl};
+pub use counting::{Counting, OpCounts};
 pub use error::{Result, StoreError};
 pub use ports::{Queue, Store, Timers};
 pub use sqlite::{DEFAULT_MAX_RECEIVES, Sqlite};
