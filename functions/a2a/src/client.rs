@@ -1,6 +1,7 @@
 //! A2A client for skill calls: verifies the agent's signed card once, then sends each call as a
 //! JSON-RPC `SendMessage` whose message id is the caller's step id.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use a2a::{
@@ -9,7 +10,9 @@ use a2a::{
 };
 use serde_json::{Value, json};
 
+use crate::auth::TokenSource;
 use crate::card::{CARD_PATH, CardError, Jwks, verify_card};
+use crate::server::APPROVAL_ID_KEY;
 
 /// Largest agent card accepted.
 const MAX_CARD_BYTES: usize = 64 * 1024;
@@ -55,13 +58,18 @@ pub enum CallError {
     /// Another delivery of the same message id is still running; ask again later.
     #[error("task {0} is still in progress")]
     InProgress(String),
+    /// No bearer token could be had for the agent; nothing was sent.
+    #[error("credentials: {0}")]
+    Token(String),
 }
 
 impl CallError {
     /// Whether repeating the call (with the same message id) may succeed.
     pub fn retryable(&self) -> bool {
         match self {
-            CallError::Transport(_) | CallError::InProgress(_) => true,
+            // Nothing reached the agent without a token, so asking again is safe; a token source
+            // over the network fails transiently.
+            CallError::Transport(_) | CallError::InProgress(_) | CallError::Token(_) => true,
             CallError::Http(status) => *status >= 500 || *status == 408 || *status == 429,
             CallError::Protocol { code, .. } => *code == a2a::error_code::INTERNAL_ERROR,
             CallError::Skill { retryable, .. } => *retryable,
@@ -74,12 +82,22 @@ fn transport(e: reqwest::Error) -> CallError {
     CallError::Transport(e.to_string())
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct A2aClient {
     http: reqwest::Client,
     card: AgentCard,
     endpoint: String,
     max_response_bytes: usize,
+    tokens: Option<Arc<dyn TokenSource>>,
+}
+
+impl std::fmt::Debug for A2aClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("A2aClient")
+            .field("endpoint", &self.endpoint)
+            .field("authenticated", &self.tokens.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl A2aClient {
@@ -125,7 +143,20 @@ impl A2aClient {
             card,
             endpoint,
             max_response_bytes: options.max_response_bytes,
+            tokens: None,
         })
+    }
+
+    /// Sends `Authorization: Bearer <token>` on every call, the token asked of `tokens` for this
+    /// agent's JSON-RPC interface URL (the audience the agent checks).
+    pub fn with_tokens(mut self, tokens: Arc<dyn TokenSource>) -> Self {
+        self.tokens = Some(tokens);
+        self
+    }
+
+    /// The JSON-RPC interface URL taken from the verified card.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
     }
 
     /// The verified card.
@@ -149,7 +180,7 @@ impl A2aClient {
             task_id: None,
             role: Role::User,
             parts: vec![Part::data(json!({"skill": skill, "args": args}))],
-            metadata: approval_id.map(|id| [("approval_id".to_string(), json!(id))].into()),
+            metadata: approval_id.map(|id| [(APPROVAL_ID_KEY.to_string(), json!(id))].into()),
             extensions: None,
             reference_task_ids: None,
         };
@@ -166,14 +197,19 @@ impl A2aClient {
             methods::SEND_MESSAGE,
             Some(params),
         );
-        let resp = self
+        let mut req = self
             .http
             .post(&self.endpoint)
             .header(a2a::SVC_PARAM_VERSION, a2a::VERSION)
-            .json(&request)
-            .send()
-            .await
-            .map_err(transport)?;
+            .json(&request);
+        if let Some(tokens) = &self.tokens {
+            let token = tokens
+                .token(&self.endpoint)
+                .await
+                .map_err(|e| CallError::Token(e.to_string()))?;
+            req = req.bearer_auth(token);
+        }
+        let resp = req.send().await.map_err(transport)?;
         if !resp.status().is_success() {
             return Err(CallError::Http(resp.status().as_u16()));
         }

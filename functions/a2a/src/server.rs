@@ -1,7 +1,13 @@
 //! The A2A 1.0 server: the signed card and a JSON-RPC endpoint (`SendMessage`, `GetTask`,
 //! `CancelTask`) whose tasks live in the platform `Store`, deduplicated on the message id.
+//!
+//! Every JSON-RPC call needs a bearer token the host's [`CallerAuth`] accepts for this agent's URL
+//! (the card stays public). A task is bound to the call that created it (skill and canonical args)
+//! and to its caller: a reused message id with another call is refused, and only the creator may
+//! read or cancel the task. A destructive skill runs only when the host's [`ApprovalGate`] admits
+//! the approval named in the message metadata (`approval_id`).
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -17,10 +23,14 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use loams_platform::{Claim, Cond, Item, Store, StoreError, limits};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use crate::auth::{
+    ApprovalGate, AuthError, CallerAuth, GateError, Guards, MAX_BEARER_BYTES, Principal,
+};
 use crate::card::{CARD_PATH, CardSigner, build_card};
-use crate::skills::{SkillError, Skills};
+use crate::skills::{Risk, SkillError, Skills};
 
 /// Largest JSON-RPC request body; a skill call is a few KiB, this leaves room for file contents.
 pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;
@@ -37,13 +47,20 @@ const SKILL_TIMEOUT: Duration = Duration::from_secs(4 * 60);
 const CARD_MAX_AGE: &str = "max-age=300";
 /// Missing `A2A-Version` means 0.3 (A2A §3.6).
 const IMPLICIT_VERSION: &str = "0.3";
+/// Message metadata key naming the settled approval of a gated call.
+pub const APPROVAL_ID_KEY: &str = "approval_id";
 
 struct Agent {
     skills: Arc<dyn Skills>,
     store: Arc<dyn Store>,
     org: String,
     name: String,
-    skill_ids: HashSet<String>,
+    /// The card's skills and their risk: the risk decides whether a call needs an approval.
+    risks: HashMap<String, Risk>,
+    /// This agent's interface URL, the audience its callers' tokens must name.
+    audience: String,
+    auth: Arc<dyn CallerAuth>,
+    gate: Arc<dyn ApprovalGate>,
     /// The signed card, rendered once; `Err` keeps the reason signing failed so the card endpoint
     /// reports it instead of serving an unsigned card.
     card: Result<CardDoc, String>,
@@ -56,25 +73,32 @@ struct CardDoc {
 }
 
 /// The agent's HTTP surface: `GET /.well-known/agent-card.json` and JSON-RPC at `POST /`.
-/// `base_url` is where this router is reachable (it becomes the card's JSON-RPC interface URL).
+/// `base_url` is where this router is reachable (it becomes the card's JSON-RPC interface URL and
+/// the audience callers' tokens must name); `guards` authenticate callers and gate destructive
+/// skills.
 pub fn router(
     skills: Arc<dyn Skills>,
     store: Arc<dyn Store>,
     org: String,
     signer: CardSigner,
     base_url: String,
+    guards: Guards,
 ) -> Router {
     let spec = skills.card();
-    let card = render_card(&signer, &spec, base_url.trim_end_matches('/'));
+    let audience = base_url.trim_end_matches('/').to_string();
+    let card = render_card(&signer, &spec, &audience);
     if let Err(e) = &card {
         tracing::error!(agent = %spec.name, error = %e, "agent card could not be signed");
     }
     let agent = Agent {
-        skill_ids: spec.skills.iter().map(|s| s.id.clone()).collect(),
+        risks: spec.skills.iter().map(|s| (s.id.clone(), s.risk)).collect(),
         name: spec.name,
         skills,
         store,
         org,
+        audience,
+        auth: guards.auth,
+        gate: guards.gate,
         card,
     };
     Router::new()
@@ -158,15 +182,70 @@ fn store_failure(e: StoreError) -> RpcFailure {
 }
 
 fn rpc_response(resp: JsonRpcResponse) -> Response {
+    rpc_response_with(StatusCode::OK, resp)
+}
+
+fn rpc_response_with(status: StatusCode, resp: JsonRpcResponse) -> Response {
     match serde_json::to_vec(&resp) {
-        Ok(body) => (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, "application/json")],
-            body,
-        )
-            .into_response(),
+        Ok(body) => (status, [(header::CONTENT_TYPE, "application/json")], body).into_response(),
         Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     }
+}
+
+/// A refused or undecidable authentication, answered before anything runs. A2A 1.0 has no
+/// JSON-RPC code for it, so the body carries `-32600` (invalid request: the request lacks valid
+/// credentials) and the HTTP status says what happened: 401 with a Bearer challenge (RFC 6750),
+/// or 503 when the verifier could not decide (the client may retry).
+fn auth_failure(id: JsonRpcId, e: &AuthError) -> Response {
+    let (status, message) = match e {
+        AuthError::Missing | AuthError::Invalid => (
+            StatusCode::UNAUTHORIZED,
+            format!("authentication required: {e}"),
+        ),
+        AuthError::Unavailable(why) => {
+            tracing::error!(error = %why, "a2a caller authentication unavailable");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "caller authentication is unavailable".to_string(),
+            )
+        }
+    };
+    let err = if status == StatusCode::UNAUTHORIZED {
+        A2AError::invalid_request(message)
+    } else {
+        A2AError::internal(message)
+    };
+    let mut resp = rpc_response_with(status, JsonRpcResponse::error(id, err.to_jsonrpc_error()));
+    if status == StatusCode::UNAUTHORIZED {
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    resp
+}
+
+/// The caller of this request, or why there is none. The token is taken from
+/// `Authorization: Bearer <jwt>` only; a token of another organisation is as good as none.
+async fn authenticate(agent: &Agent, headers: &HeaderMap) -> Result<Principal, AuthError> {
+    let bearer = match headers.get(header::AUTHORIZATION) {
+        None => None,
+        Some(value) => {
+            let value = value.to_str().map_err(|_| AuthError::Invalid)?;
+            let (scheme, token) = value.split_once(' ').ok_or(AuthError::Invalid)?;
+            let token = token.trim();
+            if !scheme.eq_ignore_ascii_case("bearer")
+                || token.is_empty()
+                || token.len() > MAX_BEARER_BYTES
+            {
+                return Err(AuthError::Invalid);
+            }
+            Some(token)
+        }
+    };
+    let principal = agent.auth.verify(bearer, &agent.audience).await?;
+    if principal.org != agent.org || principal.subject.is_empty() {
+        return Err(AuthError::Invalid);
+    }
+    Ok(principal)
 }
 
 async fn serve_rpc(
@@ -189,8 +268,12 @@ async fn serve_rpc(
         Ok(parts) => parts,
         Err((id, err)) => return rpc_response(JsonRpcResponse::error(id, err.to_jsonrpc_error())),
     };
+    let caller = match authenticate(&agent, &headers).await {
+        Ok(caller) => caller,
+        Err(e) => return auth_failure(id, &e),
+    };
     let outcome = match check_version(&headers, &uri) {
-        Ok(()) => dispatch(&agent, &method, params).await,
+        Ok(()) => dispatch(&agent, &caller, &method, params).await,
         Err(e) => Err(RpcFailure(e)),
     };
     rpc_response(match outcome {
@@ -267,28 +350,29 @@ fn check_version(headers: &HeaderMap, uri: &Uri) -> Result<(), A2AError> {
     }
 }
 
-async fn dispatch(agent: &Agent, method: &str, params: Value) -> Result<Value, RpcFailure> {
+async fn dispatch(
+    agent: &Agent,
+    caller: &Principal,
+    method: &str,
+    params: Value,
+) -> Result<Value, RpcFailure> {
     let result = match method {
         methods::SEND_MESSAGE => {
             let req: SendMessageRequest = parse_params(params)?;
             let history =
                 history_length(req.configuration.as_ref().and_then(|c| c.history_length))?;
-            let task = send_message(agent, req.message).await?;
+            let task = send_message(agent, caller, req.message).await?;
             to_value(&SendMessageResponse::Task(trim_history(task, history)))?
         }
         methods::GET_TASK => {
             let req: GetTaskRequest = parse_params(params)?;
             let history = history_length(req.history_length)?;
-            let task = load_task(agent, &req.id)
-                .await?
-                .ok_or_else(|| A2AError::task_not_found(&req.id))?;
+            let task = own_task(agent, caller, &req.id).await?;
             to_value(&trim_history(task, history))?
         }
         methods::CANCEL_TASK => {
             let req: CancelTaskRequest = parse_params(params)?;
-            let task = load_task(agent, &req.id)
-                .await?
-                .ok_or_else(|| A2AError::task_not_found(&req.id))?;
+            let task = own_task(agent, caller, &req.id).await?;
             // A skill runs to completion inside one request: once it started, its effect on the app
             // cannot be withdrawn, so no task of ours is cancelable.
             let why = if task.status.state.is_terminal() {
@@ -414,7 +498,42 @@ fn claim_key(agent: &Agent, task_id: &str) -> String {
     format!("{TASK_KIND}:{}", item_id(agent, task_id))
 }
 
-async fn load_task(agent: &Agent, task_id: &str) -> Result<Option<Task>, RpcFailure> {
+/// A stored task with what it is bound to. Kept beside the task (not in its metadata) so callers
+/// never see the binding and cannot shape it.
+#[derive(Serialize, Deserialize)]
+struct StoredTask {
+    task: Task,
+    /// [`call_hash`] of the call that created the task.
+    call: String,
+    /// Subject of the caller that created the task.
+    caller: String,
+}
+
+impl StoredTask {
+    fn bound_to(&self, call: &str, caller: &Principal) -> bool {
+        self.call == call && self.caller == caller.subject
+    }
+}
+
+/// Hex SHA-256 over the RFC 8785 canonical form of `{"skill", "args"}`: the same call hashes the
+/// same whatever its key order or whitespace.
+fn call_hash(skill: &str, args: &Value) -> Result<String, RpcFailure> {
+    let canonical = serde_json_canonicalizer::to_vec(&json!({"skill": skill, "args": args}))
+        .map_err(|e| A2AError::invalid_params(format!("args cannot be canonicalised: {e}")))?;
+    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, &canonical);
+    Ok(digest.as_ref().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The task `task_id` if `caller` created it. Someone else's task answers exactly as a missing
+/// one does, so task ids reveal nothing to other callers.
+async fn own_task(agent: &Agent, caller: &Principal, task_id: &str) -> Result<Task, RpcFailure> {
+    match load_task(agent, task_id).await? {
+        Some(stored) if stored.caller == caller.subject => Ok(stored.task),
+        _ => Err(A2AError::task_not_found(task_id).into()),
+    }
+}
+
+async fn load_task(agent: &Agent, task_id: &str) -> Result<Option<StoredTask>, RpcFailure> {
     check_id("task id", task_id)?;
     let Some(item) = agent
         .store
@@ -427,11 +546,71 @@ async fn load_task(agent: &Agent, task_id: &str) -> Result<Option<Task>, RpcFail
     decode_task(&item.body).map(Some)
 }
 
-fn decode_task(bytes: &[u8]) -> Result<Task, RpcFailure> {
+fn decode_task(bytes: &[u8]) -> Result<StoredTask, RpcFailure> {
     serde_json::from_slice(bytes).map_err(|e| {
         tracing::error!(error = %e, "stored a2a task does not decode");
         RpcFailure(A2AError::internal("stored task is unreadable"))
     })
+}
+
+/// The refusal of a reused message id: the stored task belongs to another call or caller and is not
+/// shown.
+fn reused(task_id: &str) -> RpcFailure {
+    RpcFailure(A2AError::invalid_params(format!(
+        "messageId {task_id} was already used for a different call"
+    )))
+}
+
+/// The approval named in the message metadata, if any.
+fn approval_id(message: &Message) -> Result<Option<String>, RpcFailure> {
+    match message
+        .metadata
+        .as_ref()
+        .and_then(|m| m.get(APPROVAL_ID_KEY))
+    {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(id)) => {
+            check_id(APPROVAL_ID_KEY, id)?;
+            Ok(Some(id.clone()))
+        }
+        Some(_) => Err(A2AError::invalid_params(format!(
+            "metadata {APPROVAL_ID_KEY} must be a string"
+        ))
+        .into()),
+    }
+}
+
+/// Whether a call may run: a destructive skill needs an approval the host admits for exactly this
+/// call. `Ok(Err(_))` is a refusal (the task fails for good); `Err(_)` means nothing could be decided.
+async fn gate(
+    agent: &Agent,
+    skill: &str,
+    args: &Value,
+    approval_id: Option<&str>,
+) -> Result<Result<(), SkillError>, GateError> {
+    if agent.risks.get(skill) != Some(&Risk::Destructive) {
+        return Ok(Ok(()));
+    }
+    let refused = |why: String| {
+        Ok(Err(SkillError::permanent(format!(
+            "{}.{skill} refused: {why}",
+            agent.name
+        ))))
+    };
+    let Some(approval_id) = approval_id else {
+        return refused(format!(
+            "a destructive skill needs a settled approval (message metadata {APPROVAL_ID_KEY})"
+        ));
+    };
+    match agent
+        .gate
+        .admit(&agent.org, &agent.name, skill, args, approval_id)
+        .await
+    {
+        Ok(()) => Ok(Ok(())),
+        Err(GateError::Refused(why)) => refused(format!("approval {approval_id}: {why}")),
+        Err(e) => Err(e),
+    }
 }
 
 async fn put_task(agent: &Agent, task: &Task, body: Vec<u8>) -> Result<(), StoreError> {
@@ -447,9 +626,20 @@ async fn put_task(agent: &Agent, task: &Task, body: Vec<u8>) -> Result<(), Store
     agent.store.put_item(&item, Cond::Any).await.map(|_| ())
 }
 
-/// SendMessage, exactly once per message id: claim the id, run the skill, store the finished task,
-/// finish the claim. A repeat gets the stored task; a repeat during the run gets a WORKING task.
-async fn send_message(agent: &Agent, message: Message) -> Result<Task, RpcFailure> {
+/// SendMessage, exactly once per message id: claim the id, check the approval gate, run the skill,
+/// store the finished task, finish the claim. A repeat of the same call by the same caller gets the
+/// stored task (a WORKING one during the run); the id reused for another call or by another caller
+/// is refused.
+///
+/// An approval binds agent, skill and args, not the message id: another message id carrying the
+/// same approved call is admitted and repeats the identical action, which the app treats as a
+/// no-op (merge of a merged PR answers the same merge sha, closing a closed PR stays closed). A
+/// replay with the same message id is the dedupe case and runs nothing.
+async fn send_message(
+    agent: &Agent,
+    caller: &Principal,
+    message: Message,
+) -> Result<Task, RpcFailure> {
     check_id("messageId", &message.message_id)?;
     if let Some(ctx) = &message.context_id {
         check_id("contextId", ctx)?;
@@ -458,10 +648,12 @@ async fn send_message(agent: &Agent, message: Message) -> Result<Task, RpcFailur
         return Err(A2AError::invalid_params("the message role must be ROLE_USER").into());
     }
     let (skill, args) = skill_call(&message)?;
-    if !agent.skill_ids.contains(&skill) {
+    if !agent.risks.contains_key(&skill) {
         let shown: String = skill.chars().take(64).collect();
         return Err(A2AError::invalid_params(format!("unknown skill {shown:?}")).into());
     }
+    let approval_id = approval_id(&message)?;
+    let call = call_hash(&skill, &args)?;
 
     let task_id = message.message_id.clone();
     let context_id = message
@@ -470,17 +662,21 @@ async fn send_message(agent: &Agent, message: Message) -> Result<Task, RpcFailur
         .unwrap_or_else(|| task_id.clone());
     let key = claim_key(agent, &task_id);
     let started = now_ms();
-    let mut task = Task {
-        id: task_id.clone(),
-        context_id: context_id.clone(),
-        status: status(TaskState::Working, None, started),
-        artifacts: None,
-        history: Some(vec![Message {
-            task_id: Some(task_id.clone()),
-            context_id: Some(context_id.clone()),
-            ..message
-        }]),
-        metadata: None,
+    let mut record = StoredTask {
+        task: Task {
+            id: task_id.clone(),
+            context_id: context_id.clone(),
+            status: status(TaskState::Working, None, started),
+            artifacts: None,
+            history: Some(vec![Message {
+                task_id: Some(task_id.clone()),
+                context_id: Some(context_id.clone()),
+                ..message
+            }]),
+            metadata: None,
+        },
+        call,
+        caller: caller.subject.clone(),
     };
 
     match agent
@@ -489,28 +685,58 @@ async fn send_message(agent: &Agent, message: Message) -> Result<Task, RpcFailur
         .await
         .map_err(store_failure)?
     {
-        Claim::Done(bytes) => return decode_task(&bytes),
-        Claim::InProgress => return Ok(task),
+        Claim::Done(bytes) => {
+            let stored = decode_task(&bytes)?;
+            return if stored.bound_to(&record.call, caller) {
+                Ok(stored.task)
+            } else {
+                Err(reused(&task_id))
+            };
+        }
+        Claim::InProgress => {
+            // The running call stores its WORKING task right after claiming; until then there is
+            // nothing to compare with, and echoing the caller's own message reveals nothing.
+            return match load_task(agent, &task_id).await? {
+                Some(stored) if !stored.bound_to(&record.call, caller) => Err(reused(&task_id)),
+                _ => Ok(record.task),
+            };
+        }
         Claim::New => {}
     }
     // Make the running task visible to GetTask; a failure here is not worth aborting the call for.
-    let working = storable(&mut task)?;
-    if let Err(e) = put_task(agent, &task, working).await {
+    let working = storable(&mut record)?;
+    if let Err(e) = put_task(agent, &record.task, working).await {
         tracing::warn!(error = %e, "storing the working a2a task");
     }
 
+    let admitted = match gate(agent, &skill, &args, approval_id.as_deref()).await {
+        Ok(admitted) => admitted,
+        Err(e) => {
+            // Nothing ran: give the message id back so the same call can be decided again.
+            tracing::error!(error = %e, "a2a approval gate");
+            if let Err(release) = agent.store.release(&agent.org, &key).await {
+                tracing::warn!(error = %release, "releasing the a2a claim");
+            }
+            return Err(A2AError::internal("the approval check is unavailable").into());
+        }
+    };
     // A skill must end before its claim's lease does, or a repeat would run it a second time
     // alongside. Cut off, its effect is unknown: report it retryable (skills are create-if-absent).
-    let outcome = match tokio::time::timeout(SKILL_TIMEOUT, agent.skills.invoke(&skill, args)).await
-    {
-        Ok(outcome) => outcome,
-        Err(_) => Err(SkillError::retryable(format!(
-            "the skill did not finish within {} s",
-            SKILL_TIMEOUT.as_secs()
-        ))),
+    let outcome = match admitted {
+        Err(refusal) => Err(refusal),
+        Ok(()) => {
+            match tokio::time::timeout(SKILL_TIMEOUT, agent.skills.invoke(&skill, args)).await {
+                Ok(outcome) => outcome,
+                Err(_) => Err(SkillError::retryable(format!(
+                    "the skill did not finish within {} s",
+                    SKILL_TIMEOUT.as_secs()
+                ))),
+            }
+        }
     };
     let finished = now_ms();
     let retryable_failure = matches!(&outcome, Err(e) if e.retryable);
+    let task = &mut record.task;
     match outcome {
         Ok(output) => {
             task.status = status(TaskState::Completed, None, finished);
@@ -527,16 +753,16 @@ async fn send_message(agent: &Agent, message: Message) -> Result<Task, RpcFailur
             task.status = failed_status(&task_id, &context_id, &e.message, e.retryable, finished)
         }
     }
-    let mut body = storable(&mut task)?;
+    let mut body = storable(&mut record)?;
     if body.len() > limits::MAX_BODY {
         // Too big to store means too big to dedupe; report it as a permanent failure of the call.
         let why = format!("skill output exceeds {} bytes", limits::MAX_BODY);
-        task.artifacts = None;
-        task.status = failed_status(&task_id, &context_id, &why, false, finished);
-        body = storable(&mut task)?;
+        record.task.artifacts = None;
+        record.task.status = failed_status(&task_id, &context_id, &why, false, finished);
+        body = storable(&mut record)?;
     }
 
-    if let Err(e) = put_task(agent, &task, body.clone()).await {
+    if let Err(e) = put_task(agent, &record.task, body.clone()).await {
         // The effect may have happened but is not recorded: let the next repeat run the skill again
         // (skills are create-if-absent) rather than wait out the lease.
         if let Err(release) = agent.store.release(&agent.org, &key).await {
@@ -558,21 +784,22 @@ async fn send_message(agent: &Agent, message: Message) -> Result<Task, RpcFailur
             .await
             .map_err(store_failure)?;
     }
-    Ok(task)
+    Ok(record.task)
 }
 
-/// The task's stored bytes. The history holds the request, which may be large (file contents
-/// for a commit); when the task would not fit in a store item the history is dropped, since the
+/// The record's stored bytes. The history holds the request, which may be large (file contents
+/// for a commit); when the record would not fit in a store item the history is dropped, since the
 /// caller has the request anyway. Still too large is left to the caller to handle.
-fn storable(task: &mut Task) -> Result<Vec<u8>, RpcFailure> {
-    let encode =
-        |t: &Task| serde_json::to_vec(t).map_err(|e| RpcFailure(A2AError::internal(e.to_string())));
-    let body = encode(task)?;
-    if body.len() <= limits::MAX_BODY || task.history.is_none() {
+fn storable(record: &mut StoredTask) -> Result<Vec<u8>, RpcFailure> {
+    let encode = |r: &StoredTask| {
+        serde_json::to_vec(r).map_err(|e| RpcFailure(A2AError::internal(e.to_string())))
+    };
+    let body = encode(record)?;
+    if body.len() <= limits::MAX_BODY || record.task.history.is_none() {
         return Ok(body);
     }
-    task.history = None;
-    encode(task)
+    record.task.history = None;
+    encode(record)
 }
 
 fn failed_status(

@@ -1,13 +1,14 @@
 //! A test agent served on 127.0.0.1:0 over the SQLite `:memory:` store, exercised over real HTTP.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use loams_a2a::{
-    A2aClient, AgentSpec, CallError, CardError, CardSigner, ClientOptions, Jwks, Risk, SkillError,
-    SkillSpec, Skills, router,
+    A2aClient, AgentSpec, ApprovalGate, AuthError, CallError, CallerAuth, CardError, CardSigner,
+    ClientOptions, GateError, Guards, Jwks, Principal, Risk, SkillError, SkillSpec, Skills,
+    TokenError, TokenSource, router,
 };
 use loams_platform::{Sqlite, SystemClock};
 use serde_json::{Value, json};
@@ -41,8 +42,9 @@ impl Skills for Counter {
             skills: vec![
                 skill("count", Risk::Write),
                 skill("fail", Risk::Read),
-                skill("slow", Risk::Destructive),
+                skill("slow", Risk::Write),
                 skill("measure", Risk::Read),
+                skill("wipe", Risk::Destructive),
             ],
         }
     }
@@ -61,8 +63,75 @@ impl Skills for Counter {
                 Ok(json!({"count": n}))
             }
             "measure" => Ok(json!({"bytes": args.to_string().len()})),
+            "wipe" => Ok(json!({"wiped": args})),
             other => Err(SkillError::permanent(format!("no skill {other}"))),
         }
+    }
+}
+
+/// Test tokens are `subject|org|audience`, accepted when the audience is the agent's; a real
+/// verifier (JWT) lives in loams-api's broker and is tested there.
+struct TestAuth;
+
+#[async_trait]
+impl CallerAuth for TestAuth {
+    async fn verify(&self, bearer: Option<&str>, audience: &str) -> Result<Principal, AuthError> {
+        let token = bearer.ok_or(AuthError::Missing)?;
+        match token.split('|').collect::<Vec<_>>().as_slice() {
+            [subject, org, aud] if *aud == audience => Ok(Principal {
+                subject: subject.to_string(),
+                org: org.to_string(),
+            }),
+            _ => Err(AuthError::Invalid),
+        }
+    }
+}
+
+fn token(subject: &str, org: &str, audience: &str) -> String {
+    format!("{subject}|{org}|{audience}")
+}
+
+/// One question to the gate: org, agent, skill, args, approval id.
+type Asked = (String, String, String, Value, String);
+
+/// Admits approval `ap-ok` for `wipe {"target": "db"}` only; `ap-down` cannot be checked.
+#[derive(Default)]
+struct TestGate {
+    asked: Mutex<Vec<Asked>>,
+}
+
+#[async_trait]
+impl ApprovalGate for TestGate {
+    async fn admit(
+        &self,
+        org: &str,
+        agent: &str,
+        skill: &str,
+        args: &Value,
+        approval_id: &str,
+    ) -> Result<(), GateError> {
+        self.asked.lock().unwrap().push((
+            org.into(),
+            agent.into(),
+            skill.into(),
+            args.clone(),
+            approval_id.into(),
+        ));
+        match approval_id {
+            "ap-down" => Err(GateError::Unavailable("store down".into())),
+            "ap-ok" if skill == "wipe" && *args == json!({"target": "db"}) => Ok(()),
+            "ap-ok" => Err(GateError::Refused("the action hash does not match".into())),
+            _ => Err(GateError::Refused("not approved".into())),
+        }
+    }
+}
+
+struct TestTokens(String);
+
+#[async_trait]
+impl TokenSource for TestTokens {
+    async fn token(&self, audience: &str) -> Result<String, TokenError> {
+        Ok(token(&self.0, "acme", audience))
     }
 }
 
@@ -70,6 +139,7 @@ struct Agent {
     base: String,
     jwks: Jwks,
     skills: Arc<Counter>,
+    gate: Arc<TestGate>,
     http: reqwest::Client,
 }
 
@@ -80,12 +150,25 @@ async fn start() -> Agent {
     let signer = CardSigner::generate().unwrap();
     let jwks = signer.jwks().unwrap();
     let skills = Arc::new(Counter::default());
-    let app = router(skills.clone(), store, "acme".into(), signer, base.clone());
+    let gate = Arc::new(TestGate::default());
+    let guards = Guards {
+        auth: Arc::new(TestAuth),
+        gate: gate.clone(),
+    };
+    let app = router(
+        skills.clone(),
+        store,
+        "acme".into(),
+        signer,
+        base.clone(),
+        guards,
+    );
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     Agent {
         base,
         jwks,
         skills,
+        gate,
         http: reqwest::Client::new(),
     }
 }
@@ -95,8 +178,30 @@ impl Agent {
         self.skills.calls.load(Ordering::SeqCst)
     }
 
+    /// A client calling as `agent:factory`, the subject the raw helpers use too.
+    async fn client(&self) -> A2aClient {
+        A2aClient::new(&self.base, &self.jwks)
+            .await
+            .unwrap()
+            .with_tokens(Arc::new(TestTokens("agent:factory".into())))
+    }
+
     async fn rpc_raw(
         &self,
+        version: Option<&str>,
+        body: impl Into<reqwest::Body>,
+    ) -> reqwest::Response {
+        self.rpc_as(
+            Some(&token("agent:factory", "acme", &self.base)),
+            version,
+            body,
+        )
+        .await
+    }
+
+    async fn rpc_as(
+        &self,
+        bearer: Option<&str>,
         version: Option<&str>,
         body: impl Into<reqwest::Body>,
     ) -> reqwest::Response {
@@ -106,6 +211,9 @@ impl Agent {
             .header("content-type", "application/json");
         if let Some(v) = version {
             req = req.header("A2A-Version", v);
+        }
+        if let Some(t) = bearer {
+            req = req.bearer_auth(t);
         }
         req.body(body).send().await.unwrap()
     }
@@ -175,7 +283,7 @@ async fn card_is_signed_cached_and_describes_the_agent() {
         json!(["application/json", "text/plain"])
     );
     assert_eq!(card["skills"][0]["tags"], json!(["risk:write"]));
-    assert_eq!(card["skills"][2]["tags"], json!(["risk:destructive"]));
+    assert_eq!(card["skills"][4]["tags"], json!(["risk:destructive"]));
     assert_eq!(card["provider"]["url"], agent.base);
 
     let again = agent
@@ -187,8 +295,8 @@ async fn card_is_signed_cached_and_describes_the_agent() {
         .unwrap();
     assert_eq!(again.status(), 304);
 
-    let client = A2aClient::new(&agent.base, &agent.jwks).await.unwrap();
-    assert_eq!(client.card().skills.len(), 4);
+    let client = agent.client().await;
+    assert_eq!(client.card().skills.len(), 5);
 }
 
 #[tokio::test]
@@ -254,7 +362,7 @@ async fn send_message_completes_and_repeats_do_not_rerun_the_skill() {
     );
 
     // The client maps the same exchange onto the skill output, deduplicated as well.
-    let client = A2aClient::new(&agent.base, &agent.jwks).await.unwrap();
+    let client = agent.client().await;
     let out = client
         .call("r-1:fix:1:open_pr", "count", json!({"x": 1}), None)
         .await
@@ -282,7 +390,7 @@ async fn large_requests_are_stored_without_history_and_still_deduplicated() {
         600 * 1024 + 14
     );
     let repeat = agent
-        .send("m-big", "measure", json!({"content": "x"}))
+        .send("m-big", "measure", json!({"content": big}))
         .await;
     assert_eq!(repeat["result"], first["result"]);
     assert_eq!(agent.calls(), 1);
@@ -327,8 +435,11 @@ async fn concurrent_repeat_sees_the_task_working() {
     let cancel = agent.rpc("CancelTask", json!({"id": "m-slow"})).await;
     assert_error(&cancel, -32002, "TASK_NOT_CANCELABLE");
 
-    let client = A2aClient::new(&agent.base, &agent.jwks).await.unwrap();
-    let err = client.call("m-slow", "slow", json!({}), None).await.unwrap_err();
+    let client = agent.client().await;
+    let err = client
+        .call("m-slow", "slow", json!({}), None)
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, CallError::InProgress(_)) && err.retryable(),
         "{err}"
@@ -341,7 +452,10 @@ async fn concurrent_repeat_sees_the_task_working() {
         "{done}"
     );
     assert_eq!(
-        client.call("m-slow", "slow", json!({}), None).await.unwrap(),
+        client
+            .call("m-slow", "slow", json!({}), None)
+            .await
+            .unwrap(),
         json!({"count": 1})
     );
     assert_eq!(agent.calls(), 1);
@@ -405,7 +519,7 @@ async fn skill_failures_become_failed_tasks_with_the_retryable_flag() {
         .await;
     assert_eq!(agent.calls(), 1);
 
-    let client = A2aClient::new(&agent.base, &agent.jwks).await.unwrap();
+    let client = agent.client().await;
     let err = client
         .call("m-retry", "fail", json!({"retryable": true}), None)
         .await
@@ -447,6 +561,7 @@ async fn protocol_errors() {
     let resp: Value = agent
         .http
         .post(format!("{}/?A2A-Version=1.0", agent.base))
+        .bearer_auth(token("agent:factory", "acme", &agent.base))
         .body(call.clone())
         .send()
         .await
@@ -533,8 +648,11 @@ async fn protocol_errors() {
 #[tokio::test]
 async fn client_reports_protocol_and_transport_errors() {
     let agent = start().await;
-    let client = A2aClient::new(&agent.base, &agent.jwks).await.unwrap();
-    let err = client.call("m-x", "launch", json!({}), None).await.unwrap_err();
+    let client = agent.client().await;
+    let err = client
+        .call("m-x", "launch", json!({}), None)
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, CallError::Protocol { code: -32602, .. }),
         "{err}"
@@ -547,7 +665,8 @@ async fn client_reports_protocol_and_transport_errors() {
     };
     let client = A2aClient::with_options(&agent.base, &agent.jwks, small)
         .await
-        .unwrap();
+        .unwrap()
+        .with_tokens(Arc::new(TestTokens("agent:factory".into())));
     let err = client
         .call("m-small", "count", json!({}), None)
         .await
@@ -560,8 +679,12 @@ async fn client_reports_protocol_and_transport_errors() {
     };
     let client = A2aClient::with_options(&agent.base, &agent.jwks, hasty)
         .await
-        .unwrap();
-    let err = client.call("m-hasty", "slow", json!({}), None).await.unwrap_err();
+        .unwrap()
+        .with_tokens(Arc::new(TestTokens("agent:factory".into())));
+    let err = client
+        .call("m-hasty", "slow", json!({}), None)
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, CallError::Transport(_)) && err.retryable(),
         "{err}"
@@ -578,4 +701,263 @@ async fn client_reports_protocol_and_transport_errors() {
         matches!(err, CallError::Transport(_)) && err.retryable(),
         "{err}"
     );
+}
+
+#[tokio::test]
+async fn calls_without_a_valid_token_for_this_agent_are_refused_and_run_nothing() {
+    let agent = start().await;
+    let send = json!({"jsonrpc": "2.0", "id": 9, "method": "SendMessage",
+        "params": send_params("m-auth", json!({"skill": "count", "args": {}}))})
+    .to_string();
+    let other_agent = token("agent:factory", "acme", "http://127.0.0.1:1");
+    let other_org = token("agent:factory", "globex", &agent.base);
+    let long = "x".repeat(loams_a2a::MAX_BEARER_BYTES + 1);
+    let cases: [(Option<&str>, &str); 5] = [
+        (None, "missing"),
+        (Some("garbage"), "invalid"),
+        (Some(&other_agent), "wrong audience"),
+        (Some(&other_org), "another organisation"),
+        (Some(&long), "oversized"),
+    ];
+    for (bearer, why) in cases {
+        let resp = agent.rpc_as(bearer, Some("1.0"), send.clone()).await;
+        assert_eq!(resp.status(), 401, "{why}");
+        assert_eq!(resp.headers()["www-authenticate"], "Bearer", "{why}");
+        let body: Value = resp.json().await.unwrap();
+        assert_error(&body, -32600, "INVALID_REQUEST");
+        assert_eq!(body["id"], 9, "{why}");
+    }
+    // A non-bearer scheme is no token either.
+    let resp = agent
+        .http
+        .post(format!("{}/", agent.base))
+        .header("A2A-Version", "1.0")
+        .header(
+            "authorization",
+            format!("Basic {}", token("agent:factory", "acme", &agent.base)),
+        )
+        .body(send.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    assert_eq!(agent.calls(), 0);
+
+    // GetTask and CancelTask are guarded the same way; the card stays public.
+    agent.send("m-auth", "count", json!({})).await;
+    for method in ["GetTask", "CancelTask"] {
+        let call = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": {"id": "m-auth"}});
+        let resp = agent.rpc_as(None, Some("1.0"), call.to_string()).await;
+        assert_eq!(resp.status(), 401, "{method}");
+        let body: Value = resp.json().await.unwrap();
+        assert!(body.get("result").is_none(), "{body}");
+    }
+    let card = agent
+        .http
+        .get(format!("{}/.well-known/agent-card.json", agent.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(card.status(), 200);
+
+    // The client without a token source is refused too, with a permanent error.
+    let anonymous = A2aClient::new(&agent.base, &agent.jwks).await.unwrap();
+    let err = anonymous
+        .call("m-anon", "count", json!({}), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, CallError::Http(401)) && !err.retryable(),
+        "{err}"
+    );
+    assert_eq!(agent.calls(), 1);
+}
+
+#[tokio::test]
+async fn destructive_skills_run_only_with_an_admitted_approval() {
+    let agent = start().await;
+    let client = agent.client().await;
+    let target = json!({"target": "db"});
+
+    // No approval named: refused for good without asking the gate or the app.
+    let err = client
+        .call("m-wipe-1", "wipe", target.clone(), None)
+        .await
+        .unwrap_err();
+    match &err {
+        CallError::Skill { message, retryable } => {
+            assert!(!retryable);
+            assert!(message.contains("needs a settled approval"), "{message}");
+        }
+        other => panic!("{other}"),
+    }
+    assert!(agent.gate.asked.lock().unwrap().is_empty());
+
+    // The gate refuses (not approved, or approved for other args): a failed task, no app call.
+    for (id, approval, args) in [
+        ("m-wipe-2", "ap-pending", target.clone()),
+        ("m-wipe-3", "ap-ok", json!({"target": "prod"})),
+    ] {
+        let err = client
+            .call(id, "wipe", args, Some(approval))
+            .await
+            .unwrap_err();
+        match &err {
+            CallError::Skill { message, retryable } => {
+                assert!(!retryable, "{message}");
+                assert!(message.contains(approval), "{message}");
+            }
+            other => panic!("{other}"),
+        }
+    }
+    assert_eq!(agent.calls(), 0);
+    // The refusal is the recorded outcome of that message id.
+    let stored = agent.rpc("GetTask", json!({"id": "m-wipe-2"})).await;
+    assert_eq!(stored["result"]["status"]["state"], "TASK_STATE_FAILED");
+
+    // A gate that cannot decide leaves the message id free for a later try.
+    let err = client
+        .call("m-wipe-4", "wipe", target.clone(), Some("ap-down"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, CallError::Protocol { code: -32603, .. }) && err.retryable(),
+        "{err}"
+    );
+    assert_eq!(agent.calls(), 0);
+
+    // Admitted: the skill runs once, and the gate saw exactly this call.
+    let out = client
+        .call("m-wipe-4", "wipe", target.clone(), Some("ap-ok"))
+        .await
+        .unwrap();
+    assert_eq!(out, json!({"wiped": {"target": "db"}}));
+    assert_eq!(agent.calls(), 1);
+    let asked = agent.gate.asked.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(
+        asked,
+        (
+            "acme".into(),
+            "counter".into(),
+            "wipe".into(),
+            target.clone(),
+            "ap-ok".into()
+        )
+    );
+    // A replay of the message id is answered from the store; a new message id repeats the
+    // identical approved call (the app treats it as a no-op).
+    client
+        .call("m-wipe-4", "wipe", target.clone(), Some("ap-ok"))
+        .await
+        .unwrap();
+    assert_eq!(agent.calls(), 1);
+    client
+        .call("m-wipe-5", "wipe", target.clone(), Some("ap-ok"))
+        .await
+        .unwrap();
+    assert_eq!(agent.calls(), 2);
+
+    // Non-destructive skills ignore the gate.
+    let before = agent.gate.asked.lock().unwrap().len();
+    client
+        .call("m-count", "count", json!({}), None)
+        .await
+        .unwrap();
+    assert_eq!(agent.gate.asked.lock().unwrap().len(), before);
+    // A malformed approval id is a bad request.
+    let bad = json!({"message": {"messageId": "m-wipe-6", "role": "ROLE_USER",
+        "parts": [{"data": {"skill": "wipe", "args": target}}], "metadata": {"approval_id": 5}}});
+    assert_error(
+        &agent.rpc("SendMessage", bad).await,
+        -32602,
+        "INVALID_PARAMS",
+    );
+}
+
+#[tokio::test]
+async fn a_message_id_is_bound_to_its_call_and_its_caller() {
+    let agent = start().await;
+    let first = agent
+        .send("m-bound", "count", json!({"n": 1, "m": 2}))
+        .await;
+    assert_eq!(
+        first["result"]["task"]["status"]["state"],
+        "TASK_STATE_COMPLETED"
+    );
+
+    // Same call, keys in another order: the dedupe case.
+    let same = agent
+        .send("m-bound", "count", json!({"m": 2, "n": 1}))
+        .await;
+    assert_eq!(same["result"], first["result"]);
+    // Other args or another skill under the same id: refused, the stored task not shown.
+    for (skill, args) in [
+        ("count", json!({"n": 2, "m": 2})),
+        ("measure", json!({"n": 1, "m": 2})),
+    ] {
+        let resp = agent.send("m-bound", skill, args).await;
+        assert_error(&resp, -32602, "INVALID_PARAMS");
+        assert!(resp.get("result").is_none(), "{resp}");
+    }
+    assert_eq!(agent.calls(), 1);
+
+    // Another caller can neither replay, read nor cancel the task: it does not exist for them.
+    let mallory = token("agent:mallory", "acme", &agent.base);
+    let as_mallory = |method: &str, params: Value| {
+        json!({"jsonrpc": "2.0", "id": 2, "method": method, "params": params}).to_string()
+    };
+    let replay: Value = agent
+        .rpc_as(
+            Some(&mallory),
+            Some("1.0"),
+            as_mallory(
+                "SendMessage",
+                send_params(
+                    "m-bound",
+                    json!({"skill": "count", "args": {"n": 1, "m": 2}}),
+                ),
+            ),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_error(&replay, -32602, "INVALID_PARAMS");
+    for method in ["GetTask", "CancelTask"] {
+        let resp: Value = agent
+            .rpc_as(
+                Some(&mallory),
+                Some("1.0"),
+                as_mallory(method, json!({"id": "m-bound"})),
+            )
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_error(&resp, -32001, "TASK_NOT_FOUND");
+    }
+    assert_eq!(agent.calls(), 1);
+    // The creator still reads it.
+    let own = agent.rpc("GetTask", json!({"id": "m-bound"})).await;
+    assert_eq!(own["result"]["status"]["state"], "TASK_STATE_COMPLETED");
+}
+
+#[tokio::test]
+async fn a_running_message_id_is_bound_as_well() {
+    let agent = Arc::new(start().await);
+    let slow = {
+        let agent = agent.clone();
+        tokio::spawn(async move { agent.send("m-run", "slow", json!({"a": 1})).await })
+    };
+    agent.skills.slow_started.notified().await;
+    let other = agent.send("m-run", "slow", json!({"a": 2})).await;
+    assert_error(&other, -32602, "INVALID_PARAMS");
+    let same = agent.send("m-run", "slow", json!({"a": 1})).await;
+    assert_eq!(
+        same["result"]["task"]["status"]["state"],
+        "TASK_STATE_WORKING"
+    );
+    agent.skills.slow_release.notify_one();
+    slow.await.unwrap();
+    assert_eq!(agent.calls(), 1);
 }

@@ -5,10 +5,25 @@ use loams_agents::*;
 use loams_sandbox::{Sandbox, SandboxConfig, SandboxHandle, SandboxInfo};
 use serde_json::{Value, json};
 
+#[path = "../../sandbox/tests/support/spec.rs"]
+mod spec;
+
+/// A sandbox that records every exchange, so each test can hold what the agent sent to the official API
+/// descriptions.
 async fn sandbox() -> (SandboxHandle, SandboxInfo) {
-    let handle = Sandbox::start(SandboxConfig::default()).await.unwrap();
+    let config = SandboxConfig { record_requests: true, ..SandboxConfig::default() };
+    let handle = Sandbox::start(config).await.unwrap();
     let info = handle.info();
     (handle, info)
+}
+
+/// Every request the agent sent (path and method to an operation, parameters, body) and every answer it got,
+/// checked against the app's description; read over the control endpoint as another process would.
+async fn conform(info: &SandboxInfo) {
+    let log: Vec<loams_sandbox::Exchange> =
+        reqwest::get(format!("{}/_sandbox/requests", info.urls.plane)).await.unwrap().json().await.unwrap();
+    let checked = spec::assert_exchanges_conform(&log, true);
+    assert!(checked > 0, "the agent sent nothing to a described app");
 }
 
 async fn ok(agent: &dyn Skills, skill: &str, args: Value) -> Value {
@@ -62,6 +77,7 @@ async fn zulip_post_and_read_a_topic() {
     let bad = ZulipAgent::new(&ZulipConfig::new(&info.urls.zulip, &info.tokens.zulip_email, "wrong-key-123")).unwrap();
     let err = bad.invoke("read", json!({"channel": channel, "topic": "t"})).await.unwrap_err();
     assert!(!err.retryable && err.message.contains("401") && !err.message.contains("wrong-key-123"), "{err:?}");
+    conform(&info).await;
     sb.shutdown().await;
 }
 
@@ -87,6 +103,7 @@ async fn plane_create_is_create_if_absent_then_comment_and_state() {
     assert_eq!(s["state"], json!("completed"));
     let err = agent.invoke("set_state", json!({"issue_id": id, "state": "done"})).await.unwrap_err();
     assert!(!err.retryable);
+    conform(&info).await;
     sb.shutdown().await;
 }
 
@@ -137,6 +154,7 @@ async fn forgejo_patch_pr_ci_merge_flow() {
     assert_eq!(again["merge_sha"], json!(merge_sha));
     let after = ok(&agent, "read_files", json!({"paths": ["src/checkout.py"]})).await;
     assert_eq!(after["files"][0]["content"], json!(fixed));
+    conform(&info).await;
     sb.shutdown().await;
 }
 
@@ -156,6 +174,7 @@ async fn forgejo_close_pr_deletes_its_branch() {
     assert_eq!(ok(&agent, "close_pr", json!({"number": number, "branch": branch})).await, json!({"closed": true}));
     let gone = ok(&agent, "read_files", json!({"paths": ["NOTES.md"], "ref": branch})).await;
     assert_eq!(gone["files"][0]["content"], json!(null));
+    conform(&info).await;
     sb.shutdown().await;
 }
 
@@ -174,6 +193,7 @@ async fn glitchtip_counts_events_and_resolves() {
     assert_eq!(r["status"], json!("resolved"));
     let missing = agent.invoke("resolve", json!({"issue_id": 999_999})).await.unwrap_err();
     assert!(!missing.retryable, "{missing:?}");
+    conform(&info).await;
     sb.shutdown().await;
 }
 

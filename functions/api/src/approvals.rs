@@ -1,19 +1,22 @@
 //! ApprovalService: list and read approvals, hand out single-use challenges, and accept signed decisions.
 //!
 //! A decision changes state only after `loams_factory::approval::check_decision` accepted it, and in this order:
-//! the challenge is marked used (conditional on the version read, so of two concurrent decisions over one challenge
-//! only one passes), the approval is settled (conditional on its version), and the run is told through the queue.
-//! A refusal writes nothing.
+//! the approval is settled (conditional on the version read, so of two concurrent decisions only one passes and
+//! the other changes nothing), its challenge is marked used, and the run is told through the queue. A refusal, or a
+//! decision that loses a race, writes nothing: the challenge stays usable for a corrected retry.
+//!
+//! A device holds at most one challenge per approval (its item id is derived from both): asking again returns the
+//! same one while at least half its lifetime is left, else replaces it.
 
 use aws_lc_rs::rand::{SecureRandom, SystemRandom};
 use loams_factory::Input;
 use loams_factory::approval::{self, Approval, ApprovalState, Challenge, DecisionRequest, Device, Refusal};
-use loams_platform::{Cond, Item, Page};
+use loams_platform::{Cond, Item, Page, StoreError};
 use loams_proto::approvals::v1 as pa;
 use loams_proto::connect::{CallContext, Router};
 
 use crate::factory::{enqueue, id_arg, page_size, page_token};
-use crate::{ApiError, ApiState, Caller, convert, idem};
+use crate::{ApiError, ApiState, Caller, convert, idem, scope};
 
 const SERVICE: &str = "/loams.approvals.v1.ApprovalService/";
 /// Bytes of randomness in a challenge.
@@ -23,6 +26,18 @@ const MAX_SIGNATURE: usize = 128;
 const MAX_CONFIRMATION: usize = 256;
 /// Challenge items outlive their expiry by this much, so a late decision is told "expired" rather than "unknown".
 const CHALLENGE_KEEP_MS: i64 = 24 * 60 * 60 * 1000;
+/// Clock difference tolerated between a phone's `decided_at_ms` and the server (phone clocks drift).
+const MAX_CLOCK_SKEW_MS: i64 = 60 * 1000;
+
+/// The id of the one challenge item of `device` for `approval`: a hash, so any approval and device ids fit.
+fn challenge_id(approval_id: &str, device_id: &str) -> String {
+    let mut ctx = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
+    // Length-prefixed, so no two (approval, device) pairs give the same bytes.
+    ctx.update(&(approval_id.len() as u64).to_be_bytes());
+    ctx.update(approval_id.as_bytes());
+    ctx.update(device_id.as_bytes());
+    hex::encode(ctx.finish().as_ref())
+}
 
 pub(crate) fn parse<T: serde::de::DeserializeOwned>(item: &Item) -> Result<T, ApiError> {
     serde_json::from_slice(&item.body)
@@ -86,9 +101,23 @@ async fn challenge(state: &ApiState, caller: &Caller, req: pa::GetChallengeReque
     if approval.effective_state(now) != ApprovalState::Pending {
         return Err(ApiError::FailedPrecondition(format!("approval is {}", approval.effective_state(now).as_str())));
     }
+    let id = challenge_id(&approval.id, &device.id);
+    let existing = state.store.get_item(&caller.org, "challenge", &id).await?;
+    let ttl = state.config.challenge_ttl_ms;
+    let reusable = |item: &Item| -> Result<Option<pa::GetChallengeResponse>, ApiError> {
+        let c: Challenge = parse(item)?;
+        Ok((!c.used && c.expires_at_ms - now >= ttl / 2)
+            .then_some(pa::GetChallengeResponse { challenge: c.value, expires_at_ms: c.expires_at_ms }))
+    };
+    if let Some(item) = &existing
+        && let Some(reused) = reusable(item)?
+    {
+        return Ok(reused);
+    }
+
     let mut value = [0u8; CHALLENGE_BYTES];
     SystemRandom::new().fill(&mut value).map_err(|_| ApiError::Internal("random challenge".into()))?;
-    let expires_at_ms = now + state.config.challenge_ttl_ms;
+    let expires_at_ms = now + ttl;
     let record = Challenge {
         value: value.to_vec(),
         approval_id: approval.id.clone(),
@@ -99,14 +128,26 @@ async fn challenge(state: &ApiState, caller: &Caller, req: pa::GetChallengeReque
     let item = Item {
         org: caller.org.clone(),
         kind: "challenge".into(),
-        id: hex::encode(value),
+        id: id.clone(),
         version: 0,
         index: None,
         body: to_body(&record)?,
         expires_ms: Some(expires_at_ms + CHALLENGE_KEEP_MS),
     };
-    state.store.put_item(&item, Cond::Absent).await?;
-    Ok(pa::GetChallengeResponse { challenge: value.to_vec(), expires_at_ms })
+    // Replacing the old one (expired, or soon to be) keeps the count at one.
+    let cond = existing.as_ref().map_or(Cond::Absent, |old| Cond::Version(old.version));
+    match state.store.put_item(&item, cond).await {
+        Ok(_) => Ok(pa::GetChallengeResponse { challenge: value.to_vec(), expires_at_ms }),
+        // A concurrent request of the same device wrote one first: that one is fresh, so it is the answer.
+        Err(StoreError::Conflict) => {
+            let raced = state.store.get_item(&caller.org, "challenge", &id).await?;
+            match raced.as_ref().map(reusable).transpose()?.flatten() {
+                Some(theirs) => Ok(theirs),
+                None => Err(ApiError::Aborted("a concurrent request replaced the challenge; retry".into())),
+            }
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 fn validate_decide(req: &pa::DecideRequest) -> Result<bool, ApiError> {
@@ -130,6 +171,19 @@ fn validate_decide(req: &pa::DecideRequest) -> Result<bool, ApiError> {
 async fn settled_input(state: &ApiState, caller: &Caller, a: &Approval, approve: bool, by: &str) -> Result<(), ApiError> {
     let input = Input::ApprovalSettled { approval_id: a.id.clone(), approved: approve, by: by.to_owned() };
     enqueue(state, &caller.org, &a.run_id, input).await
+}
+
+/// Why a decision's conditional write lost: the approval was settled (or ran out) meanwhile, or something else
+/// changed it and the same decision may simply be sent again.
+async fn lost_race(state: &ApiState, caller: &Caller, approval_id: &str) -> ApiError {
+    match load_approval(state, caller, approval_id).await {
+        Ok((_, current)) => match current.effective_state(state.now_ms()) {
+            ApprovalState::Pending => ApiError::Aborted("the approval changed meanwhile; nothing was decided, retry".into()),
+            ApprovalState::Expired => Refusal::Expired.into(),
+            ApprovalState::Approved | ApprovalState::Denied => Refusal::AlreadyDecided.into(),
+        },
+        Err(e) => e,
+    }
 }
 
 async fn decide(state: &ApiState, caller: &Caller, req: pa::DecideRequest) -> Result<pa::DecideResponse, ApiError> {
@@ -157,24 +211,13 @@ async fn decide(state: &ApiState, caller: &Caller, req: pa::DecideRequest) -> Re
             ApprovalState::Expired => return Err(Refusal::Expired.into()),
             ApprovalState::Approved | ApprovalState::Denied => return Err(Refusal::AlreadyDecided.into()),
         }
-        let challenge_id = hex::encode(&req.challenge);
         let challenge_item = state
             .store
-            .get_item(&caller.org, "challenge", &challenge_id)
+            .get_item(&caller.org, "challenge", &challenge_id(&approval.id, &device.id))
             .await?
             .ok_or(ApiError::from(Refusal::ChallengeMismatch))?;
         let challenge: Challenge = parse(&challenge_item)?;
 
-        let action_hash = hex::decode(&approval.action_hash).map_err(|_| ApiError::from(Refusal::ActionHashMismatch))?;
-        let decision = if approve { pa::Decision::Approve } else { pa::Decision::Deny };
-        let bytes = loams_proto::canonical_decision_bytes(
-            &approval.id,
-            &action_hash,
-            decision,
-            &device.id,
-            &req.challenge,
-            req.decided_at_ms,
-        );
         let request = DecisionRequest {
             approval_id: req.approval_id.clone(),
             approve,
@@ -184,22 +227,34 @@ async fn decide(state: &ApiState, caller: &Caller, req: pa::DecideRequest) -> Re
             confirmation: (!req.typed_confirmation.is_empty()).then(|| req.typed_confirmation.clone()),
             signature: req.signature.clone(),
         };
-        approval::check_decision(&approval, &device, &challenge, &request, &bytes, now)?;
+        approval::check_decision(&approval, &device, &challenge, &request, now)?;
 
-        let used = Item { body: to_body(&Challenge { used: true, ..challenge })?, ..challenge_item.clone() };
-        match state.store.put_item(&used, Cond::Version(challenge_item.version)).await {
-            Ok(_) => {}
-            Err(loams_platform::StoreError::Conflict) => return Err(Refusal::ChallengeUsed.into()),
-            Err(e) => return Err(e.into()),
+        // The signed time must fall in the challenge's life: a signature cannot predate its challenge, and one dated
+        // well past the server's clock is from a device whose clock is wrong.
+        let issued_at_ms = challenge.expires_at_ms - state.config.challenge_ttl_ms;
+        if req.decided_at_ms < issued_at_ms - MAX_CLOCK_SKEW_MS
+            || req.decided_at_ms > challenge.expires_at_ms.min(now) + MAX_CLOCK_SKEW_MS
+        {
+            return Err(ApiError::FailedPrecondition(
+                "decided_at_ms is outside the challenge's validity window (check the device clock)".into(),
+            ));
         }
 
+        // The approval is written first: its conditional write is what lets exactly one decision through, and a
+        // decision that loses it has changed nothing yet.
         let settled = approval::settle(&approval, &device, &request);
         // Leaving the `pending` index takes it off every phone's to-do list.
         let item = Item { body: to_body(&settled)?, index: None, ..approval_item.clone() };
         match state.store.put_item(&item, Cond::Version(approval_item.version)).await {
             Ok(_) => {}
-            Err(loams_platform::StoreError::Conflict) => return Err(Refusal::AlreadyDecided.into()),
+            Err(StoreError::Conflict) => return Err(lost_race(state, caller, &approval.id).await),
             Err(e) => return Err(e.into()),
+        }
+        // The settled approval already refuses every other decision, so a failure here only leaves the record of a
+        // challenge that can no longer be used; the decision stands.
+        let used = Item { body: to_body(&Challenge { used: true, ..challenge })?, ..challenge_item.clone() };
+        if let Err(e) = state.store.put_item(&used, Cond::Version(challenge_item.version)).await {
+            tracing::warn!(error = %e, approval = %settled.id, "marking a challenge used failed");
         }
         tracing::info!(approval = %settled.id, run = %settled.run_id, approved = approve, by = %device.user, "approval settled");
         settled_input(state, caller, &settled, approve, &device.user).await?;
@@ -213,7 +268,7 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     let router = router.unary(&format!("{SERVICE}ListApprovals"), move |ctx: CallContext, req: pa::ListApprovalsRequest| {
         let s = s.clone();
         async move {
-            let caller = s.caller(&ctx).await?;
+            let caller = s.caller(&ctx, scope::APPROVALS_READ).await?;
             Ok(list(&s, &caller, req).await?)
         }
     });
@@ -221,7 +276,7 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     let router = router.unary(&format!("{SERVICE}GetApproval"), move |ctx: CallContext, req: pa::GetApprovalRequest| {
         let s = s.clone();
         async move {
-            let caller = s.caller(&ctx).await?;
+            let caller = s.caller(&ctx, scope::APPROVALS_READ).await?;
             let (_, a) = load_approval(&s, &caller, &req.approval_id).await?;
             Ok(pa::GetApprovalResponse { approval: Some(convert::approval(&a, s.now_ms())) })
         }
@@ -230,7 +285,7 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     let router = router.unary(&format!("{SERVICE}GetChallenge"), move |ctx: CallContext, req: pa::GetChallengeRequest| {
         let s = s.clone();
         async move {
-            let caller = s.caller(&ctx).await?;
+            let caller = s.caller(&ctx, scope::APPROVALS_DECIDE).await?;
             Ok(challenge(&s, &caller, req).await?)
         }
     });
@@ -238,7 +293,7 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     router.unary(&format!("{SERVICE}Decide"), move |ctx: CallContext, req: pa::DecideRequest| {
         let s = s.clone();
         async move {
-            let caller = s.caller(&ctx).await?;
+            let caller = s.caller(&ctx, scope::APPROVALS_DECIDE).await?;
             Ok(decide(&s, &caller, req).await?)
         }
     })

@@ -36,6 +36,22 @@ pub struct Claims {
     pub scope: String,
 }
 
+/// The scopes a procedure requires; a token carries them space-separated in its `scope` claim.
+pub mod scope {
+    /// Read runs, their timelines, and watch them.
+    pub const RUNS_READ: &str = "runs:read";
+    /// Stop a run.
+    pub const RUNS_KILL: &str = "runs:kill";
+    /// Read approvals.
+    pub const APPROVALS_READ: &str = "approvals:read";
+    /// Take a challenge and decide an approval.
+    pub const APPROVALS_DECIDE: &str = "approvals:decide";
+    /// Register and revoke one's own devices.
+    pub const DEVICES_WRITE: &str = "devices:write";
+    /// Every scope above, as a `scope` claim (what the `loams dev` issuer grants).
+    pub const ALL: &str = "runs:read runs:kill approvals:read approvals:decide devices:write";
+}
+
 /// Who is calling: taken from a verified token only.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Caller {
@@ -44,7 +60,19 @@ pub struct Caller {
     pub scopes: Vec<String>,
 }
 
+impl Caller {
+    /// `PermissionDenied` unless the token grants `scope`. Checked before a procedure reads or writes anything.
+    pub fn require(&self, scope: &str) -> Result<(), ApiError> {
+        if self.scopes.iter().any(|s| s == scope) {
+            Ok(())
+        } else {
+            Err(ApiError::PermissionDenied(format!("the token lacks the scope {scope}")))
+        }
+    }
+}
+
 /// The development issuer run by `loams dev`: one P-256 key generated at start, served as a JWKS.
+#[derive(Clone)]
 pub struct Issuer {
     key: EncodingKey,
     kid: String,
@@ -82,11 +110,24 @@ impl Issuer {
 
     /// A token for `user` in `org`, valid for `ttl_s` seconds from `now_s`.
     pub fn issue(&self, user: &str, org: &str, scope: &str, now_s: u64, ttl_s: u64) -> Result<String, ApiError> {
+        self.issue_for(&self.aud, user, org, scope, now_s, ttl_s)
+    }
+
+    /// Like [`Issuer::issue`] but for another audience (an agent's URL instead of the API).
+    pub fn issue_for(
+        &self,
+        aud: &str,
+        user: &str,
+        org: &str,
+        scope: &str,
+        now_s: u64,
+        ttl_s: u64,
+    ) -> Result<String, ApiError> {
         let claims = Claims {
             sub: user.into(),
             org: org.into(),
             iss: self.iss.clone(),
-            aud: self.aud.clone(),
+            aud: aud.into(),
             exp: now_s.saturating_add(ttl_s),
             iat: now_s,
             scope: scope.into(),
@@ -108,6 +149,7 @@ impl Issuer {
 
 struct Keys {
     set: JwkSet,
+    /// When the last fetch started (successful or not).
     fetched: Option<std::time::Instant>,
 }
 
@@ -118,6 +160,10 @@ pub struct Verifier {
     jwks_url: Option<String>,
     http: Option<reqwest::Client>,
     validation: Arc<Validation>,
+    /// Least time between two fetches; tokens with made-up `kid`s must not turn into requests to the issuer.
+    min_refresh: Duration,
+    /// Held while fetching, so concurrent unknown-kid tokens wait for one fetch and then see its keys.
+    fetching: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Verifier {
@@ -127,6 +173,8 @@ impl Verifier {
             jwks_url: None,
             http: None,
             validation: Arc::new(validation(iss, aud)),
+            min_refresh: MIN_REFRESH,
+            fetching: Arc::default(),
         }
     }
 
@@ -143,6 +191,8 @@ impl Verifier {
             jwks_url: Some(url.into()),
             http: Some(http),
             validation: Arc::new(validation(iss, aud)),
+            min_refresh: MIN_REFRESH,
+            fetching: Arc::default(),
         })
     }
 
@@ -156,7 +206,24 @@ impl Verifier {
         self.verify(token.trim()).await
     }
 
+    /// The same keys and issuer, accepting tokens for `aud` only (an agent checks its own URL).
+    pub fn for_audience(&self, aud: &str) -> Verifier {
+        let mut validation = (*self.validation).clone();
+        validation.set_audience(&[aud]);
+        Self { validation: Arc::new(validation), ..self.clone() }
+    }
+
     pub async fn verify(&self, token: &str) -> Result<Caller, ApiError> {
+        let claims = self.verify_claims(token).await?;
+        Ok(Caller {
+            user: claims.sub,
+            org: claims.org,
+            scopes: claims.scope.split_whitespace().map(str::to_owned).collect(),
+        })
+    }
+
+    /// The verified claims of `token`, for checks beyond [`Verifier::verify`] (a token's lifetime).
+    pub async fn verify_claims(&self, token: &str) -> Result<Claims, ApiError> {
         if token.len() > MAX_TOKEN_BYTES {
             return Err(ApiError::Unauthenticated("token too large".into()));
         }
@@ -177,11 +244,7 @@ impl Verifier {
         if loams_platform::limits::org(&claims.org).is_err() || claims.sub.is_empty() {
             return Err(unauth());
         }
-        Ok(Caller {
-            user: claims.sub,
-            org: claims.org,
-            scopes: claims.scope.split_whitespace().map(str::to_owned).collect(),
-        })
+        Ok(claims)
     }
 
     fn key(&self, kid: &str) -> Result<Option<DecodingKey>, ApiError> {
@@ -194,15 +257,18 @@ impl Verifier {
 
     async fn refresh(&self) -> Result<(), ApiError> {
         let (Some(url), Some(http)) = (&self.jwks_url, &self.http) else { return Ok(()) };
+        let _fetching = self.fetching.lock().await;
         {
-            let keys = self.keys.read().map_err(|_| ApiError::Internal("key cache poisoned".into()))?;
-            if keys.fetched.is_some_and(|t| t.elapsed() < MIN_REFRESH) {
+            // The time is taken before fetching: a failing issuer is not retried on every request either.
+            let mut keys = self.keys.write().map_err(|_| ApiError::Internal("key cache poisoned".into()))?;
+            if keys.fetched.is_some_and(|t| t.elapsed() < self.min_refresh) {
                 return Ok(());
             }
+            keys.fetched = Some(std::time::Instant::now());
         }
         let set = fetch_jwks(http, url).await?;
         let mut keys = self.keys.write().map_err(|_| ApiError::Internal("key cache poisoned".into()))?;
-        *keys = Keys { set, fetched: Some(std::time::Instant::now()) };
+        keys.set = set;
         Ok(())
     }
 }
@@ -249,11 +315,11 @@ mod tests {
     #[tokio::test]
     async fn issued_token_verifies_and_names_the_caller() {
         let issuer = Issuer::generate("https://loams.test", "loams-api").unwrap();
-        let token = issuer.issue("alice", "acme", "runs:read approvals", now(), 600).unwrap();
+        let token = issuer.issue("alice", "acme", "runs:read  approvals:read", now(), 600).unwrap();
         let caller = issuer.verifier().verify_header(Some(&format!("Bearer {token}"))).await.unwrap();
         assert_eq!(caller.user, "alice");
         assert_eq!(caller.org, "acme");
-        assert_eq!(caller.scopes, vec!["runs:read", "approvals"]);
+        assert_eq!(caller.scopes, vec!["runs:read", "approvals:read"]);
     }
 
     #[tokio::test]
@@ -302,6 +368,67 @@ mod tests {
         )
         .unwrap();
         assert!(issuer.verifier().verify(&hmac).await.is_err());
+    }
+
+    #[test]
+    fn require_checks_the_token_scopes() {
+        let caller = Caller { user: "a".into(), org: "acme".into(), scopes: vec![scope::RUNS_READ.into()] };
+        assert!(caller.require(scope::RUNS_READ).is_ok());
+        assert!(matches!(caller.require(scope::RUNS_KILL), Err(ApiError::PermissionDenied(_))));
+        // A prefix or a broader-sounding name is not the scope.
+        let caller = Caller { scopes: vec!["runs".into(), "runs:read:x".into()], ..caller };
+        assert!(caller.require(scope::RUNS_READ).is_err());
+        let all: Vec<&str> = scope::ALL.split_whitespace().collect();
+        for s in [scope::RUNS_READ, scope::RUNS_KILL, scope::APPROVALS_READ, scope::APPROVALS_DECIDE, scope::DEVICES_WRITE] {
+            assert!(all.contains(&s), "{s} missing from ALL");
+        }
+    }
+
+    /// Serves `keys` as a JWKS, counting requests.
+    async fn jwks_server(keys: Arc<RwLock<JwkSet>>, hits: Arc<std::sync::atomic::AtomicUsize>) -> String {
+        let app = axum::Router::new().route(
+            "/jwks",
+            axum::routing::get(move || async move {
+                hits.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let set = keys.read().unwrap().clone();
+                axum::Json(set)
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/jwks", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    }
+
+    #[tokio::test]
+    async fn unknown_kids_refetch_the_jwks_at_most_once_per_interval() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let old = Issuer::generate("https://loams.test", "loams-api").unwrap();
+        let rotated = Issuer::generate("https://loams.test", "loams-api").unwrap();
+        let served = Arc::new(RwLock::new(old.jwks()));
+        let hits = Arc::new(AtomicUsize::new(0));
+        let url = jwks_server(served.clone(), hits.clone()).await;
+        let mut v = Verifier::fetch(&url, "https://loams.test", "loams-api").await.unwrap();
+        assert_eq!(hits.load(Ordering::SeqCst), 1);
+
+        // The issuer rotates; tokens of the new key arrive within the interval of the first fetch: none fetches.
+        *served.write().unwrap() = rotated.jwks();
+        let token = rotated.issue("alice", "acme", "", now(), 600).unwrap();
+        let results = futures::future::join_all((0..8).map(|_| v.verify(&token))).await;
+        assert!(results.iter().all(Result::is_err));
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "unknown kids must not refetch within the interval");
+
+        // Once the interval is over, concurrent unknown-kid tokens cause one fetch, and all see its keys.
+        v.min_refresh = Duration::from_millis(50);
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        let results = futures::future::join_all((0..8).map(|_| v.verify(&token))).await;
+        assert!(results.iter().all(Result::is_ok), "{results:?}");
+        assert_eq!(hits.load(Ordering::SeqCst), 2);
+        // A made-up kid right after: no fetch.
+        let stranger = Issuer::generate("https://loams.test", "loams-api").unwrap();
+        let forged = stranger.issue("alice", "acme", "", now(), 600).unwrap();
+        assert!(v.verify(&forged).await.is_err());
+        assert_eq!(hits.load(Ordering::SeqCst), 2);
     }
 
     fn base64_url(b: &[u8]) -> String {

@@ -1,124 +1,94 @@
 //! Stored records -> wire messages.
 //!
-//! Runs and events are read as JSON values rather than as `loams_factory` types: the API shows whatever the worker
-//! stored, and an older or newer snapshot (a field added, renamed or missing) still renders instead of failing the
-//! whole list. Only the fields of DESIGN.md section 5's run record are mapped.
+//! A run's snapshot is the worker's `loams_factory::Run`, read as that type; a snapshot that does not parse is an
+//! internal error, not a guess. Timeline events are stored as the factory's event JSON plus the worker's `at_ms`,
+//! `stage` and `summary` fields, and only those (and the event's `type` tag) are read: the full event goes out
+//! as `detail_json`.
 
 use loams_factory::approval::{Approval, ApprovalState, Device};
 use loams_platform::{EventRow, RunRow};
 use loams_proto::approvals::v1 as pa;
 use loams_proto::devices::v1 as pd;
 use loams_proto::factory::v1 as pf;
-use serde_json::Value;
+use serde::{Deserialize, Serialize};
 
 use crate::ApiError;
 
 /// Longest one-line event summary.
 const MAX_SUMMARY: usize = 200;
 
-/// The first of `keys` present in `v` as text: strings as they are, numbers and booleans printed, an object by its
-/// `url` (links such as the issue or PR are stored as objects), anything else empty.
-fn text(v: &Value, keys: &[&str]) -> String {
-    for k in keys {
-        match v.get(*k) {
-            Some(Value::String(s)) => return s.clone(),
-            Some(Value::Number(n)) => return n.to_string(),
-            Some(Value::Bool(b)) => return b.to_string(),
-            Some(Value::Object(o)) => {
-                if let Some(Value::String(s)) = o.get("url") {
-                    return s.clone();
-                }
-                // Tagged enums (`{"type": "open"}`) render by their tag.
-                if let Some(Value::String(s)) = o.get("type") {
-                    return s.clone();
-                }
-            }
-            _ => {}
-        }
-    }
-    String::new()
-}
-
-fn int(v: &Value, keys: &[&str]) -> i64 {
-    keys.iter().find_map(|k| v.get(*k).and_then(Value::as_i64)).unwrap_or(0)
-}
-
-fn uint(v: &Value, keys: &[&str]) -> u64 {
-    keys.iter().find_map(|k| v.get(*k).and_then(Value::as_u64)).unwrap_or(0)
-}
-
-fn stage_name(v: &Value) -> String {
-    match v.get("stage") {
-        Some(Value::String(s)) => s.clone(),
-        // A stage stored as a tagged object (`{"stage": {"fix": {...}}}` or `{"type": "fix"}`).
-        Some(Value::Object(o)) => o
-            .get("type")
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-            .or_else(|| o.keys().next().cloned())
-            .unwrap_or_default(),
+/// The snake_case name a unit enum of the factory serializes as (cursor, verdict); empty if it is not a string.
+fn name_of<T: Serialize>(value: &T) -> String {
+    match serde_json::to_value(value) {
+        Ok(serde_json::Value::String(s)) => s,
         _ => String::new(),
     }
 }
 
 pub(crate) fn run(row: &RunRow) -> Result<pf::Run, ApiError> {
-    let v: Value = serde_json::from_slice(&row.snapshot)
+    let r: loams_factory::Run = serde_json::from_slice(&row.snapshot)
         .map_err(|e| ApiError::Internal(format!("run {} has a malformed snapshot: {e}", row.id)))?;
-    let signal = v.get("signal").map(|s| pf::Signal {
-        source: text(s, &["source"]),
-        fingerprint: text(s, &["fingerprint"]),
-        title: text(s, &["title"]),
-        link: text(s, &["link"]),
-    });
-    let links = v.get("links").map(|l| pf::RunLinks {
-        thread: text(l, &["thread", "thread_url"]),
-        issue: text(l, &["issue", "issue_url"]),
-        pr: text(l, &["pr", "pr_url"]),
-        deploy_ref: text(l, &["deploy_ref", "merge_sha"]),
-    });
-    let budget = v.get("budget").map(|b| pf::Budget {
-        limit_micros: int(b, &["limit_micros", "limit"]),
-        spent_micros: int(b, &["spent_micros", "micros"]),
-        tokens_limit: uint(b, &["tokens_limit", "limit_tokens"]),
-        tokens_spent: uint(b, &["tokens_spent", "tokens"]),
-    });
-    let generation = uint(&v, &["generation"]);
+    let links = &r.links;
+    let budget = &r.budget;
     Ok(pf::Run {
         id: row.id.clone(),
         org: row.org.clone(),
-        env: text(&v, &["env"]),
-        generation: u32::try_from(generation).unwrap_or(u32::MAX),
-        parent_run: text(&v, &["parent_run"]),
-        signal,
+        env: r.env.clone(),
+        generation: r.generation,
+        parent_run: r.parent_run.clone().unwrap_or_default(),
+        signal: Some(pf::Signal {
+            source: r.signal.source.clone(),
+            fingerprint: r.signal.fingerprint.clone(),
+            title: r.signal.title.clone(),
+            link: r.signal.link.clone(),
+        }),
         // The row's state is what the store indexes and filters by, so it is the one shown.
         state: row.state.clone(),
-        stage: stage_name(&v),
-        stage_state: text(&v, &["stage_state"]),
-        links,
-        budget,
-        verdict: text(&v, &["verdict", "ending"]),
-        started_at_ms: int(&v, &["started_at_ms", "started_at", "opened_at_ms"]),
+        stage: r.stage.as_str().to_owned(),
+        stage_state: name_of(&r.cursor),
+        links: Some(pf::RunLinks {
+            thread: links.thread_url.clone().unwrap_or_default(),
+            issue: links.issue_url.clone().unwrap_or_default(),
+            pr: links.pr_url.clone().unwrap_or_default(),
+            deploy_ref: links.deploy_ref.clone().unwrap_or_default(),
+        }),
+        budget: Some(pf::Budget {
+            limit_micros: i64::try_from(budget.limit_micros).unwrap_or(i64::MAX),
+            spent_micros: i64::try_from(budget.micros).unwrap_or(i64::MAX),
+            tokens_limit: budget.limit_tokens,
+            tokens_spent: budget.tokens,
+        }),
+        verdict: r.verdict.as_ref().map(name_of).unwrap_or_default(),
+        started_at_ms: r.started_at_ms,
         updated_at_ms: row.updated_ms,
         version: row.version,
     })
 }
 
+/// The fields of a stored event a timeline shows; everything else stays in `detail_json`.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Logged {
+    #[serde(rename = "type")]
+    kind: String,
+    at_ms: i64,
+    stage: String,
+    summary: String,
+}
+
 pub(crate) fn event(row: &EventRow) -> pf::TimelineEvent {
-    let detail_json = String::from_utf8_lossy(&row.body).into_owned();
-    let v: Value = serde_json::from_slice(&row.body).unwrap_or(Value::Null);
-    let kind = text(&v, &["type"]);
+    // An event the worker wrote is always an object with these fields; anything else still shows, by its seq and
+    // raw JSON, rather than breaking the whole timeline.
+    let logged: Logged = serde_json::from_slice(&row.body).unwrap_or_default();
     // The worker logs each event with the engine's one-line summary; the type names an event without one.
-    let summary = match text(&v, &["summary"]) {
-        s if s.is_empty() => kind.replace('_', " "),
-        s => s,
-    };
+    let summary = if logged.summary.is_empty() { logged.kind.replace('_', " ") } else { logged.summary };
     pf::TimelineEvent {
         seq: row.seq,
-        at_ms: int(&v, &["at_ms", "at", "now_ms"]),
-        r#type: kind,
-        stage: stage_name(&v),
+        at_ms: logged.at_ms,
+        r#type: logged.kind,
+        stage: logged.stage,
         summary: truncate(summary, MAX_SUMMARY),
-        detail_json,
+        detail_json: String::from_utf8_lossy(&row.body).into_owned(),
     }
 }
 
@@ -198,33 +168,75 @@ pub(crate) fn device(d: &Device) -> pd::Device {
 mod tests {
     use super::*;
 
-    #[test]
-    fn run_snapshot_maps_known_fields_and_tolerates_shapes() {
-        let snapshot = serde_json::json!({
-            "id": "r-1", "org": "acme", "env": "prod", "generation": 2, "parent_run": "r-0",
-            "signal": {"source": "glitchtip", "fingerprint": "gt:42", "title": "boom", "link": "https://gt/x/issues/42"},
-            "stage": "fix",
-            "links": {"thread": "https://z/t", "issue": {"id": "i", "url": "https://plane/i"}, "pr": null},
-            "budget": {"limit_micros": 100, "spent_micros": 7},
-            "started_at_ms": 5
-        });
-        let row = RunRow {
+    /// A run as the engine opens it (generation 2 of a regressed parent), then moved along by hand.
+    fn opened_run() -> loams_factory::Run {
+        let signal = loams_factory::Signal {
+            source: "glitchtip".into(),
+            fingerprint: "glitchtip:42".into(),
+            title: "boom".into(),
+            link: "https://gt/x/issues/42".into(),
+            glitchtip_issue_id: Some("42".into()),
+            severity: "error".into(),
+            generation: 2,
+            parent_run: Some("r-0".into()),
+        };
+        let (run, _) = loams_factory::open(signal, &loams_factory::Ctx::new("acme", "prod", 5)).unwrap();
+        run
+    }
+
+    fn row(run: &loams_factory::Run) -> RunRow {
+        RunRow {
             org: "acme".into(),
-            id: "r-1".into(),
+            id: run.id.clone(),
             version: 9,
             state: "waiting".into(),
-            snapshot: serde_json::to_vec(&snapshot).unwrap(),
+            snapshot: serde_json::to_vec(run).unwrap(),
             updated_ms: 77,
-        };
-        let r = run(&row).unwrap();
-        assert_eq!((r.env.as_str(), r.generation, r.parent_run.as_str()), ("prod", 2, "r-0"));
-        assert_eq!(r.signal.unwrap().fingerprint, "gt:42");
-        let links = r.links.unwrap();
-        assert_eq!((links.thread.as_str(), links.issue.as_str(), links.pr.as_str()), ("https://z/t", "https://plane/i", ""));
-        assert_eq!(r.budget.unwrap().spent_micros, 7);
-        assert_eq!((r.state.as_str(), r.stage.as_str(), r.version, r.updated_at_ms, r.started_at_ms), ("waiting", "fix", 9, 77, 5));
-        let bad = RunRow { snapshot: b"{".to_vec(), ..row };
+        }
+    }
+
+    #[test]
+    fn run_maps_the_factory_run() {
+        let mut r = opened_run();
+        let fresh = run(&row(&r)).unwrap();
+        assert_eq!((fresh.env.as_str(), fresh.generation, fresh.parent_run.as_str()), ("prod", 2, "r-0"));
+        assert_eq!((fresh.stage.as_str(), fresh.stage_state.as_str(), fresh.verdict.as_str()), ("triage", "open_thread", ""));
+        assert_eq!(fresh.links.unwrap(), pf::RunLinks::default());
+        assert_eq!(fresh.started_at_ms, 5);
+        let signal = fresh.signal.unwrap();
+        assert_eq!((signal.source.as_str(), signal.fingerprint.as_str(), signal.title.as_str()), ("glitchtip", "glitchtip:42", "boom"));
+
+        r.stage = loams_factory::Stage::Observe;
+        r.cursor = loams_factory::Cursor::AwaitVerdict;
+        r.links.thread_url = Some("https://z/t".into());
+        r.links.issue_url = Some("https://plane/i".into());
+        r.links.pr_url = Some("https://forgejo/pr/7".into());
+        r.links.deploy_ref = Some("abc123".into());
+        r.budget = loams_factory::Budget { limit_tokens: 1000, limit_micros: 500, tokens: 10, micros: u64::MAX };
+        r.verdict = Some(loams_factory::ObserveVerdict::Regressed);
+        let shown = run(&row(&r)).unwrap();
+        assert_eq!((shown.state.as_str(), shown.version, shown.updated_at_ms), ("waiting", 9, 77));
+        assert_eq!((shown.stage.as_str(), shown.stage_state.as_str(), shown.verdict.as_str()), ("observe", "await_verdict", "regressed"));
+        assert_eq!(
+            shown.links.unwrap(),
+            pf::RunLinks {
+                thread: "https://z/t".into(),
+                issue: "https://plane/i".into(),
+                pr: "https://forgejo/pr/7".into(),
+                deploy_ref: "abc123".into(),
+            }
+        );
+        // Spending past i64 saturates instead of wrapping negative.
+        assert_eq!(
+            shown.budget.unwrap(),
+            pf::Budget { limit_micros: 500, spent_micros: i64::MAX, tokens_limit: 1000, tokens_spent: 10 }
+        );
+
+        let bad = RunRow { snapshot: b"{".to_vec(), ..row(&r) };
         assert!(run(&bad).is_err());
+        // JSON, but not a run: no guessing at other shapes.
+        let other = RunRow { snapshot: br#"{"stage": "fix", "env": "prod"}"#.to_vec(), ..row(&r) };
+        assert!(run(&other).is_err());
     }
 
     #[test]
@@ -235,6 +247,17 @@ mod tests {
         assert_eq!(e.summary, "run killed (killed)");
         let bare = event(&EventRow { seq: 5, body: br#"{"type":"timer_fired"}"#.to_vec() });
         assert_eq!(bare.summary, "timer fired");
+        // An event exactly as the worker logs it: the factory event plus at_ms, stage and summary.
+        let (r, opened) = loams_factory::open(opened_run().signal, &loams_factory::Ctx::new("acme", "prod", 5)).unwrap();
+        let mut logged = serde_json::to_value(&opened).unwrap();
+        logged["at_ms"] = 5.into();
+        logged["stage"] = r.stage.as_str().into();
+        logged["summary"] = opened.summary().into();
+        let e = event(&EventRow { seq: 1, body: serde_json::to_vec(&logged).unwrap() });
+        assert_eq!((e.at_ms, e.r#type.as_str(), e.stage.as_str()), (5, "opened", "triage"));
+        assert_eq!(e.summary, opened.summary());
+        let junk = event(&EventRow { seq: 6, body: b"[1]".to_vec() });
+        assert_eq!((junk.seq, junk.r#type.as_str(), junk.detail_json.as_str()), (6, "", "[1]"));
         assert_eq!(truncate("é".repeat(200), 5).chars().count(), 3);
     }
 }

@@ -2,17 +2,40 @@
 
 use aws_lc_rs::rand::{SecureRandom, SystemRandom};
 use loams_factory::approval::{Device, valid_device_key};
-use loams_platform::{Cond, Item, StoreError};
+use loams_platform::{Cond, Item, Page, StoreError};
 use loams_proto::connect::{CallContext, Router};
 use loams_proto::devices::v1 as pd;
 
 use crate::approvals::{parse, to_body};
-use crate::{ApiError, ApiState, Caller, convert, idem};
+use crate::{ApiError, ApiState, Caller, convert, idem, scope};
 
 const SERVICE: &str = "/loams.devices.v1.DeviceService/";
 const MAX_DEVICE_ID: usize = 64;
 const MAX_NAME: usize = 128;
 const MAX_PUSH_TOKEN: usize = 4096;
+/// Unrevoked devices one user may have; each is a key that can approve, and a push target.
+pub const MAX_ACTIVE_DEVICES: usize = 10;
+
+/// How many unrevoked devices `user` has, counting no further than `MAX_ACTIVE_DEVICES`.
+async fn active_devices(state: &ApiState, caller: &Caller) -> Result<usize, ApiError> {
+    let mut count = 0;
+    let mut cursor = None;
+    loop {
+        let page = Page { cursor, limit: MAX_ACTIVE_DEVICES as u32 + 1 };
+        let paged = state.store.list_items(&caller.org, "device", Some(&caller.user), page).await?;
+        for item in &paged.items {
+            let device: Device = parse(item)?;
+            // Revocation takes a device out of the index; one revoked before that rule may still be listed.
+            if !device.revoked && device.user == caller.user {
+                count += 1;
+            }
+        }
+        match paged.next {
+            Some(next) if count < MAX_ACTIVE_DEVICES => cursor = Some(next),
+            _ => return Ok(count),
+        }
+    }
+}
 
 fn device_id(requested: &str) -> Result<String, ApiError> {
     if requested.is_empty() {
@@ -42,6 +65,13 @@ async fn register(state: &ApiState, caller: &Caller, req: pd::RegisterDeviceRequ
     }
     let id = device_id(&req.device_id)?;
     idem::once(state, caller, "RegisterDevice", &req.idempotency_key, || async {
+        // Checked before the write, so two registrations at the same instant can pass one over the limit; the
+        // limit bounds a user's keys, it is not an exact quota.
+        if active_devices(state, caller).await? >= MAX_ACTIVE_DEVICES {
+            return Err(ApiError::FailedPrecondition(format!(
+                "at most {MAX_ACTIVE_DEVICES} active devices per user; revoke one first"
+            )));
+        }
         let device = Device {
             id: id.clone(),
             org: caller.org.clone(),
@@ -58,7 +88,8 @@ async fn register(state: &ApiState, caller: &Caller, req: pd::RegisterDeviceRequ
             kind: "device".into(),
             id: id.clone(),
             version: 0,
-            // Indexed by user so a user's devices can be listed (push fan-out) without a scan.
+            // Indexed by user while active, so a user's devices can be counted and listed (push fan-out) without a
+            // scan.
             index: Some(caller.user.clone()),
             body: to_body(&device)?,
             expires_ms: None,
@@ -86,7 +117,7 @@ async fn revoke(state: &ApiState, caller: &Caller, req: pd::RevokeDeviceRequest)
         if !device.revoked {
             device.revoked = true;
             device.revoked_at_ms = Some(state.now_ms());
-            let updated = Item { body: to_body(&device)?, ..item.clone() };
+            let updated = Item { body: to_body(&device)?, index: None, ..item.clone() };
             state.store.put_item(&updated, Cond::Version(item.version)).await?;
         }
         Ok(pd::RevokeDeviceResponse { device: Some(convert::device(&device)) })
@@ -99,7 +130,7 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     let router = router.unary(&format!("{SERVICE}RegisterDevice"), move |ctx: CallContext, req: pd::RegisterDeviceRequest| {
         let s = s.clone();
         async move {
-            let caller = s.caller(&ctx).await?;
+            let caller = s.caller(&ctx, scope::DEVICES_WRITE).await?;
             Ok(register(&s, &caller, req).await?)
         }
     });
@@ -107,7 +138,7 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     router.unary(&format!("{SERVICE}RevokeDevice"), move |ctx: CallContext, req: pd::RevokeDeviceRequest| {
         let s = s.clone();
         async move {
-            let caller = s.caller(&ctx).await?;
+            let caller = s.caller(&ctx, scope::DEVICES_WRITE).await?;
             Ok(revoke(&s, &caller, req).await?)
         }
     })

@@ -1,5 +1,6 @@
 //! FactoryService: runs, timelines, the run kill switch and the live watch.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use futures::Stream;
@@ -8,8 +9,9 @@ use loams_platform::{Cond, Item, Page};
 use loams_proto::connect::{CallContext, ConnectError, Router};
 use loams_proto::factory::v1 as pf;
 use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
 
-use crate::{ApiError, ApiState, Caller, convert, idem};
+use crate::{ApiError, ApiState, Caller, convert, idem, scope};
 
 const SERVICE: &str = "/loams.factory.v1.FactoryService/";
 pub(crate) const DEFAULT_PAGE: u32 = 50;
@@ -118,11 +120,12 @@ async fn kill(state: &ApiState, caller: &Caller, req: pf::KillRunRequest) -> Res
 
 enum Watch {
     Snapshot,
-    Events { after: u64, pending: std::collections::VecDeque<pf::TimelineEvent>, finished: bool },
+    Events { after: u64, pending: VecDeque<pf::TimelineEvent>, finished: bool, last_sent: Instant },
     Done,
 }
 
-/// Snapshot first, then every event after `after_seq` as it is appended; ends once a finished run's log is drained.
+/// Snapshot first, then every event after `after_seq` as it is appended, with a heartbeat after each quiet
+/// `watch_heartbeat_ms`; ends once a finished run's log is drained, or after `watch_max_ms` (the client resumes).
 fn watch(
     state: ApiState,
     caller: Caller,
@@ -130,6 +133,9 @@ fn watch(
 ) -> impl Stream<Item = Result<pf::WatchRunResponse, ConnectError>> + Send + 'static {
     use pf::watch_run_response::Item as W;
     let poll = Duration::from_millis(state.config.watch_poll_ms.max(10));
+    let heartbeat = Duration::from_millis(state.config.watch_heartbeat_ms.max(10));
+    // A bounded lifetime keeps one client from holding a connection (and a Lambda invocation) open forever.
+    let deadline = Instant::now() + Duration::from_millis(state.config.watch_max_ms);
     futures::stream::unfold(Watch::Snapshot, move |mut step| {
         let (state, caller, req) = (state.clone(), caller.clone(), req.clone());
         async move {
@@ -140,21 +146,35 @@ fn watch(
                         return Some(match load_run(&state, &caller, &req.run_id).await {
                             Ok(run) => (
                                 Ok(pf::WatchRunResponse { item: Some(W::Snapshot(run)) }),
-                                Watch::Events { after: req.after_seq, pending: Default::default(), finished: false },
+                                Watch::Events {
+                                    after: req.after_seq,
+                                    pending: VecDeque::new(),
+                                    finished: false,
+                                    last_sent: Instant::now(),
+                                },
                             ),
                             Err(e) => (Err(e.into()), Watch::Done),
                         });
                     }
-                    Watch::Events { after, mut pending, finished } => {
+                    Watch::Events { after, mut pending, finished, last_sent } => {
                         if let Some(ev) = pending.pop_front() {
                             let after = ev.seq;
                             return Some((
                                 Ok(pf::WatchRunResponse { item: Some(W::Event(ev)) }),
-                                Watch::Events { after, pending, finished },
+                                Watch::Events { after, pending, finished, last_sent: Instant::now() },
                             ));
                         }
-                        if finished {
+                        let now = Instant::now();
+                        // Checked only once the fetched events are sent, so the stream ends on a known seq.
+                        if finished || now >= deadline {
                             return None;
+                        }
+                        if now.duration_since(last_sent) >= heartbeat {
+                            let beat = pf::Heartbeat { at_ms: state.now_ms() };
+                            return Some((
+                                Ok(pf::WatchRunResponse { item: Some(W::Heartbeat(beat)) }),
+                                Watch::Events { after, pending, finished, last_sent: now },
+                            ));
                         }
                         // Read the state before the events: a run seen terminal here has all its events below.
                         let run = match state.store.get_run(&caller.org, &req.run_id).await {
@@ -168,11 +188,13 @@ fn watch(
                             Err(e) => return Some((Err(ApiError::from(e).into()), Watch::Done)),
                         };
                         let got_all = rows.len() < MAX_PAGE as usize;
-                        let pending: std::collections::VecDeque<_> = rows.iter().map(convert::event).collect();
+                        let pending: VecDeque<_> = rows.iter().map(convert::event).collect();
                         if pending.is_empty() && !finished {
-                            tokio::time::sleep(poll).await;
+                            // Wake for the next poll, or earlier for a heartbeat or the end of the lifetime.
+                            let wake = (last_sent + heartbeat).min(deadline);
+                            tokio::time::sleep(poll.min(wake.saturating_duration_since(Instant::now()))).await;
                         }
-                        step = Watch::Events { after, pending, finished: finished && got_all };
+                        step = Watch::Events { after, pending, finished: finished && got_all, last_sent };
                     }
                 }
             }
@@ -185,7 +207,7 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     let router = router.unary(&format!("{SERVICE}ListRuns"), move |ctx: CallContext, req: pf::ListRunsRequest| {
         let s = s.clone();
         async move {
-            let caller = s.caller(&ctx).await?;
+            let caller = s.caller(&ctx, scope::RUNS_READ).await?;
             Ok(list_runs(&s, &caller, req).await?)
         }
     });
@@ -193,7 +215,7 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     let router = router.unary(&format!("{SERVICE}GetRun"), move |ctx: CallContext, req: pf::GetRunRequest| {
         let s = s.clone();
         async move {
-            let caller = s.caller(&ctx).await?;
+            let caller = s.caller(&ctx, scope::RUNS_READ).await?;
             Ok(pf::GetRunResponse { run: Some(load_run(&s, &caller, &req.run_id).await?) })
         }
     });
@@ -201,7 +223,7 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     let router = router.unary(&format!("{SERVICE}GetTimeline"), move |ctx: CallContext, req: pf::GetTimelineRequest| {
         let s = s.clone();
         async move {
-            let caller = s.caller(&ctx).await?;
+            let caller = s.caller(&ctx, scope::RUNS_READ).await?;
             Ok(timeline(&s, &caller, req).await?)
         }
     });
@@ -209,7 +231,7 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     let router = router.unary(&format!("{SERVICE}KillRun"), move |ctx: CallContext, req: pf::KillRunRequest| {
         let s = s.clone();
         async move {
-            let caller = s.caller(&ctx).await?;
+            let caller = s.caller(&ctx, scope::RUNS_KILL).await?;
             Ok(kill(&s, &caller, req).await?)
         }
     });
@@ -217,7 +239,7 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     router.server_stream(&format!("{SERVICE}WatchRun"), move |ctx: CallContext, req: pf::WatchRunRequest| {
         let s = s.clone();
         async move {
-            let caller = s.caller(&ctx).await?;
+            let caller = s.caller(&ctx, scope::RUNS_READ).await?;
             // Fail before the stream starts for a run that is not there, so the client sees a plain error.
             load_run(&s, &caller, &req.run_id).await?;
             Ok(watch(s, caller, req))

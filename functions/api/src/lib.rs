@@ -8,6 +8,7 @@
 
 mod approvals;
 pub mod auth;
+pub mod broker;
 mod convert;
 mod devices;
 mod error;
@@ -20,7 +21,9 @@ use std::sync::Arc;
 use axum::routing::get;
 use loams_platform::{Clock, Queue, Store};
 
-pub use auth::{Caller, Claims, Issuer, Verifier};
+pub use auth::{Caller, Claims, Issuer, Verifier, scope};
+pub use broker::{AGENT_SUBJECT, AgentAuth, AgentTokens, ApprovalBroker};
+pub use devices::MAX_ACTIVE_DEVICES;
 pub use factory::KillSwitch;
 pub use error::ApiError;
 pub use webhook::{GlitchtipHook, MAX_WEBHOOK_BYTES, RunOpener};
@@ -34,13 +37,24 @@ pub struct ApiConfig {
     pub challenge_ttl_ms: i64,
     /// How often WatchRun looks for new events.
     pub watch_poll_ms: u64,
+    /// WatchRun sends a heartbeat after this long without anything else, so clients and proxies see a live stream.
+    pub watch_heartbeat_ms: u64,
+    /// A WatchRun stream ends after this long; the client resumes with the last seq it saw as `after_seq`.
+    pub watch_max_ms: u64,
     /// Idempotency lease of a write in progress.
     pub write_lease_ms: u64,
 }
 
 impl Default for ApiConfig {
     fn default() -> Self {
-        Self { glitchtip_hooks: Vec::new(), challenge_ttl_ms: 5 * 60 * 1000, watch_poll_ms: 500, write_lease_ms: 30_000 }
+        Self {
+            glitchtip_hooks: Vec::new(),
+            challenge_ttl_ms: 5 * 60 * 1000,
+            watch_poll_ms: 500,
+            watch_heartbeat_ms: 15_000,
+            watch_max_ms: 15 * 60 * 1000,
+            write_lease_ms: 30_000,
+        }
     }
 }
 
@@ -59,8 +73,11 @@ pub struct ApiState {
 }
 
 impl ApiState {
-    async fn caller(&self, ctx: &loams_proto::connect::CallContext) -> Result<Caller, ApiError> {
-        self.verifier.verify_header(ctx.header("authorization")).await
+    /// The verified caller, if their token grants `scope`; checked before anything is read or written.
+    async fn caller(&self, ctx: &loams_proto::connect::CallContext, scope: &str) -> Result<Caller, ApiError> {
+        let caller = self.verifier.verify_header(ctx.header("authorization")).await?;
+        caller.require(scope)?;
+        Ok(caller)
     }
 
     fn now_ms(&self) -> i64 {

@@ -25,6 +25,9 @@ pub struct GlitchtipHook {
     pub org: String,
     pub env: String,
     pub token: String,
+    /// The GlitchTip instance's URL (`https://glitchtip.example`, a path is ignored). An alert's issue link must be
+    /// on its origin: the link becomes the run's signal, shown to people and followed by agents.
+    pub origin: String,
 }
 
 /// Opens the run of a signal; the binary wires it to the worker (which owns run creation and the cooldown).
@@ -59,8 +62,8 @@ fn find_hook<'a>(hooks: &'a [GlitchtipHook], token: &str) -> Option<&'a Glitchti
     found
 }
 
-/// The signal of an alert body, or why it is not one.
-fn signal_of(body: &[u8]) -> Result<Signal, String> {
+/// The signal of an alert body whose issue link is on `origin`, or why it is not one.
+fn signal_of(body: &[u8], origin: &reqwest::Url) -> Result<Signal, String> {
     let alert: Alert = serde_json::from_slice(body).map_err(|e| format!("not a GlitchTip alert: {e}"))?;
     let first = alert.attachments.first().ok_or("the alert has no attachments")?;
     let link = first.title_link.trim();
@@ -74,6 +77,12 @@ fn signal_of(body: &[u8]) -> Result<Signal, String> {
         && issue_id.bytes().all(|c| c.is_ascii_digit());
     if !id_ok || !(link.starts_with("https://") || link.starts_with("http://")) || link.len() > loams_factory::MAX_ID {
         return Err("attachments[0].title_link is not a GlitchTip issue URL".into());
+    }
+    // Scheme, host and port must all match; the configured origin is a tuple origin (checked by the caller), so two
+    // unparseable URLs never compare equal.
+    match reqwest::Url::parse(link) {
+        Ok(url) if url.origin() == origin.origin() => {}
+        _ => return Err("attachments[0].title_link is not on the configured GlitchTip origin".into()),
     }
     // The title is untrusted text: kept as data, cut to the engine's limit.
     let mut title: String = first.title.chars().filter(|c| !c.is_control()).collect();
@@ -121,7 +130,14 @@ async fn glitchtip(
     let Ok(body) = axum::body::to_bytes(body, MAX_WEBHOOK_BYTES).await else {
         return too_large();
     };
-    let signal = match signal_of(&body) {
+    let origin = match reqwest::Url::parse(&hook.origin) {
+        Ok(url) if url.origin().is_tuple() => url,
+        _ => {
+            tracing::error!(org = %hook.org, origin = %hook.origin, "the GlitchTip hook's origin is not an http(s) URL");
+            return reply(StatusCode::SERVICE_UNAVAILABLE, serde_json::json!({"error": "webhook misconfigured"}));
+        }
+    };
+    let signal = match signal_of(&body, &origin) {
         Ok(s) => s,
         Err(msg) => return reply(StatusCode::BAD_REQUEST, serde_json::json!({"error": msg})),
     };
@@ -179,6 +195,10 @@ pub(crate) fn routes(state: ApiState) -> axum::Router {
 mod tests {
     use super::*;
 
+    fn origin(url: &str) -> reqwest::Url {
+        reqwest::Url::parse(url).unwrap()
+    }
+
     #[test]
     fn signal_from_slack_style_alert() {
         let body = serde_json::json!({
@@ -186,7 +206,7 @@ mod tests {
             "attachments": [{"title": "ZeroDivisionError: checkout", "title_link": "https://gt.example/acme/issues/4217",
                              "text": "checkout.total", "fields": []}]
         });
-        let s = signal_of(&serde_json::to_vec(&body).unwrap()).unwrap();
+        let s = signal_of(&serde_json::to_vec(&body).unwrap(), &origin("https://gt.example/ignored/path")).unwrap();
         assert_eq!(s.fingerprint, "glitchtip:4217");
         assert_eq!(s.glitchtip_issue_id.as_deref(), Some("4217"));
         assert_eq!(s.title, "ZeroDivisionError: checkout");
@@ -195,20 +215,43 @@ mod tests {
 
     #[test]
     fn rejects_bodies_that_are_not_alerts() {
-        assert!(signal_of(b"{").is_err());
-        assert!(signal_of(br#"{"attachments": []}"#).is_err());
-        assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "https://gt/acme/issues/"}]}"#).is_err());
-        assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "javascript:alert(1)/5"}]}"#).is_err());
-        assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "https://gt/a/issues/1;rm"}]}"#).is_err());
-        assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "https://gt/a/monitors/12"}]}"#).is_err());
-        assert!(signal_of(br#"{"attachments": [{"title": "x", "title_link": "https://gt/a/issues/12/"}]}"#).is_ok());
+        let gt = origin("https://gt");
+        let link = |l: &str| format!(r#"{{"attachments": [{{"title": "x", "title_link": "{l}"}}]}}"#).into_bytes();
+        assert!(signal_of(b"{", &gt).is_err());
+        assert!(signal_of(br#"{"attachments": []}"#, &gt).is_err());
+        assert!(signal_of(&link("https://gt/acme/issues/"), &gt).is_err());
+        assert!(signal_of(&link("javascript:alert(1)/5"), &gt).is_err());
+        assert!(signal_of(&link("https://gt/a/issues/1;rm"), &gt).is_err());
+        assert!(signal_of(&link("https://gt/a/monitors/12"), &gt).is_err());
+        assert!(signal_of(&link("https://gt/a/issues/12/"), &gt).is_ok());
+    }
+
+    #[test]
+    fn the_issue_link_must_be_on_the_configured_origin() {
+        let gt = origin("https://gt.example");
+        let link = |l: &str| format!(r#"{{"attachments": [{{"title": "x", "title_link": "{l}"}}]}}"#).into_bytes();
+        assert!(signal_of(&link("https://gt.example/a/issues/1"), &gt).is_ok());
+        assert!(signal_of(&link("https://GT.example:443/a/issues/1"), &gt).is_ok(), "same origin, other spelling");
+        for other in [
+            "https://evil.example/a/issues/1",
+            "http://gt.example/a/issues/1",
+            "https://gt.example:8443/a/issues/1",
+            "https://gt.example.evil.example/a/issues/1",
+            "https://gt.example@evil.example/a/issues/1",
+            "https://sub.gt.example/a/issues/1",
+        ] {
+            assert!(signal_of(&link(other), &gt).is_err(), "{other} must be refused");
+        }
+        let local = origin("http://127.0.0.1:4000");
+        assert!(signal_of(&link("http://127.0.0.1:4000/a/issues/1"), &local).is_ok());
+        assert!(signal_of(&link("http://127.0.0.1:4001/a/issues/1"), &local).is_err());
     }
 
     #[test]
     fn hook_lookup_needs_the_exact_token() {
         let hooks = vec![
-            GlitchtipHook { org: "a".into(), env: "prod".into(), token: "token-aaaaaaaaaaaa".into() },
-            GlitchtipHook { org: "b".into(), env: "prod".into(), token: "token-bbbbbbbbbbbb".into() },
+            GlitchtipHook { org: "a".into(), env: "prod".into(), token: "token-aaaaaaaaaaaa".into(), origin: "https://gt".into() },
+            GlitchtipHook { org: "b".into(), env: "prod".into(), token: "token-bbbbbbbbbbbb".into(), origin: "https://gt".into() },
         ];
         assert_eq!(find_hook(&hooks, "token-bbbbbbbbbbbb").map(|h| h.org.as_str()), Some("b"));
         assert!(find_hook(&hooks, "token-bbbbbbbbbbb").is_none());

@@ -7,9 +7,9 @@ use aws_lc_rs::rand::SystemRandom;
 use aws_lc_rs::signature::{ECDSA_P256_SHA256_ASN1_SIGNING, EcdsaKeyPair, KeyPair};
 use futures::StreamExt;
 use loams_api::{ApiConfig, ApiError, ApiState, GlitchtipHook, Issuer, RunOpener, router};
-use loams_factory::approval::{Approval, ApprovalAction, ApprovalState};
+use loams_factory::approval::{Approval, ApprovalAction, ApprovalState, Challenge};
 use loams_factory::{Envelope, Input, Signal};
-use loams_platform::{Clock, Cond, Item, ManualClock, Queue, Sqlite, Store};
+use loams_platform::{Clock, Cond, Item, ManualClock, Page, Queue, Sqlite, Store};
 use loams_proto::approvals::v1 as pa;
 use loams_proto::connect::{Code, ConnectClient, ConnectError};
 use loams_proto::devices::v1 as pd;
@@ -45,19 +45,31 @@ fn wall_ms() -> i64 {
 }
 
 async fn start() -> Env {
+    start_with(ApiConfig { watch_poll_ms: 20, ..ApiConfig::default() }, None).await
+}
+
+/// Wraps the test's store (to inject races).
+type WrapStore = fn(Arc<Sqlite>) -> Arc<dyn Store>;
+
+/// The API on an in-memory store; `store` wraps that store when given.
+async fn start_with(config: ApiConfig, store: Option<WrapStore>) -> Env {
     let clock = Arc::new(ManualClock::new(wall_ms()));
     let db = Arc::new(Sqlite::memory(clock.clone()).unwrap());
     let issuer = Issuer::generate(ISS, AUD).unwrap();
     let opener = Arc::new(Opener(Mutex::new(Vec::new())));
     let state = ApiState {
-        store: db.clone(),
+        store: store.map_or_else(|| db.clone() as Arc<dyn Store>, |wrap| wrap(db.clone())),
         queue: db.clone(),
         verifier: issuer.verifier(),
         clock: clock.clone(),
         config: Arc::new(ApiConfig {
-            glitchtip_hooks: vec![GlitchtipHook { org: "acme".into(), env: "prod".into(), token: HOOK_TOKEN.into() }],
-            watch_poll_ms: 20,
-            ..ApiConfig::default()
+            glitchtip_hooks: vec![GlitchtipHook {
+                org: "acme".into(),
+                env: "prod".into(),
+                token: HOOK_TOKEN.into(),
+                origin: "https://gt.example".into(),
+            }],
+            ..config
         }),
         opener: opener.clone(),
         jwks: Some(Arc::new(issuer.jwks())),
@@ -69,24 +81,21 @@ async fn start() -> Env {
 }
 
 impl Env {
+    /// A client whose token grants every scope.
     fn client(&self, user: &str, org: &str) -> ConnectClient {
+        self.client_with(user, org, loams_api::scope::ALL)
+    }
+
+    fn client_with(&self, user: &str, org: &str, scope: &str) -> ConnectClient {
         let now = jsonwebtoken::get_current_timestamp();
-        let token = self.issuer.issue(user, org, "", now, 600).unwrap();
+        let token = self.issuer.issue(user, org, scope, now, 600).unwrap();
         ConnectClient::new(&self.base).with_header("authorization", format!("Bearer {token}")).unwrap()
     }
 
+    /// Run `RUN` as the engine opens it, moved on to the review stage, with its opening event as event 1.
     async fn seed_run(&self, org: &str, state: &str) {
-        let snapshot = serde_json::json!({
-            "id": RUN, "org": org, "env": "prod", "generation": 1,
-            "signal": {"source": "glitchtip", "fingerprint": "glitchtip:42", "title": "boom", "link": "https://gt/a/issues/42"},
-            "stage": "review"
-        });
-        let first = serde_json::json!({"type": "opened", "at_ms": 1});
-        let created = self
-            .db
-            .create_run(org, RUN, state, &serde_json::to_vec(&snapshot).unwrap(), &serde_json::to_vec(&first).unwrap(), 1)
-            .await
-            .unwrap();
+        let (snapshot, first) = run_snapshot(org);
+        let created = self.db.create_run(org, RUN, state, &snapshot, &first, 1).await.unwrap();
         assert!(created);
     }
 
@@ -128,6 +137,10 @@ impl Env {
         self.db.get_item(org, "approval", AP).await.unwrap().unwrap()
     }
 
+    async fn challenges(&self, org: &str) -> Vec<Item> {
+        self.db.list_items(org, "challenge", None, Page::first(100)).await.unwrap().items
+    }
+
     async fn approval_item(&self, org: &str) -> Item {
         self.db.get_item(org, "approval", AP).await.unwrap().unwrap()
     }
@@ -146,6 +159,31 @@ impl Env {
             .await
             .unwrap()
     }
+}
+
+/// A real factory run (and its logged opening event) with the id `RUN`, in the review stage with a PR.
+fn run_snapshot(org: &str) -> (Vec<u8>, Vec<u8>) {
+    let signal = Signal {
+        source: "glitchtip".into(),
+        fingerprint: "glitchtip:42".into(),
+        title: "boom".into(),
+        link: "https://gt.example/a/issues/42".into(),
+        glitchtip_issue_id: Some("42".into()),
+        severity: "error".into(),
+        generation: 1,
+        parent_run: None,
+    };
+    let (mut run, opened) = loams_factory::open(signal, &loams_factory::Ctx::new(org, "prod", 1)).unwrap();
+    // The seeded rows use a fixed id so every test can name the run.
+    run.id = RUN.into();
+    run.stage = loams_factory::Stage::Review;
+    run.cursor = loams_factory::Cursor::LeadReview;
+    run.links.pr_url = Some("https://forgejo.example/acme/shop/pulls/7".into());
+    let mut logged = serde_json::to_value(&opened).unwrap();
+    logged["at_ms"] = 1.into();
+    logged["stage"] = "triage".into();
+    logged["summary"] = opened.summary().into();
+    (serde_json::to_vec(&run).unwrap(), serde_json::to_vec(&logged).unwrap())
 }
 
 fn key() -> EcdsaKeyPair {
@@ -172,11 +210,22 @@ async fn get_challenge(c: &ConnectClient, device: &str) -> Result<pa::GetChallen
 
 /// A decide request signed the way a phone signs it.
 async fn signed_decide(c: &ConnectClient, key: &EcdsaKeyPair, device: &str, confirmation: &str, idem: &str) -> pa::DecideRequest {
+    signed_decide_at(c, key, device, confirmation, idem, wall_ms()).await
+}
+
+/// A decide request signed as decided at `at`.
+async fn signed_decide_at(
+    c: &ConnectClient,
+    key: &EcdsaKeyPair,
+    device: &str,
+    confirmation: &str,
+    idem: &str,
+    at: i64,
+) -> pa::DecideRequest {
     let approval: pa::GetApprovalResponse =
         c.unary("/loams.approvals.v1.ApprovalService/GetApproval", &pa::GetApprovalRequest { approval_id: AP.into() }).await.unwrap();
     let hash = approval.approval.unwrap().action_hash;
     let challenge = get_challenge(c, device).await.unwrap().challenge;
-    let at = wall_ms();
     let bytes = loams_proto::canonical_decision_bytes(AP, &hash, pa::Decision::Approve, device, &challenge, at);
     let sig = key.sign(&SystemRandom::new(), &bytes).unwrap();
     pa::DecideRequest {
@@ -240,14 +289,17 @@ async fn runs_timeline_and_watch() {
     assert_eq!(list.runs.len(), 1);
     let run = &list.runs[0];
     assert_eq!((run.state.as_str(), run.stage.as_str(), run.version), ("waiting", "review", 1));
+    assert_eq!((run.stage_state.as_str(), run.env.as_str()), ("lead_review", "prod"));
     assert_eq!(run.signal.as_ref().unwrap().fingerprint, "glitchtip:42");
+    assert_eq!(run.links.as_ref().unwrap().pr, "https://forgejo.example/acme/shop/pulls/7");
 
     let tl: pf::GetTimelineResponse = c
         .unary("/loams.factory.v1.FactoryService/GetTimeline", &pf::GetTimelineRequest { run_id: RUN.into(), after_seq: 0, page_size: 0 })
         .await
         .unwrap();
     assert_eq!(tl.events.len(), 1);
-    assert_eq!((tl.events[0].seq, tl.events[0].r#type.as_str()), (1, "opened"));
+    assert_eq!((tl.events[0].seq, tl.events[0].r#type.as_str(), tl.events[0].stage.as_str()), (1, "opened", "triage"));
+    assert!(tl.events[0].summary.starts_with("run opened from glitchtip"), "{}", tl.events[0].summary);
     assert!(!tl.has_more);
 
     // Watch: snapshot, the existing event, then one appended later; the stream ends when the run is finished.
@@ -259,7 +311,8 @@ async fn runs_timeline_and_watch() {
     tokio::spawn(async move {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         let ev = serde_json::to_vec(&serde_json::json!({"type": "run_killed", "reason": "stop"})).unwrap();
-        db.append("acme", RUN, 1, "killed", b"{\"stage\":\"review\"}", &[ev], 2).await.unwrap();
+        let (snapshot, _) = run_snapshot("acme");
+        db.append("acme", RUN, 1, "killed", &snapshot, &[ev], 2).await.unwrap();
     });
     let items: Vec<_> = tokio::time::timeout(std::time::Duration::from_secs(10), stream.collect::<Vec<_>>()).await.unwrap();
     let items: Vec<_> = items.into_iter().map(Result::unwrap).collect();
@@ -417,68 +470,91 @@ async fn refused_decisions_change_nothing() {
     let k = key();
     register(&bob, "bob-phone", &k).await.unwrap();
 
-    let assert_unchanged = |label: &'static str| {
+    // `challenges` are the challenge records as they were before the refused call.
+    let assert_unchanged = |label: &'static str, challenges: Vec<Item>| {
         let env = &env;
         let before = before.clone();
         async move {
             assert_eq!(env.approval_item("acme").await, before, "{label}: approval changed");
+            assert_eq!(env.challenges("acme").await, challenges, "{label}: a challenge changed");
             assert!(env.queued().await.is_empty(), "{label}: something was enqueued");
         }
     };
 
+    // Signed for a time the challenge did not exist yet, or far ahead of the server's clock.
+    let ttl = ApiConfig::default().challenge_ttl_ms;
+    for (label, at) in [("before the challenge", wall_ms() - ttl - 120_000), ("in the future", wall_ms() + 120_000)] {
+        let req = signed_decide_at(&bob, &k, "bob-phone", "merge 7", label, at).await;
+        let ch = env.challenges("acme").await;
+        assert_eq!(code(decide(&bob, &req).await), Code::FailedPrecondition, "{label}");
+        assert_unchanged(label, ch).await;
+    }
+
     // Bad signature: signed by another key.
     let mut req = signed_decide(&bob, &k, "bob-phone", "merge 7", "bad-sig").await;
     req.signature = key().sign(&SystemRandom::new(), b"something else").unwrap().as_ref().to_vec();
+    let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&bob, &req).await), Code::PermissionDenied);
-    assert_unchanged("bad signature").await;
+    assert_unchanged("bad signature", ch).await;
     // Signed approve, sent as deny.
     let mut req = signed_decide(&bob, &k, "bob-phone", "", "flip").await;
     req.decision = pa::Decision::Deny as i32;
+    let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&bob, &req).await), Code::PermissionDenied);
-    assert_unchanged("flipped decision").await;
+    assert_unchanged("flipped decision", ch).await;
 
     // Wrong confirmation phrase.
     let req = signed_decide(&bob, &k, "bob-phone", "merge 8", "confirm").await;
+    let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&bob, &req).await), Code::InvalidArgument);
-    assert_unchanged("confirmation").await;
+    assert_unchanged("confirmation", ch).await;
 
     // Reused challenge: a challenge already consumed (as by a concurrent decision) cannot pass again.
     let req = signed_decide(&bob, &k, "bob-phone", "merge 7", "reuse").await;
-    let cid = hex::encode(&req.challenge);
-    let item = env.db.get_item("acme", "challenge", &cid).await.unwrap().unwrap();
+    let item = env
+        .challenges("acme")
+        .await
+        .into_iter()
+        .find(|c| serde_json::from_slice::<Challenge>(&c.body).unwrap().value == req.challenge)
+        .expect("the challenge of the request is stored");
     let mut ch: serde_json::Value = serde_json::from_slice(&item.body).unwrap();
     ch["used"] = true.into();
     env.db.put_item(&Item { body: serde_json::to_vec(&ch).unwrap(), ..item.clone() }, Cond::Version(item.version)).await.unwrap();
+    let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&bob, &req).await), Code::FailedPrecondition);
-    assert_unchanged("reused challenge").await;
+    assert_unchanged("reused challenge", ch).await;
 
     // Self-approval: alice, on whose behalf the agent acts, has a valid device of her own.
     let alice = env.client("alice", "acme");
     let ka = key();
     register(&alice, "alice-phone", &ka).await.unwrap();
     let req = signed_decide(&alice, &ka, "alice-phone", "merge 7", "self").await;
+    let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&alice, &req).await), Code::PermissionDenied);
-    assert_unchanged("self approval").await;
+    assert_unchanged("self approval", ch).await;
 
     // Someone else's device.
     let req = signed_decide(&bob, &k, "bob-phone", "merge 7", "theft").await;
+    let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&env.client("carol", "acme"), &req).await), Code::PermissionDenied);
-    assert_unchanged("foreign device").await;
+    assert_unchanged("foreign device", ch).await;
 
     // Revoked device: the challenge is taken before the revocation, the decision after it.
     let req = signed_decide(&bob, &k, "bob-phone", "merge 7", "revoked").await;
     let rev = pd::RevokeDeviceRequest { device_id: "bob-phone".into(), idempotency_key: "rev".into() };
     bob.unary::<_, pd::RevokeDeviceResponse>("/loams.devices.v1.DeviceService/RevokeDevice", &rev).await.unwrap();
+    let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&bob, &req).await), Code::PermissionDenied);
-    assert_unchanged("revoked device").await;
+    assert_unchanged("revoked device", ch).await;
 
     // Expired: a fresh device, a valid signature, but the approval's 72 h are over.
     let k2 = key();
     register(&bob, "bob-phone-2", &k2).await.unwrap();
     let req = signed_decide(&bob, &k2, "bob-phone-2", "merge 7", "late").await;
     env.clock.advance(73 * 60 * 60 * 1000);
+    let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&bob, &req).await), Code::FailedPrecondition);
-    assert_unchanged("expired").await;
+    assert_unchanged("expired", ch).await;
     let shown: pa::GetApprovalResponse =
         bob.unary("/loams.approvals.v1.ApprovalService/GetApproval", &pa::GetApprovalRequest { approval_id: AP.into() }).await.unwrap();
     assert_eq!(shown.approval.unwrap().state, pa::ApprovalState::Expired as i32);
@@ -542,6 +618,13 @@ async fn glitchtip_webhook_opens_a_run_once() {
     }
     assert_eq!(env.webhook(HOOK_TOKEN, alert(43)).await.status(), 202);
     assert_eq!(env.opener.0.lock().unwrap().len(), 2);
+
+    // An issue link on any other origin than the configured GlitchTip's opens nothing.
+    for link in ["https://evil.example/acme/issues/44", "http://gt.example/acme/issues/44", "https://gt.example:444/acme/issues/44"] {
+        let body = serde_json::json!({"attachments": [{"title": "x", "title_link": link}]});
+        assert_eq!(env.webhook(HOOK_TOKEN, serde_json::to_vec(&body).unwrap()).await.status(), 400, "{link}");
+    }
+    assert_eq!(env.opener.0.lock().unwrap().len(), 2);
 }
 
 #[tokio::test]
@@ -571,4 +654,236 @@ async fn concurrent_decisions_over_one_challenge_settle_once() {
     let (ra, rb) = tokio::join!(decide(&bob, &a), decide(&bob, &b));
     assert_eq!(u8::from(ra.is_ok()) + u8::from(rb.is_ok()), 1, "exactly one decision passes: {ra:?} {rb:?}");
     assert_eq!(env.queued().await.len(), 1);
+}
+
+#[tokio::test]
+async fn each_procedure_needs_its_scope_and_a_refusal_changes_nothing() {
+    let env = start().await;
+    env.seed_run("acme", "waiting").await;
+    let before = env.seed_approval("acme").await;
+    let bob = env.client("bob", "acme");
+    let k = key();
+    register(&bob, "bob-phone", &k).await.unwrap();
+    let signed = signed_decide(&bob, &k, "bob-phone", "merge 7", "scoped").await;
+    let challenges = env.challenges("acme").await;
+
+    let get = pf::GetRunRequest { run_id: RUN.into() };
+    let kill = pf::KillRunRequest { run_id: RUN.into(), reason: "x".into(), idempotency_key: "k".into() };
+    let reg = pd::RegisterDeviceRequest {
+        device_id: "bob-tablet".into(),
+        public_key: key().public_key().as_ref().to_vec(),
+        name: "tablet".into(),
+        push_token: String::new(),
+        idempotency_key: "reg".into(),
+    };
+    let revoke = pd::RevokeDeviceRequest { device_id: "bob-phone".into(), idempotency_key: "rev".into() };
+
+    // A reader: reads pass, every write is refused.
+    let reader = env.client_with("bob", "acme", "runs:read approvals:read");
+    reader.unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get).await.unwrap();
+    reader.unary::<_, pa::ListApprovalsResponse>("/loams.approvals.v1.ApprovalService/ListApprovals", &pa::ListApprovalsRequest::default()).await.unwrap();
+    let denied = Code::PermissionDenied;
+    assert_eq!(code(reader.unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &kill).await), denied);
+    assert_eq!(code(reader.unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &reg).await), denied);
+    assert_eq!(code(reader.unary::<_, pd::RevokeDeviceResponse>("/loams.devices.v1.DeviceService/RevokeDevice", &revoke).await), denied);
+    assert_eq!(code(get_challenge(&reader, "bob-phone").await), denied);
+    assert_eq!(code(decide(&reader, &signed).await), denied);
+
+    // No scopes at all: reads are refused too, the watch before its snapshot.
+    let none = env.client_with("bob", "acme", "");
+    assert_eq!(code(none.unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get).await), denied);
+    let tl = pf::GetTimelineRequest { run_id: RUN.into(), after_seq: 0, page_size: 0 };
+    assert_eq!(code(none.unary::<_, pf::GetTimelineResponse>("/loams.factory.v1.FactoryService/GetTimeline", &tl).await), denied);
+    let ap = pa::GetApprovalRequest { approval_id: AP.into() };
+    assert_eq!(code(none.unary::<_, pa::GetApprovalResponse>("/loams.approvals.v1.ApprovalService/GetApproval", &ap).await), denied);
+    let mut watch = Box::pin(none.server_stream::<_, pf::WatchRunResponse>(
+        "/loams.factory.v1.FactoryService/WatchRun",
+        &pf::WatchRunRequest { run_id: RUN.into(), after_seq: 0 },
+    ));
+    assert_eq!(watch.next().await.unwrap().unwrap_err().code, denied);
+    // Scopes of other procedures do not stand in: a decider cannot kill, a killer cannot read.
+    let decider = env.client_with("bob", "acme", "approvals:decide devices:write");
+    assert_eq!(code(decider.unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &kill).await), denied);
+    let killer = env.client_with("bob", "acme", "runs:kill");
+    assert_eq!(code(killer.unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get).await), denied);
+
+    // Nothing changed: no kill switch, no device added or revoked, the approval and its challenge as they were.
+    assert!(env.db.get_item("acme", "kill", &format!("run:{RUN}")).await.unwrap().is_none());
+    assert!(env.db.get_item("acme", "device", "bob-tablet").await.unwrap().is_none());
+    let phone: loams_factory::approval::Device =
+        serde_json::from_slice(&env.db.get_item("acme", "device", "bob-phone").await.unwrap().unwrap().body).unwrap();
+    assert!(!phone.revoked);
+    assert_eq!(env.approval_item("acme").await, before);
+    assert_eq!(env.challenges("acme").await, challenges);
+    assert!(env.queued().await.is_empty());
+
+    // Each scope alone is enough for its procedure: the refused idempotency keys were not used up.
+    killer.unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &kill).await.unwrap();
+    decider.unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &reg).await.unwrap();
+    let done = decide(&env.client_with("bob", "acme", "approvals:decide"), &signed).await.unwrap();
+    assert_eq!(done.approval.unwrap().state, pa::ApprovalState::Approved as i32);
+}
+
+/// A store whose first conditional write of an approval loses to a write that lands just before it (another
+/// instance touching the same record), so the decision's conditional write meets a conflict.
+struct RaceOnApproval {
+    inner: Arc<Sqlite>,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait]
+impl Store for RaceOnApproval {
+    async fn create_run(&self, org: &str, id: &str, state: &str, snapshot: &[u8], first: &[u8], now: i64) -> loams_platform::Result<bool> {
+        self.inner.create_run(org, id, state, snapshot, first, now).await
+    }
+    async fn append(&self, org: &str, id: &str, v: u64, state: &str, snapshot: &[u8], events: &[Vec<u8>], now: i64) -> loams_platform::Result<u64> {
+        self.inner.append(org, id, v, state, snapshot, events, now).await
+    }
+    async fn get_run(&self, org: &str, id: &str) -> loams_platform::Result<Option<loams_platform::RunRow>> {
+        self.inner.get_run(org, id).await
+    }
+    async fn list_runs(&self, org: &str, state: Option<&str>, page: Page) -> loams_platform::Result<loams_platform::Paged<loams_platform::RunRow>> {
+        self.inner.list_runs(org, state, page).await
+    }
+    async fn events(&self, org: &str, id: &str, after: u64, limit: u32) -> loams_platform::Result<Vec<loams_platform::EventRow>> {
+        self.inner.events(org, id, after, limit).await
+    }
+    async fn get_item(&self, org: &str, kind: &str, id: &str) -> loams_platform::Result<Option<Item>> {
+        self.inner.get_item(org, kind, id).await
+    }
+    async fn put_item(&self, item: &Item, cond: Cond) -> loams_platform::Result<u64> {
+        if item.kind == "approval"
+            && matches!(cond, Cond::Version(_))
+            && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            let current = self.inner.get_item(&item.org, &item.kind, &item.id).await?.unwrap();
+            self.inner.put_item(&current, Cond::Any).await?;
+        }
+        self.inner.put_item(item, cond).await
+    }
+    async fn delete_item(&self, org: &str, kind: &str, id: &str) -> loams_platform::Result<()> {
+        self.inner.delete_item(org, kind, id).await
+    }
+    async fn list_items(&self, org: &str, kind: &str, index: Option<&str>, page: Page) -> loams_platform::Result<loams_platform::Paged<Item>> {
+        self.inner.list_items(org, kind, index, page).await
+    }
+    async fn claim(&self, org: &str, key: &str, now: i64, lease: u64) -> loams_platform::Result<loams_platform::Claim> {
+        self.inner.claim(org, key, now, lease).await
+    }
+    async fn finish(&self, org: &str, key: &str, result: &[u8], now: i64) -> loams_platform::Result<()> {
+        self.inner.finish(org, key, result, now).await
+    }
+    async fn release(&self, org: &str, key: &str) -> loams_platform::Result<()> {
+        self.inner.release(org, key).await
+    }
+}
+
+#[tokio::test]
+async fn a_decision_that_loses_its_write_changes_nothing_and_can_be_sent_again() {
+    let wrap: WrapStore =
+        |inner| Arc::new(RaceOnApproval { inner, armed: std::sync::atomic::AtomicBool::new(true) });
+    let env = start_with(ApiConfig { watch_poll_ms: 20, ..ApiConfig::default() }, Some(wrap)).await;
+    env.seed_run("acme", "waiting").await;
+    let before = env.seed_approval("acme").await;
+    let bob = env.client("bob", "acme");
+    let k = key();
+    register(&bob, "bob-phone", &k).await.unwrap();
+    let req = signed_decide(&bob, &k, "bob-phone", "merge 7", "lost").await;
+    let challenges = env.challenges("acme").await;
+    assert_eq!(challenges.len(), 1);
+
+    // The approval is still pending after the other write, so the caller is told to retry.
+    assert_eq!(code(decide(&bob, &req).await), Code::Aborted);
+    assert_eq!(env.approval_item("acme").await.body, before.body, "the approval must still be pending");
+    assert_eq!(env.challenges("acme").await, challenges, "the challenge must not be burnt");
+    assert!(env.queued().await.is_empty());
+
+    // The very same request (same key, same challenge) then passes, and uses the challenge up.
+    let done = decide(&bob, &req).await.unwrap();
+    assert_eq!(done.approval.unwrap().state, pa::ApprovalState::Approved as i32);
+    let used: Challenge = serde_json::from_slice(&env.challenges("acme").await[0].body).unwrap();
+    assert!(used.used);
+    assert_eq!(env.queued().await.len(), 1);
+}
+
+#[tokio::test]
+async fn a_user_has_a_bounded_number_of_devices_and_challenges() {
+    let env = start().await;
+    env.seed_run("acme", "waiting").await;
+    env.seed_approval("acme").await;
+    let bob = env.client("bob", "acme");
+    let keys: Vec<_> = (0..=loams_api::MAX_ACTIVE_DEVICES).map(|_| key()).collect();
+    for (i, k) in keys.iter().enumerate().take(loams_api::MAX_ACTIVE_DEVICES) {
+        register(&bob, &format!("bob-{i}"), k).await.unwrap();
+    }
+    let extra = format!("bob-{}", loams_api::MAX_ACTIVE_DEVICES);
+    assert_eq!(code(register(&bob, &extra, &keys[loams_api::MAX_ACTIVE_DEVICES]).await), Code::FailedPrecondition);
+    assert!(env.db.get_item("acme", "device", &extra).await.unwrap().is_none());
+    // Another user is not affected; a revoked device frees a place.
+    register(&env.client("carol", "acme"), "carol-0", &key()).await.unwrap();
+    let rev = pd::RevokeDeviceRequest { device_id: "bob-0".into(), idempotency_key: "rev-0".into() };
+    bob.unary::<_, pd::RevokeDeviceResponse>("/loams.devices.v1.DeviceService/RevokeDevice", &rev).await.unwrap();
+    let again = pd::RegisterDeviceRequest {
+        device_id: extra.clone(),
+        public_key: keys[loams_api::MAX_ACTIVE_DEVICES].public_key().as_ref().to_vec(),
+        name: "phone".into(),
+        push_token: String::new(),
+        idempotency_key: "after-revoke".into(),
+    };
+    bob.unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &again).await.unwrap();
+
+    // One challenge per approval and device: asking again, even all at once, returns the same one.
+    let first = get_challenge(&bob, "bob-1").await.unwrap();
+    let (a, b, c) = tokio::join!(get_challenge(&bob, "bob-1"), get_challenge(&bob, "bob-1"), get_challenge(&bob, "bob-1"));
+    for again in [a, b, c] {
+        assert_eq!(again.unwrap(), first);
+    }
+    assert_eq!(env.challenges("acme").await.len(), 1);
+    get_challenge(&bob, "bob-2").await.unwrap();
+    assert_eq!(env.challenges("acme").await.len(), 2);
+    // With less than half its life left it is replaced, not joined by a second one.
+    env.clock.advance(u64::try_from(ApiConfig::default().challenge_ttl_ms / 2 + 1).unwrap());
+    let fresh = get_challenge(&bob, "bob-1").await.unwrap();
+    assert_ne!(fresh.challenge, first.challenge);
+    assert!(fresh.expires_at_ms > first.expires_at_ms);
+    assert_eq!(env.challenges("acme").await.len(), 2);
+}
+
+#[tokio::test]
+async fn watch_sends_heartbeats_ends_after_its_lifetime_and_resumes() {
+    let config = ApiConfig { watch_poll_ms: 20, watch_heartbeat_ms: 100, watch_max_ms: 600, ..ApiConfig::default() };
+    let env = start_with(config, None).await;
+    env.seed_run("acme", "waiting").await;
+    let c = env.client("alice", "acme");
+    let started = std::time::Instant::now();
+    let stream = c.server_stream::<_, pf::WatchRunResponse>(
+        "/loams.factory.v1.FactoryService/WatchRun",
+        &pf::WatchRunRequest { run_id: RUN.into(), after_seq: 0 },
+    );
+    // The run never finishes, so only the lifetime ends this stream.
+    let items: Vec<_> = tokio::time::timeout(std::time::Duration::from_secs(10), stream.collect::<Vec<_>>()).await.unwrap();
+    assert!(started.elapsed() >= std::time::Duration::from_millis(600));
+    let items: Vec<_> = items.into_iter().map(Result::unwrap).collect();
+    use pf::watch_run_response::Item as W;
+    assert!(matches!(&items[0].item, Some(W::Snapshot(_))));
+    assert!(matches!(&items[1].item, Some(W::Event(e)) if e.seq == 1));
+    let beats: Vec<i64> =
+        items[2..].iter().map(|i| match &i.item { Some(W::Heartbeat(h)) => h.at_ms, other => panic!("{other:?}") }).collect();
+    // A heartbeat per quiet 100 ms of a 600 ms life: at least one, never more than six.
+    assert!((1..=6).contains(&beats.len()), "{beats:?}");
+    assert!(beats.iter().all(|&at| at == env.clock.now_ms()), "heartbeats carry the server time");
+
+    // The client resumes from the last seq it saw and gets only what came after.
+    let ev = serde_json::to_vec(&serde_json::json!({"type": "run_killed", "at_ms": 9, "stage": "review"})).unwrap();
+    let (snapshot, _) = run_snapshot("acme");
+    env.db.append("acme", RUN, 1, "killed", &snapshot, &[ev], 2).await.unwrap();
+    let resumed = c.server_stream::<_, pf::WatchRunResponse>(
+        "/loams.factory.v1.FactoryService/WatchRun",
+        &pf::WatchRunRequest { run_id: RUN.into(), after_seq: 1 },
+    );
+    let items: Vec<_> = tokio::time::timeout(std::time::Duration::from_secs(10), resumed.collect::<Vec<_>>()).await.unwrap();
+    let items: Vec<_> = items.into_iter().map(Result::unwrap).collect();
+    assert!(matches!(&items[0].item, Some(W::Snapshot(r)) if r.state == "killed"));
+    assert_eq!(items.len(), 2);
+    assert!(matches!(&items[1].item, Some(W::Event(e)) if e.seq == 2 && e.r#type == "run_killed"));
 }

@@ -1,12 +1,14 @@
 //! Approval rules (DESIGN.md section 7) as pure functions.
 //!
-//! The records here are what the store keeps (item kinds `approval`, `device`, `challenge`); the API loads them,
-//! computes the canonical decision bytes with `loams_proto::canonical_decision_bytes` (the proto crate owns that
-//! encoding so phone and server cannot drift) and asks [`check_decision`] whether a decision may be accepted.
+//! The records here are what the store keeps (item kinds `approval`, `device`, `challenge`); the API loads them and
+//! asks [`check_decision`] whether a decision may be accepted. The bytes the signature is checked over are computed
+//! here from the approval's own record with `loams_proto::canonical_decision_bytes` (the proto crate owns that
+//! encoding so phone and server cannot drift), never taken from a caller.
 //! Nothing here performs I/O or reads a clock: `now_ms` is always passed in.
 
 use aws_lc_rs::constant_time;
 use aws_lc_rs::signature::{ECDSA_P256_SHA256_ASN1, ParsedPublicKey, UnparsedPublicKey};
+use loams_proto::approvals::v1::Decision;
 use serde::{Deserialize, Serialize};
 
 /// How long an approval stays decidable after it is created (72 h).
@@ -167,23 +169,39 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     constant_time::verify_slices_are_equal(a, b).is_ok()
 }
 
-/// Decides whether `request` may settle `approval`. `canonical_bytes` are the bytes the phone signed, computed by the
-/// caller from `request` with `loams_proto::canonical_decision_bytes`. Returns the first rule broken; on `Ok` the
-/// caller marks the challenge used and stores [`settle`]'s result.
+/// The bytes a phone signs for `request` about `approval`: the approval's id and stored action hash (so a signature
+/// is only ever good for the action the record says it allows), the decision, device, challenge and signing time.
+pub fn decision_bytes(approval: &Approval, request: &DecisionRequest) -> Result<Vec<u8>, Refusal> {
+    let hash = hex_decode(&approval.action_hash).ok_or(Refusal::ActionHashMismatch)?;
+    let decision = if request.approve { Decision::Approve } else { Decision::Deny };
+    Ok(loams_proto::canonical_decision_bytes(
+        &approval.id,
+        &hash,
+        decision,
+        &request.device_id,
+        &request.challenge,
+        request.decided_at_ms,
+    ))
+}
+
+fn hex_decode(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len()).step_by(2).map(|i| text.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok())).collect()
+}
+
+/// Decides whether `request` may settle `approval`. The signature is verified over [`decision_bytes`], computed here.
+/// Returns the first rule broken; on `Ok` the caller marks the challenge used and stores [`settle`]'s result.
 pub fn check_decision(
     approval: &Approval,
     device: &Device,
     challenge: &Challenge,
     request: &DecisionRequest,
-    canonical_bytes: &[u8],
     now_ms: i64,
 ) -> Result<(), Refusal> {
     if approval.state != ApprovalState::Pending {
-        return Err(if approval.state == ApprovalState::Expired {
-            Refusal::Expired
-        } else {
-            Refusal::AlreadyDecided
-        });
+        return Err(if approval.state == ApprovalState::Expired { Refusal::Expired } else { Refusal::AlreadyDecided });
     }
     if now_ms >= approval.expires_at_ms {
         return Err(Refusal::Expired);
@@ -224,7 +242,7 @@ pub fn check_decision(
     {
         return Err(Refusal::ConfirmationMismatch);
     }
-    verify_signature(&device.public_key, canonical_bytes, &request.signature)
+    verify_signature(&device.public_key, &decision_bytes(approval, request)?, &request.signature)
 }
 
 /// ECDSA P-256 SHA-256 with a DER signature over `message`, against a 65-byte uncompressed point.
@@ -275,11 +293,14 @@ mod tests {
         key: EcdsaKeyPair,
     }
 
-    // The real encoding lives in loams-proto; any deterministic bytes over the request serve these rule tests.
-    fn bytes(r: &DecisionRequest) -> Vec<u8> {
-        let mut b = format!("{}|{}|{}|{}|", r.approval_id, r.approve, r.device_id, r.decided_at_ms).into_bytes();
-        b.extend_from_slice(&r.challenge);
-        b
+    /// What a phone signs, computed the way the phones do (the proto crate's encoding over the shown approval).
+    fn bytes(a: &Approval, r: &DecisionRequest) -> Vec<u8> {
+        let hash: Vec<u8> = (0..a.action_hash.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&a.action_hash[i..i + 2], 16).unwrap())
+            .collect();
+        let d = if r.approve { Decision::Approve } else { Decision::Deny };
+        loams_proto::canonical_decision_bytes(&a.id, &hash, d, &r.device_id, &r.challenge, r.decided_at_ms)
     }
 
     fn key() -> EcdsaKeyPair {
@@ -288,8 +309,8 @@ mod tests {
         EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, pkcs8.as_ref()).unwrap()
     }
 
-    fn sign(key: &EcdsaKeyPair, r: &mut DecisionRequest) {
-        let sig = key.sign(&SystemRandom::new(), &bytes(r)).unwrap();
+    fn sign(key: &EcdsaKeyPair, a: &Approval, r: &mut DecisionRequest) {
+        let sig = key.sign(&SystemRandom::new(), &bytes(a, r)).unwrap();
         r.signature = sig.as_ref().to_vec();
     }
 
@@ -344,12 +365,12 @@ mod tests {
             confirmation: Some("merge 7".into()),
             signature: vec![],
         };
-        sign(&key, &mut request);
+        sign(&key, &approval, &mut request);
         Fixture { approval, device, challenge, request, key }
     }
 
     fn check(f: &Fixture) -> Result<(), Refusal> {
-        check_decision(&f.approval, &f.device, &f.challenge, &f.request, &bytes(&f.request), NOW)
+        check_decision(&f.approval, &f.device, &f.challenge, &f.request, NOW)
     }
 
     #[test]
@@ -370,7 +391,7 @@ mod tests {
         let mut f = fixture();
         f.request.approve = false;
         f.request.confirmation = None;
-        sign(&f.key, &mut f.request);
+        sign(&f.key, &f.approval, &mut f.request);
         assert_eq!(check(&f), Ok(()));
         assert_eq!(settle(&f.approval, &f.device, &f.request).state, ApprovalState::Denied);
     }
@@ -381,15 +402,26 @@ mod tests {
         // Signed bytes differ from the verified bytes: the phone signed "deny" but the request says approve.
         let mut other = f.request.clone();
         other.approve = false;
-        sign(&f.key, &mut other);
+        sign(&f.key, &f.approval, &mut other);
         f.request.signature = other.signature;
         assert_eq!(check(&f), Err(Refusal::BadSignature));
         f.request.signature = vec![1, 2, 3];
         assert_eq!(check(&f), Err(Refusal::BadSignature));
         // A signature by another key.
         let mut g = fixture();
-        sign(&key(), &mut g.request);
+        sign(&key(), &g.approval, &mut g.request);
         assert_eq!(check(&g), Err(Refusal::BadSignature));
+        // Signed for another action (the phone was shown a different hash) or another approval: the bytes are
+        // computed from this record, so neither signature covers it.
+        let mut h = fixture();
+        let mut shown = h.approval.clone();
+        shown.action_hash = "aa".repeat(32);
+        sign(&h.key, &shown, &mut h.request);
+        assert_eq!(check(&h), Err(Refusal::BadSignature));
+        shown = h.approval.clone();
+        shown.id = "ap-2".into();
+        sign(&h.key, &shown, &mut h.request);
+        assert_eq!(check(&h), Err(Refusal::BadSignature));
     }
 
     #[test]
@@ -438,10 +470,7 @@ mod tests {
         let late = f.approval.expires_at_ms;
         let mut c = f.challenge.clone();
         c.expires_at_ms = late + 1;
-        assert_eq!(
-            check_decision(&f.approval, &f.device, &c, &f.request, &bytes(&f.request), late),
-            Err(Refusal::Expired)
-        );
+        assert_eq!(check_decision(&f.approval, &f.device, &c, &f.request, late), Err(Refusal::Expired));
         assert_eq!(f.approval.effective_state(late), ApprovalState::Expired);
         assert_eq!(f.approval.effective_state(late - 1), ApprovalState::Pending);
         let mut f = fixture();
@@ -464,7 +493,7 @@ mod tests {
     fn challenge_mismatch() {
         let mut f = fixture();
         f.request.challenge = b"nonce-2".to_vec();
-        sign(&f.key, &mut f.request);
+        sign(&f.key, &f.approval, &mut f.request);
         assert_eq!(check(&f), Err(Refusal::ChallengeMismatch));
         let mut f = fixture();
         f.challenge.approval_id = "ap-2".into();

@@ -6,15 +6,15 @@ use crate::approval::APPROVAL_TTL_MS;
 use crate::ci::parse_ci_log;
 use crate::effect::{ApprovalRequest, Effect};
 use crate::event::{Event, FinishStep, FollowUp, ObserveVerdict, Reason, WaitKind};
-use crate::ids::{action_hash, run_id, sha256_hex};
+use crate::ids::{action_hash, run_id, run_id_after, sha256_hex, valid_run_id};
 use crate::input::{Input, Outcome};
-use crate::patch::{FileContent, parse_patch, render_files};
+use crate::patch::{FileContent, check_scope, parse_patch, render_files};
 use crate::policy::{Risk, Verdict, risk_of};
 use crate::prompts::{approval_summary, tail};
 use crate::review::{audit_verdict, lead_approves};
 use crate::run::{Cursor, Run, RunState, gated_action};
 use crate::{Ctx, MAX_FEEDBACK, MAX_FILE_BYTES, MAX_FILES, MAX_ID, MAX_MODEL_TEXT, MAX_STEP_RETRIES, MAX_TITLE};
-use crate::{Rejection, Signal};
+use crate::{LastRunStatus, Rejection, Signal};
 
 /// The principal that requests the factory's approvals.
 pub const REQUESTER: &str = "agent:loams-factory";
@@ -57,9 +57,18 @@ fn check_signal(s: &Signal) -> Result<(), Rejection> {
     Ok(())
 }
 
-/// Opens a run for a signal: the first event of its log. Refused while the fingerprint is in cooldown (only a first
-/// generation: a follow-up belongs to the same lineage), above the generation cap, or when a kill switch covers it.
-/// Opening the same signal again yields the same run id and event; the store's create-if-absent makes it a no-op.
+/// Opens a run for a signal: the first event of its log.
+///
+/// The id depends on the lineage (see [`run_id_after`]). A follow-up generation belongs to its parent's lineage: its
+/// id follows the parent and no cooldown applies. A first generation looks at the fingerprint's last run:
+/// - none: the fingerprint's first run ([`crate::run_id`]);
+/// - still open ([`LastRunStatus::Open`]), or, with the state unknown, opened less than `cooldown_ms` ago: the alert
+///   repeats what that run is already handling, so the answer is that run's id and the store's create-if-absent makes
+///   opening a no-op (the returned record is what this signal would have opened; the stored one stays);
+/// - ended less than `cooldown_ms` ago: refused with [`Rejection::Cooldown`], so a fresh fix is given time to show;
+/// - otherwise: a new lineage whose id follows the last run.
+///
+/// Also refused above the generation cap or when a kill switch covers it.
 pub fn open(signal: Signal, ctx: &Ctx) -> Result<(Run, Event), Rejection> {
     if !valid_org(&ctx.org) {
         return Err(Rejection::InvalidSignal(format!("invalid org {:?}", ctx.org)));
@@ -69,21 +78,12 @@ pub fn open(signal: Signal, ctx: &Ctx) -> Result<(Run, Event), Rejection> {
     if signal.generation > cap {
         return Err(Rejection::GenerationCap { generation: signal.generation, cap });
     }
-    let id = run_id(&ctx.org, &signal.fingerprint, signal.generation);
+    let id = lineage_id(&signal, ctx)?;
     if ctx.kill.org {
         return Err(Rejection::Killed("organisation".into()));
     }
     if ctx.kill.runs.contains(&id) {
         return Err(Rejection::Killed(format!("run {id}")));
-    }
-    if signal.generation == 1
-        && let Some(last) = &ctx.last_run
-        && last.run_id != id
-    {
-        let until_ms = last.at_ms.saturating_add(i64::try_from(ctx.config.cooldown_ms).unwrap_or(i64::MAX));
-        if ctx.now_ms < until_ms {
-            return Err(Rejection::Cooldown { until_ms });
-        }
     }
     let event = Event::Opened {
         id,
@@ -96,6 +96,33 @@ pub fn open(signal: Signal, ctx: &Ctx) -> Result<(Run, Event), Rejection> {
     };
     let run = Run::from_events(std::slice::from_ref(&event))?;
     Ok((run, event))
+}
+
+/// The run id a signal opens, or the cooldown refusal; see [`open`].
+fn lineage_id(signal: &Signal, ctx: &Ctx) -> Result<String, Rejection> {
+    let (org, fingerprint) = (ctx.org.as_str(), signal.fingerprint.as_str());
+    if signal.generation > 1 {
+        return Ok(run_id_after(org, fingerprint, signal.generation, signal.parent_run.as_deref()));
+    }
+    let Some(last) = &ctx.last_run else {
+        return Ok(run_id(org, fingerprint, 1));
+    };
+    if !valid_run_id(&last.run_id) {
+        return Err(Rejection::InvalidInput(format!("the fingerprint's last run {:?} is not a run id", last.run_id)));
+    }
+    let cooldown = i64::try_from(ctx.config.cooldown_ms).unwrap_or(i64::MAX);
+    let same = match ctx.last_run_status {
+        LastRunStatus::Open => true,
+        LastRunStatus::Unknown => ctx.now_ms < last.at_ms.saturating_add(cooldown),
+        LastRunStatus::Ended { at_ms } => {
+            let until_ms = at_ms.saturating_add(cooldown);
+            if ctx.now_ms < until_ms {
+                return Err(Rejection::Cooldown { until_ms });
+            }
+            false
+        }
+    };
+    Ok(if same { last.run_id.clone() } else { run_id_after(org, fingerprint, 1, Some(&last.run_id)) })
 }
 
 fn check_input(run: &Run, input: &Input, ctx: &Ctx) -> Result<(), Rejection> {
@@ -150,7 +177,9 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
             ev
         }
         Input::ApprovalSettled { approval_id, approved, by } => {
-            let Some(gate) = &run.gate else { return Ok(Vec::new()) };
+            let Some(gate) = &run.gate else {
+                return Ok(Vec::new());
+            };
             if &gate.request.id != approval_id && gate.approval_id.as_ref() != Some(approval_id) {
                 return Ok(Vec::new());
             }
@@ -160,12 +189,18 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
                 by: by.clone(),
             }];
             if !approved {
-                ev.push(gate_refused(run, Reason::ApprovalDenied, format!("{} denied by {by}", gate.request.action.skill)));
+                ev.push(gate_refused(
+                    run,
+                    Reason::ApprovalDenied,
+                    format!("{} denied by {by}", gate.request.action.skill),
+                ));
             }
             ev
         }
         Input::TimerFired { timer_id } => {
-            let Some(wait) = run.wait.as_ref().filter(|w| &w.timer_id == timer_id) else { return Ok(Vec::new()) };
+            let Some(wait) = run.wait.as_ref().filter(|w| &w.timer_id == timer_id) else {
+                return Ok(Vec::new());
+            };
             let mut ev = vec![Event::TimerFired { timer_id: timer_id.clone() }];
             match wait.kind {
                 WaitKind::Triage => {
@@ -277,8 +312,11 @@ fn number(v: &Value, key: &str) -> Result<u64, String> {
 }
 
 fn attempt_failed(run: &Run, reason: &str, feedback: &str) -> Vec<Event> {
-    let mut ev =
-        vec![Event::AttemptFailed { attempt: run.attempt, reason: reason.into(), feedback: tail(feedback, MAX_FEEDBACK) }];
+    let mut ev = vec![Event::AttemptFailed {
+        attempt: run.attempt,
+        reason: reason.into(),
+        feedback: tail(feedback, MAX_FEEDBACK),
+    }];
     if run.attempt >= run.config.max_attempts {
         ev.push(abandon(
             RunState::Failed,
@@ -299,8 +337,19 @@ fn previous_attempt(run: &Run) -> Option<&crate::run::AttemptRecord> {
 fn model_result(run: &Run, answer: &str) -> Vec<Event> {
     match run.cursor {
         Cursor::ProposeFix => match parse_patch(answer) {
-            Err(e) => attempt_failed(run, &format!("no usable patch: {e}"), &format!("Your answer was not usable: {e}")),
+            Err(e) => {
+                attempt_failed(run, &format!("no usable patch: {e}"), &format!("Your answer was not usable: {e}"))
+            }
             Ok(files) => {
+                // A file outside the configured targets (or any CI file) never reaches forgejo.
+                if let Err(e) = check_scope(&files, &run.config.target_files) {
+                    let allowed = run.config.target_files.join(", ");
+                    return attempt_failed(
+                        run,
+                        &format!("patch refused: {e}"),
+                        &format!("Your patch was refused: {e}. Change only these files: {allowed}."),
+                    );
+                }
                 let patch_hash = sha256_hex(render_files(&files).as_bytes());
                 if previous_attempt(run).and_then(|a| a.patch_hash.as_ref()) == Some(&patch_hash) {
                     return vec![abandon(
@@ -378,11 +427,9 @@ fn call_result(run: &Run, v: &Value, ctx: &Ctx) -> Result<Vec<Event>, String> {
         }
         Cursor::ReadFiles => vec![Event::FilesRead { files: read_files(v)? }],
         Cursor::CommitPatch => vec![Event::Committed { sha: text(v, "sha")? }],
-        Cursor::OpenPr => vec![Event::PrOpened {
-            number: number(v, "number")?,
-            url: text(v, "url")?,
-            head_sha: text(v, "head_sha")?,
-        }],
+        Cursor::OpenPr => {
+            vec![Event::PrOpened { number: number(v, "number")?, url: text(v, "url")?, head_sha: text(v, "head_sha")? }]
+        }
         Cursor::CiStatus => ci_result(run, v)?,
         Cursor::Merge => vec![Event::Merged { merge_sha: text(v, "merge_sha")?, at_ms: ctx.now_ms }],
         Cursor::IssueEvents => {
@@ -394,11 +441,7 @@ fn call_result(run: &Run, v: &Value, ctx: &Ctx) -> Result<Vec<Event>, String> {
         }
         Cursor::Series => {
             let total = number(v, "total")?;
-            let verdict = match run.observation.count {
-                Some(0) => ObserveVerdict::Resolved,
-                Some(n) if n > run.config.regression_threshold => ObserveVerdict::Regressed,
-                _ => ObserveVerdict::Inconclusive,
-            };
+            let verdict = observe_verdict(run.observation.count, total, run.config.regression_threshold);
             vec![Event::SeriesRead { total }, Event::VerdictReached { verdict, by: None }]
         }
         Cursor::Finishing => {
@@ -415,6 +458,20 @@ fn call_result(run: &Run, v: &Value, ctx: &Ctx) -> Result<Vec<Event>, String> {
         }
         other => return Err(format!("no call expected at {other:?}")),
     })
+}
+
+/// The verdict of an observe window from GlitchTip's error events since the merge (`None` for a signal without a
+/// GlitchTip issue) and the analytics error total since the merge. Either source above the threshold is a
+/// regression; resolved needs both silent; a quiet GlitchTip with analytics still counting errors (or a count at or
+/// below the threshold) is inconclusive and extends the window.
+fn observe_verdict(errors: Option<u64>, analytics_total: u64, threshold: u64) -> ObserveVerdict {
+    if errors.is_some_and(|n| n > threshold) || analytics_total > threshold {
+        ObserveVerdict::Regressed
+    } else if errors.unwrap_or(0) == 0 && analytics_total == 0 {
+        ObserveVerdict::Resolved
+    } else {
+        ObserveVerdict::Inconclusive
+    }
 }
 
 fn ci_result(run: &Run, v: &Value) -> Result<Vec<Event>, String> {
@@ -442,13 +499,19 @@ fn ci_result(run: &Run, v: &Value) -> Result<Vec<Event>, String> {
                     .find(|a| a.ci.as_ref().is_some_and(|c| c.passing.contains(check)))
                     .map(|a| (check.clone(), a.attempt))
             });
-            let same_failure = previous_attempt(run)
-                .is_some_and(|a| a.ci_passed == Some(false) && a.ci.as_ref().is_some_and(|c| c.signature == report.signature));
+            let same_failure = previous_attempt(run).is_some_and(|a| {
+                a.ci_passed == Some(false) && a.ci.as_ref().is_some_and(|c| c.signature == report.signature)
+            });
             if same_failure {
                 ev.push(abandon(
                     RunState::Failed,
                     Reason::NoProgress,
-                    format!("CI failed the same way in attempts {} and {} ({})", run.attempt - 1, run.attempt, report.signature),
+                    format!(
+                        "CI failed the same way in attempts {} and {} ({})",
+                        run.attempt - 1,
+                        run.attempt,
+                        report.signature
+                    ),
                 ));
             } else if let Some((check, passed_in)) = oscillating {
                 ev.push(abandon(
@@ -474,7 +537,9 @@ fn guard(run: &Run, mut events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
     // Each guard event moves the run on (an ending, a gate, a timer, a skipped step); a run has at most a handful of
     // finishing steps, so the bound is never reached in practice.
     for _ in 0..16 {
-        let Some(e) = guard_once(&next, ctx) else { break };
+        let Some(e) = guard_once(&next, ctx) else {
+            break;
+        };
         next.apply(&e);
         events.push(e);
     }
@@ -546,12 +611,14 @@ fn guard_once(run: &Run, ctx: &Ctx) -> Option<Event> {
 }
 
 fn approval_request(run: &Run, call: &Effect, risk: Risk, ctx: &Ctx) -> Option<ApprovalRequest> {
-    let action = gated_action(call)?;
+    let action = gated_action(run, call)?;
     let skill = action.skill.clone();
     let confirmation_phrase = (risk == Risk::Destructive).then(|| match (skill.as_str(), run.links.pr_number) {
         ("merge", Some(n)) => format!("merge #{n}"),
         ("close_pr", Some(n)) => format!("close #{n}"),
-        ("revert", _) => format!("revert {}", run.links.deploy_ref.as_deref().unwrap_or("").chars().take(7).collect::<String>()),
+        ("revert", _) => {
+            format!("revert {}", run.links.deploy_ref.as_deref().unwrap_or("").chars().take(7).collect::<String>())
+        }
         _ => skill.clone(),
     });
     Some(ApprovalRequest {
@@ -572,16 +639,35 @@ fn approval_request(run: &Run, call: &Effect, risk: Risk, ctx: &Ctx) -> Option<A
 
 fn ended(run: &Run) -> Event {
     let (state, reason) = run.ending.as_ref().map_or((RunState::Failed, None), |e| (e.state, e.reason));
-    let follow_up = (state == RunState::Failed
-        && reason == Some(Reason::Regressed)
-        && run.generation < run.config.max_generations)
-        .then(|| {
-            let generation = run.generation + 1;
-            FollowUp {
-                generation,
-                parent_run: run.id.clone(),
-                signal: Signal { generation, parent_run: Some(run.id.clone()), ..run.signal.clone() },
-            }
-        });
+    let follow_up =
+        (state == RunState::Failed && reason == Some(Reason::Regressed) && run.generation < run.config.max_generations)
+            .then(|| {
+                let generation = run.generation + 1;
+                FollowUp {
+                    generation,
+                    parent_run: run.id.clone(),
+                    signal: Signal { generation, parent_run: Some(run.id.clone()), ..run.signal.clone() },
+                }
+            });
     Event::Ended { state, reason, verdict: run.verdict, follow_up }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdict_reads_both_series() {
+        use ObserveVerdict::*;
+        let t = 5;
+        assert_eq!(observe_verdict(Some(0), 0, t), Resolved);
+        assert_eq!(observe_verdict(None, 0, t), Resolved, "no GlitchTip issue: analytics alone decide");
+        assert_eq!(observe_verdict(Some(6), 0, t), Regressed);
+        assert_eq!(observe_verdict(Some(0), 6, t), Regressed, "analytics above the threshold regress on their own");
+        assert_eq!(observe_verdict(None, 6, t), Regressed);
+        assert_eq!(observe_verdict(Some(0), 3, t), Inconclusive, "GlitchTip quiet but analytics still count errors");
+        assert_eq!(observe_verdict(Some(5), 0, t), Inconclusive);
+        assert_eq!(observe_verdict(Some(2), 5, t), Inconclusive);
+        assert_eq!(observe_verdict(None, 1, t), Inconclusive);
+    }
 }

@@ -9,10 +9,29 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     d.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// `r-` + the first 16 hex characters of SHA-256(`org \n fingerprint \n generation`).
+/// The id of the first run a fingerprint ever gets: `r-` + the first 16 hex characters of
+/// SHA-256(`org \n fingerprint \n generation`).
 pub fn run_id(org: &str, fingerprint: &str, generation: u32) -> String {
-    let h = sha256_hex(format!("{org}\n{fingerprint}\n{generation}").as_bytes());
+    run_id_after(org, fingerprint, generation, None)
+}
+
+/// The id of a run that follows `after`: its parent for a follow-up generation, or the fingerprint's previous run
+/// for a new lineage. `\n after` joins the hashed text, so each lineage and each generation of it gets its own id
+/// while two workers opening the same lineage at once still derive the same one (create-if-absent keeps one).
+pub fn run_id_after(org: &str, fingerprint: &str, generation: u32, after: Option<&str>) -> String {
+    let mut text = format!("{org}\n{fingerprint}\n{generation}");
+    if let Some(after) = after {
+        text.push('\n');
+        text.push_str(after);
+    }
+    let h = sha256_hex(text.as_bytes());
     format!("r-{}", &h[..16])
+}
+
+/// `r-` and 16 lowercase hex digits: the only shape of a run id.
+pub(crate) fn valid_run_id(id: &str) -> bool {
+    id.strip_prefix("r-")
+        .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
 }
 
 /// `<run>:<stage>:<attempt>:<action>`, the A2A messageId and idempotency key of one effect.
@@ -81,6 +100,12 @@ mod tests {
         assert_ne!(a, run_id("acme", "fp-1", 2));
         assert_ne!(a, run_id("other", "fp-1", 1));
         assert_eq!(&a[2..], &sha256_hex(b"acme\nfp-1\n1")[..16]);
+        let b = run_id_after("acme", "fp-1", 1, Some(&a));
+        assert_eq!(&b[2..], &sha256_hex(format!("acme\nfp-1\n1\n{a}").as_bytes())[..16]);
+        assert_ne!(b, a);
+        assert_ne!(run_id_after("acme", "fp-1", 1, Some(&b)), b);
+        assert!(valid_run_id(&a) && valid_run_id(&b));
+        assert!(!valid_run_id("r-0123") && !valid_run_id("r-0123456789ABCDEF") && !valid_run_id("x-0123456789abcdef"));
     }
 
     #[test]

@@ -17,24 +17,24 @@ mod engine;
 mod event;
 mod ids;
 mod input;
+mod patch;
 mod policy;
 mod prompts;
 mod review;
 mod run;
-mod patch;
 
 pub use ci::{CiReport, parse_ci_log};
-pub use patch::{FileContent, PatchError, parse_patch, render_files};
 pub use effect::{ApprovalRequest, ChatMessage, Effect};
 pub use engine::{REQUESTER, decide, open};
 pub use event::{Event, FinishStep, FollowUp, ObserveVerdict, Reason, WaitKind};
-pub use ids::{action_hash, run_id, step_id};
+pub use ids::{action_hash, run_id, run_id_after, step_id};
 pub use input::{Envelope, Input, Outcome};
+pub use patch::{FileContent, PatchError, check_scope, parse_patch, render_files};
 pub use policy::{Policy, Risk, Rule, Verdict, risk_of};
 pub use review::{AUDIT_APPROVAL, Finding, LEAD_APPROVAL, Severity, audit_verdict, lead_approves};
 pub use run::{
-    ApprovalRecord, AttemptRecord, Budget, Cursor, Ending, Gate, Links, Observation, PendingWait, Run,
-    RunState, Stage, TriageRecord,
+    ApprovalRecord, AttemptRecord, Budget, Cursor, Ending, Gate, Links, Observation, PendingWait, Run, RunState, Stage,
+    TriageRecord,
 };
 
 use serde::{Deserialize, Serialize};
@@ -99,7 +99,8 @@ pub struct Config {
     pub base_branch: String,
     pub analytics_project_id: String,
     pub analytics_event: String,
-    /// GlitchTip events after the merge above which the fix counts as regressed (0 events is resolved).
+    /// Errors after the merge above which the fix counts as regressed, applied to the GlitchTip issue's events and to
+    /// the analytics error total alike; resolved needs both at 0.
     pub regression_threshold: u64,
 }
 
@@ -161,7 +162,21 @@ pub struct KillSwitches {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct LastRun {
     pub run_id: String,
+    /// When it was opened.
     pub at_ms: i64,
+}
+
+/// What the worker knows of [`Ctx::last_run`]'s state when it opens a signal.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum LastRunStatus {
+    /// Not looked up: the cooldown then counts from the last run's opening.
+    #[default]
+    Unknown,
+    /// Still running: a repeat of the alert belongs to it.
+    Open,
+    /// Ended at `at_ms`: the cooldown counts from there.
+    Ended { at_ms: i64 },
 }
 
 /// Everything outside the run that a decision may depend on, supplied by the worker.
@@ -174,8 +189,10 @@ pub struct Ctx {
     pub policy: Policy,
     pub prices: Prices,
     pub kill: KillSwitches,
-    /// Used by [`open`] for the cooldown per fingerprint.
+    /// Used by [`open`] for the lineage and the cooldown per fingerprint.
     pub last_run: Option<LastRun>,
+    #[serde(default)]
+    pub last_run_status: LastRunStatus,
     /// The person the run acts for (approvals are requested on their behalf; they cannot approve them).
     pub owner: Option<String>,
 }
@@ -191,6 +208,7 @@ impl Ctx {
             prices: Prices::default(),
             kill: KillSwitches::default(),
             last_run: None,
+            last_run_status: LastRunStatus::Unknown,
             owner: None,
         }
     }

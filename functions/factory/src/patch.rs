@@ -12,7 +12,9 @@
 //!
 //! The opening fence is three or more backticks (an info string may follow); the block ends at the first line made of
 //! exactly the same backticks, so a file that itself contains ``` lines is fenced with more backticks. Text outside
-//! the blocks is ignored. Paths must be relative, without `..` components, and not inside `.git`.
+//! the blocks is ignored. Paths must be relative, without `..` components, and not inside `.git`. Beyond the format,
+//! [`check_scope`] limits a patch to the files the organisation configured (`Config::target_files`) and never lets it
+//! touch CI or repository automation, whose change would run code with the repository's credentials.
 
 use serde::{Deserialize, Serialize};
 
@@ -41,6 +43,53 @@ pub enum PatchError {
     TooLarge(String),
     #[error("more than {MAX_FILES} files")]
     TooMany,
+    #[error("path {path} may not be changed: {why}")]
+    Disallowed { path: String, why: &'static str },
+}
+
+/// Top-level names of CI and automation configuration (matched case-insensitively, as a directory or a file, and
+/// with any extension): a patch that changes them could rewrite what CI runs or how the repository is merged.
+const AUTOMATION: &[&str] = &[
+    ".forgejo",
+    ".github",
+    ".gitea",
+    ".woodpecker",
+    ".gitlab-ci",
+    ".gitlab",
+    ".circleci",
+    ".drone",
+    ".travis",
+    ".buildkite",
+    ".ci",
+    ".git",
+    ".gitmodules",
+    ".gitattributes",
+    ".pre-commit-config",
+    "jenkinsfile",
+    "azure-pipelines",
+    "bitbucket-pipelines",
+    "codeowners",
+];
+
+fn automation(path: &str) -> bool {
+    let first = path.split('/').next().unwrap_or(path).to_ascii_lowercase();
+    AUTOMATION.iter().any(|name| first == *name || first.strip_prefix(name).is_some_and(|rest| rest.starts_with('.')))
+        || path.split('/').any(|c| c.eq_ignore_ascii_case("codeowners"))
+}
+
+/// Refuses a patch that changes a file outside `targets` or any CI and automation file (even a configured one).
+pub fn check_scope(files: &[FileContent], targets: &[String]) -> Result<(), PatchError> {
+    for f in files {
+        let why = if automation(&f.path) {
+            "CI and repository automation are never changed by the factory"
+        } else if !targets.iter().any(|t| t == &f.path) {
+            "it is not one of the configured target files"
+        } else {
+            continue;
+        };
+        return Err(PatchError::Disallowed { path: f.path.clone(), why });
+    }
+    Ok(())
 }
 
 fn valid_path(path: &str) -> bool {
@@ -58,7 +107,9 @@ pub fn parse_patch(text: &str) -> Result<Vec<FileContent>, PatchError> {
     let mut files: Vec<FileContent> = Vec::new();
     let mut lines = text.lines();
     while let Some(line) = lines.next() {
-        let Some(path) = line.strip_prefix("=== ") else { continue };
+        let Some(path) = line.strip_prefix("=== ") else {
+            continue;
+        };
         let path = path.trim().to_string();
         if !valid_path(&path) {
             return Err(PatchError::BadPath(path));
@@ -130,7 +181,8 @@ mod tests {
 
     #[test]
     fn parses_blocks_and_ignores_prose() {
-        let text = "Here is the fix.\n=== src/a.py\n```python\nx = 1\n```\nand\n=== b/c.txt\n````\n```\ninner\n```\n````\n";
+        let text =
+            "Here is the fix.\n=== src/a.py\n```python\nx = 1\n```\nand\n=== b/c.txt\n````\n```\ninner\n```\n````\n";
         let files = parse_patch(text).unwrap();
         assert_eq!(files.len(), 2);
         assert_eq!(files[0], FileContent { path: "src/a.py".into(), content: Some("x = 1\n".into()) });
@@ -158,5 +210,40 @@ mod tests {
         assert_eq!(parse_patch(dup), Err(PatchError::Duplicate("a".into())));
         let big = format!("=== a\n```\n{}\n```\n", "x".repeat(MAX_FILE_BYTES + 1));
         assert_eq!(parse_patch(&big), Err(PatchError::TooLarge("a".into())));
+    }
+
+    #[test]
+    fn scope_is_the_target_files_without_automation() {
+        let patch = |paths: &[&str]| -> Vec<FileContent> {
+            paths.iter().map(|p| FileContent { path: (*p).into(), content: Some("x\n".into()) }).collect()
+        };
+        let targets: Vec<String> =
+            ["src/checkout.py", "src/cart.py", ".github/workflows/ci.yml", ".woodpecker.yml"].map(String::from).into();
+        assert_eq!(check_scope(&patch(&["src/checkout.py", "src/cart.py"]), &targets), Ok(()));
+        let refused = |paths: &[&str]| match check_scope(&patch(paths), &targets) {
+            Err(PatchError::Disallowed { path, .. }) => path,
+            other => panic!("{paths:?}: {other:?}"),
+        };
+        assert_eq!(refused(&["src/checkout.py", "src/other.py"]), "src/other.py");
+        assert_eq!(refused(&["src/Checkout.py"]), "src/Checkout.py");
+        // Configured or not, CI and automation stay out of reach.
+        assert_eq!(refused(&[".github/workflows/ci.yml"]), ".github/workflows/ci.yml");
+        assert_eq!(refused(&[".woodpecker.yml"]), ".woodpecker.yml");
+        for p in [
+            ".forgejo/workflows/x.yml",
+            ".gitea/workflows/x.yaml",
+            ".woodpecker/build.yml",
+            ".GitHub/workflows/x.yml",
+            ".gitlab-ci.yml",
+            "Jenkinsfile",
+            ".ci/run",
+            "docs/CODEOWNERS",
+            ".gitmodules",
+        ] {
+            let err = check_scope(&patch(&[p]), &[p.to_string()]).unwrap_err();
+            assert!(err.to_string().contains("never changed"), "{p}: {err}");
+        }
+        assert!(!automation("src/github_client.py"));
+        assert!(!automation(".githubish/x"));
     }
 }

@@ -2,10 +2,11 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The senior lead approves only with a line that is exactly this.
+/// The senior lead approves only when the whole report, trimmed, is exactly this (DESIGN.md: "approves only with the
+/// exact string"); a report that says more is asking for something.
 pub const LEAD_APPROVAL: &str = "All good";
-/// The security auditor approves only with a line that is exactly this, and only if no CRITICAL or HIGH finding is
-/// listed in the same report.
+/// The security auditor approves only when this is the last line of the report and no line anywhere else names a
+/// CRITICAL or HIGH severity, however it is written.
 pub const AUDIT_APPROVAL: &str = "No CRITICAL or HIGH findings.";
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -18,8 +19,9 @@ pub enum Severity {
 }
 
 impl Severity {
+    /// A severity word in any case (`HIGH`, `High`, `high`).
     fn parse(word: &str) -> Option<Severity> {
-        match word {
+        match word.to_ascii_uppercase().as_str() {
             "CRITICAL" => Some(Severity::Critical),
             "HIGH" => Some(Severity::High),
             "MEDIUM" => Some(Severity::Medium),
@@ -33,8 +35,9 @@ impl Severity {
     }
 }
 
-/// One finding line: `SEVERITY path:line description` (a leading list marker and a colon after the severity are
-/// tolerated). `location` is the first `file:line` token of the line, if any.
+/// One report line that names a severity. `severity` is the gravest severity word on the line, wherever it stands
+/// (`HIGH src/a.py:3 ...`, `1. **High**: ...`, `Severity: high`, `| HIGH | ... |`), so a finding cannot slip past the
+/// gate by its formatting. `location` is the first `file:line` token of the line, if any.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct Finding {
     pub severity: Severity,
@@ -43,44 +46,52 @@ pub struct Finding {
     pub text: String,
 }
 
-fn exact_line(report: &str, wanted: &str) -> bool {
-    report.lines().any(|l| l.trim() == wanted)
-}
-
 pub fn lead_approves(report: &str) -> bool {
-    exact_line(report, LEAD_APPROVAL)
+    report.trim() == LEAD_APPROVAL
 }
 
 fn is_location(token: &str) -> bool {
-    let token = token.trim_matches(|c: char| matches!(c, '`' | ',' | ';' | '(' | ')'));
     match token.rsplit_once(':') {
         Some((file, line)) => {
-            !file.is_empty() && !line.is_empty() && line.chars().all(|c| c.is_ascii_digit() || c == '-')
+            !file.is_empty()
+                && file.contains(['.', '/'])
+                && !line.is_empty()
+                && line.chars().all(|c| c.is_ascii_digit() || c == '-')
         }
         None => false,
     }
 }
 
-pub(crate) fn findings(report: &str) -> Vec<Finding> {
-    let mut out = Vec::new();
-    for line in report.lines() {
-        let l = line.trim().trim_start_matches(['-', '*', ' ', '#']).trim_start_matches("**");
-        let mut words = l.split_whitespace();
-        let Some(first) = words.next() else { continue };
-        let word = first.trim_end_matches(':').trim_end_matches("**").trim_start_matches('[').trim_end_matches(']');
-        let Some(severity) = Severity::parse(word) else { continue };
-        let location = words
-            .find(|w| is_location(w))
-            .map(|w| w.trim_matches(|c: char| matches!(c, '`' | ',' | ';' | '(' | ')')).to_string());
-        out.push(Finding { severity, location, text: l.chars().take(500).collect() });
-    }
-    out
+/// Words of a line: runs of ASCII letters and digits, so markdown (`**`, `|`, backticks, brackets), punctuation and
+/// slashes around a severity never hide it.
+fn words(line: &str) -> impl Iterator<Item = &str> {
+    line.split(|c: char| !c.is_ascii_alphanumeric()).filter(|w| !w.is_empty())
 }
 
-/// The auditor's verdict and the findings it listed.
+fn finding(line: &str) -> Option<Finding> {
+    let text = line.trim();
+    let severity = words(text).filter_map(Severity::parse).min()?;
+    let location = text
+        .split(|c: char| c.is_whitespace() || matches!(c, '`' | ',' | ';' | '(' | ')' | '|' | '*' | '[' | ']'))
+        .map(|w| w.trim_end_matches('.'))
+        .find(|w| is_location(w))
+        .map(str::to_string);
+    Some(Finding { severity, location, text: text.chars().take(500).collect() })
+}
+
+/// The non-empty lines of a report, trimmed.
+fn lines(report: &str) -> Vec<&str> {
+    report.lines().map(str::trim).filter(|l| !l.is_empty()).collect()
+}
+
+/// The auditor's verdict and the findings it listed. The approval line itself names CRITICAL and HIGH, so it is the
+/// one line not read as a finding, and only in last position.
 pub fn audit_verdict(report: &str) -> (bool, Vec<Finding>) {
-    let found = findings(report);
-    let approved = exact_line(report, AUDIT_APPROVAL) && !found.iter().any(|f| f.severity.blocks());
+    let all = lines(report);
+    let approval_last = all.last() == Some(&AUDIT_APPROVAL);
+    let body = if approval_last { &all[..all.len() - 1] } else { &all[..] };
+    let found: Vec<Finding> = body.iter().filter_map(|l| finding(l)).collect();
+    let approved = approval_last && !found.iter().any(|f| f.severity.blocks());
     (approved, found)
 }
 
@@ -89,34 +100,76 @@ mod tests {
     use super::*;
 
     #[test]
-    fn lead_needs_the_exact_line() {
-        assert!(lead_approves("Looks fine.\nAll good\n"));
+    fn lead_needs_exactly_the_approval_and_nothing_else() {
         assert!(lead_approves("All good"));
+        assert!(lead_approves("  All good\n\n"));
+        assert!(!lead_approves("Looks fine.\nAll good\n"), "anything beside the approval is a remark");
+        assert!(!lead_approves("All good\nbut rename x"));
         assert!(!lead_approves("All good, but rename x"));
         assert!(!lead_approves("all good"));
+        assert!(!lead_approves("All good."));
+        assert!(!lead_approves(""));
         assert!(!lead_approves("Required changes:\n- handle None"));
     }
 
     #[test]
-    fn audit_grades_findings() {
+    fn audit_approves_with_only_minor_findings_and_the_last_line() {
         let ok = format!("LOW src/a.py:3 verbose log; exploit: none; remedy: trim\n{AUDIT_APPROVAL}\n");
         let (approved, f) = audit_verdict(&ok);
         assert!(approved);
-        assert_eq!(f, vec![Finding {
-            severity: Severity::Low,
-            location: Some("src/a.py:3".into()),
-            text: "LOW src/a.py:3 verbose log; exploit: none; remedy: trim".into()
-        }]);
+        assert_eq!(
+            f,
+            vec![Finding {
+                severity: Severity::Low,
+                location: Some("src/a.py:3".into()),
+                text: "LOW src/a.py:3 verbose log; exploit: none; remedy: trim".into()
+            }]
+        );
+        assert!(audit_verdict(AUDIT_APPROVAL).0);
+        assert!(
+            audit_verdict(&format!("Scope: arithmetic only.\nMEDIUM: src/b.py:2-4 weak check\n\n{AUDIT_APPROVAL}")).0
+        );
+    }
 
-        let bad = format!("- **HIGH** `src/a.py:10` SQL injection\nMEDIUM: src/b.py:2-4 weak check\n{AUDIT_APPROVAL}");
-        let (approved, f) = audit_verdict(&bad);
-        assert!(!approved, "a HIGH finding blocks even with the approval line");
+    #[test]
+    fn any_blocking_finding_blocks_however_written() {
+        let shapes = [
+            "HIGH src/a.py:10 SQL injection",
+            "- **HIGH** `src/a.py:10` SQL injection",
+            "1. HIGH src/a.py:10 SQL injection",
+            "1. [HIGH] SQL injection in src/a.py:10",
+            "Severity: HIGH - SQL injection (src/a.py:10)",
+            "severity: high; SQL injection at src/a.py:10",
+            "| src/a.py:10 | HIGH | SQL injection |",
+            "**High**: SQL injection",
+            "### Critical",
+            "CRITICAL: remote code execution",
+            "critical rce in src/a.py:1",
+            "MEDIUM/HIGH src/a.py:10 depends on the deployment",
+        ];
+        for shape in shapes {
+            let report = format!("{shape}\n{AUDIT_APPROVAL}");
+            let (approved, f) = audit_verdict(&report);
+            assert!(!approved, "{shape:?} must block");
+            assert!(f[0].severity.blocks(), "{shape:?} read as {:?}", f[0].severity);
+        }
+        let (_, f) = audit_verdict(&format!(
+            "- **HIGH** `src/a.py:10` SQL injection\nMEDIUM: src/b.py:2-4 weak\n{AUDIT_APPROVAL}"
+        ));
         assert_eq!(f.len(), 2);
-        assert_eq!(f[0].severity, Severity::High);
         assert_eq!(f[0].location.as_deref(), Some("src/a.py:10"));
+        assert_eq!(f[1].severity, Severity::Medium);
         assert_eq!(f[1].location.as_deref(), Some("src/b.py:2-4"));
+    }
 
+    #[test]
+    fn audit_approval_must_be_the_exact_last_line() {
         assert!(!audit_verdict("Nothing to report.").0, "no approval string, no approval");
-        assert!(!audit_verdict("CRITICAL x.py:1 rce").0);
+        assert!(!audit_verdict(&format!("{AUDIT_APPROVAL}\nLOW src/a.py:1 nit")).0, "not the last line");
+        assert!(!audit_verdict(&format!("{AUDIT_APPROVAL}\nHIGH src/a.py:1 rce")).0);
+        assert!(!audit_verdict("No critical or high findings.").0);
+        assert!(!audit_verdict(&format!("LOW a.py:1 x\n> {AUDIT_APPROVAL}")).0);
+        // The approval string repeated earlier is itself read as naming CRITICAL and HIGH.
+        assert!(!audit_verdict(&format!("{AUDIT_APPROVAL}\n{AUDIT_APPROVAL}")).0);
     }
 }

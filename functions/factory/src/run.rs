@@ -234,7 +234,15 @@ pub struct Run {
 }
 
 impl Run {
-    fn opened(id: &str, org: &str, env: &str, signal: &Signal, owner: &Option<String>, config: &Config, at: i64) -> Run {
+    fn opened(
+        id: &str,
+        org: &str,
+        env: &str,
+        signal: &Signal,
+        owner: &Option<String>,
+        config: &Config,
+        at: i64,
+    ) -> Run {
         Run {
             id: id.into(),
             org: org.into(),
@@ -298,7 +306,8 @@ impl Run {
             }
             Event::StepFailed { .. } => self.retries += 1,
             Event::WaitStarted { timer_id, kind, due_ms } => {
-                self.wait = Some(PendingWait { timer_id: timer_id.clone(), kind: *kind, due_ms: *due_ms, scheduled: false });
+                self.wait =
+                    Some(PendingWait { timer_id: timer_id.clone(), kind: *kind, due_ms: *due_ms, scheduled: false });
             }
             Event::TimerScheduled { timer_id } => {
                 if let Some(w) = self.wait.as_mut().filter(|w| &w.timer_id == timer_id) {
@@ -596,9 +605,15 @@ impl Run {
 
     /// The step id of `action` at the run's current position.
     pub fn step(&self, action: &str) -> String {
-        let action =
-            if self.retries > 0 { format!("{action}~{}", self.retries + 1) } else { action.to_string() };
+        let action = if self.retries > 0 { format!("{action}~{}", self.retries + 1) } else { action.to_string() };
         step_id(&self.id, self.stage.as_str(), self.slot(), &action)
+    }
+
+    /// The current attempt's patch: its short hash and the paths it changes (`patch 0123456789ab: a.py, b.py`).
+    pub fn change_binding(&self) -> String {
+        let hash = self.attempts.last().and_then(|a| a.patch_hash.as_deref()).unwrap_or("none");
+        let paths: Vec<&str> = self.patch.iter().map(|f| f.path.as_str()).collect();
+        format!("patch {}: {}", hash.get(..12).unwrap_or(hash), paths.join(", "))
     }
 
     pub fn branch(&self) -> String {
@@ -612,7 +627,7 @@ impl Run {
 
     /// The settled, approved approval whose action hash matches this call.
     pub(crate) fn approval_for(&self, call: &Effect) -> Option<&ApprovalRecord> {
-        let action = gated_action(call)?;
+        let action = gated_action(self, call)?;
         let hash = action_hash(&action);
         self.approvals.iter().find(|a| a.state == ApprovalState::Approved && a.action_hash == hash)
     }
@@ -631,10 +646,10 @@ impl Run {
             });
         }
         if let Some(g) = &self.gate {
-            return g
-                .approval_id
-                .is_none()
-                .then(|| Effect::RequestApproval { step: g.request.id.clone(), approval: Box::new(g.request.clone()) });
+            return g.approval_id.is_none().then(|| Effect::RequestApproval {
+                step: g.request.id.clone(),
+                approval: Box::new(g.request.clone()),
+            });
         }
         let mut effect = self.planned()?;
         if let Effect::Call { agent, skill, .. } = &effect {
@@ -650,7 +665,13 @@ impl Run {
     }
 
     fn call(&self, action: &str, agent: &str, skill: &str, args: serde_json::Value) -> Option<Effect> {
-        Some(Effect::Call { step: self.step(action), agent: agent.into(), skill: skill.into(), args, approval_id: None })
+        Some(Effect::Call {
+            step: self.step(action),
+            agent: agent.into(),
+            skill: skill.into(),
+            args,
+            approval_id: None,
+        })
     }
 
     /// The effect of the cursor, before gates and walls.
@@ -711,12 +732,9 @@ impl Run {
                     "body": prompts::pr_body(self),
                 }),
             ),
-            Cursor::CiStatus => self.call(
-                &format!("ci_status.{}", self.ci_polls),
-                "forgejo",
-                "ci_status",
-                json!({"sha": l.commit_sha}),
-            ),
+            Cursor::CiStatus => {
+                self.call(&format!("ci_status.{}", self.ci_polls), "forgejo", "ci_status", json!({"sha": l.commit_sha}))
+            }
             Cursor::LeadReview => Some(Effect::Model {
                 step: self.step("lead_review"),
                 purpose: "lead_review".into(),
@@ -736,16 +754,20 @@ impl Run {
                 "issue_events",
                 json!({"issue_id": self.signal.glitchtip_issue_id, "since_ms": l.merged_at_ms}),
             ),
+            // Analytics exports take whole seconds: a start rounded down would count errors from before the merge
+            // (and make a fixed run look inconclusive), so the series starts at the next whole second.
             Cursor::Series => self.call(
                 "series",
                 "analytics",
                 "series",
-                json!({"project_id": c.analytics_project_id, "event": c.analytics_event, "since_ms": l.merged_at_ms}),
+                json!({
+                    "project_id": c.analytics_project_id,
+                    "event": c.analytics_event,
+                    "since_ms": l.merged_at_ms.map(|t| t.saturating_add(999).div_euclid(1000).saturating_mul(1000)),
+                }),
             ),
             Cursor::Finishing => self.finish_effect(*self.finish.first()?),
-            Cursor::AwaitTriage | Cursor::AwaitCi | Cursor::AwaitObserve | Cursor::AwaitVerdict | Cursor::Done => {
-                None
-            }
+            Cursor::AwaitTriage | Cursor::AwaitCi | Cursor::AwaitObserve | Cursor::AwaitVerdict | Cursor::Done => None,
         }
     }
 
@@ -803,18 +825,19 @@ impl Run {
     }
 }
 
-/// The action an approval for this call is about (target commit bound where the call has one).
-pub(crate) fn gated_action(call: &Effect) -> Option<ApprovalAction> {
-    let Effect::Call { agent, skill, args, .. } = call else { return None };
-    let target = match skill.as_str() {
-        "merge" => args.get("head_sha"),
-        "revert" => args.get("merge_sha"),
+/// The action an approval for this call is about. The target commit is bound where the call has one; a merge also
+/// binds what the commit changes (the patch's paths and hash, see [`Run::change_binding`]): the person approves the
+/// change shown to them, and the action hash the agent-side gate checks covers it. Only `target_commit` carries it,
+/// so the call's own args stay exactly what the skill takes.
+pub(crate) fn gated_action(run: &Run, call: &Effect) -> Option<ApprovalAction> {
+    let Effect::Call { agent, skill, args, .. } = call else {
+        return None;
+    };
+    let commit = |key: &str| args.get(key).and_then(|v| v.as_str()).map(str::to_string);
+    let target_commit = match skill.as_str() {
+        "merge" => commit("head_sha").map(|sha| format!("{sha}; {}", run.change_binding())),
+        "revert" => commit("merge_sha"),
         _ => None,
     };
-    Some(ApprovalAction {
-        agent: agent.clone(),
-        skill: skill.clone(),
-        args: args.clone(),
-        target_commit: target.and_then(|v| v.as_str()).map(str::to_string),
-    })
+    Some(ApprovalAction { agent: agent.clone(), skill: skill.clone(), args: args.clone(), target_commit })
 }

@@ -80,7 +80,15 @@ fn full_happy_path() {
     let (req, _) = &world.performed[&format!("{id}:approve:2:approval.merge")];
     let Effect::RequestApproval { approval, .. } = req else { panic!() };
     assert_eq!(approval.action.args, serde_json::json!({"number": 7, "head_sha": "c0ffee2"}));
-    assert_eq!(approval.action.target_commit.as_deref(), Some("c0ffee2"));
+    // The change itself is bound: the head commit, the patch hash and the paths, in the hash and in the summary.
+    let patch_hash = run.attempts[1].patch_hash.clone().unwrap();
+    let binding = format!("c0ffee2; patch {}: src/checkout.py", &patch_hash[..12]);
+    assert_eq!(approval.action.target_commit.as_deref(), Some(binding.as_str()));
+    assert!(
+        approval.summary.contains(&format!("Changes patch {}: src/checkout.py.", &patch_hash[..12])),
+        "{}",
+        approval.summary
+    );
     assert_eq!(approval.action_hash, action_hash(&approval.action));
     assert_eq!(approval.risk, Risk::Destructive);
     assert_eq!(approval.requester, "agent:loams-factory");

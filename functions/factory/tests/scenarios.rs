@@ -4,8 +4,8 @@ mod common;
 
 use common::*;
 use loams_factory::{
-    Cursor, Effect, Event, Input, LastRun, ObserveVerdict, Outcome, Reason, Rejection, Rule, Run, RunState, Verdict,
-    decide, open,
+    Cursor, Effect, Event, Input, LastRun, LastRunStatus, ObserveVerdict, Outcome, Reason, Rejection, Rule, Run,
+    RunState, Verdict, decide, open, run_id, run_id_after,
 };
 use serde_json::json;
 
@@ -84,7 +84,8 @@ fn identical_patch_is_no_progress() {
 
 #[test]
 fn a_check_that_passed_and_now_fails_is_oscillation() {
-    let mut world = World::with(ci_hook(|a| if a == 1 { "PASS test_a\nFAIL test_b" } else { "FAIL test_a\nPASS test_b" }));
+    let mut world =
+        World::with(ci_hook(|a| if a == 1 { "PASS test_a\nFAIL test_b" } else { "FAIL test_a\nPASS test_b" }));
     let (w, run) = drive(&mut world, ctx());
     assert_eq!(ended(&w), (RunState::Failed, Some(Reason::Oscillation)));
     assert!(run.ending.unwrap().detail.contains("`test_a` passed in attempt 1 and fails in attempt 2"));
@@ -93,9 +94,11 @@ fn a_check_that_passed_and_now_fails_is_oscillation() {
 #[test]
 fn lead_review_changes_go_back_to_fix_with_the_report() {
     let mut world = World::with(|e| match e {
-        Effect::Model { purpose, step, .. } if purpose == "lead_review" && parts(step).1 == 2 => {
-            Some(Outcome::Model { text: "Please handle a missing order.\nAll good, almost".into(), input_tokens: 1, output_tokens: 1 })
-        }
+        Effect::Model { purpose, step, .. } if purpose == "lead_review" && parts(step).1 == 2 => Some(Outcome::Model {
+            text: "Please handle a missing order.\nAll good, almost".into(),
+            input_tokens: 1,
+            output_tokens: 1,
+        }),
         _ => None,
     });
     let (_, run) = drive(&mut world, ctx());
@@ -109,17 +112,23 @@ fn lead_review_changes_go_back_to_fix_with_the_report() {
 #[test]
 fn high_audit_finding_goes_back_to_fix() {
     let mut world = World::with(|e| match e {
-        Effect::Model { purpose, step, .. } if purpose == "security_audit" && parts(step).1 == 2 => Some(Outcome::Model {
-            text: format!("HIGH src/checkout.py:1 trusts client currency\n{}", loams_factory::AUDIT_APPROVAL),
-            input_tokens: 1,
-            output_tokens: 1,
-        }),
+        Effect::Model { purpose, step, .. } if purpose == "security_audit" && parts(step).1 == 2 => {
+            Some(Outcome::Model {
+                text: format!("HIGH src/checkout.py:1 trusts client currency\n{}", loams_factory::AUDIT_APPROVAL),
+                input_tokens: 1,
+                output_tokens: 1,
+            })
+        }
         _ => None,
     });
     let (w, run) = drive(&mut world, ctx());
     assert_eq!(run.state, RunState::Succeeded);
     assert_eq!(run.attempt, 3);
-    assert!(w.log.iter().any(|e| matches!(e, Event::SecurityAudited { approved: false, findings, .. } if findings.len() == 1)));
+    assert!(
+        w.log
+            .iter()
+            .any(|e| matches!(e, Event::SecurityAudited { approved: false, findings, .. } if findings.len() == 1))
+    );
 }
 
 #[test]
@@ -292,7 +301,9 @@ fn triage_wait_stalls_and_rejection_ends_the_run() {
 
 fn count_hook(count: u64) -> impl Fn(&Effect) -> Option<Outcome> {
     move |e| match e {
-        Effect::Call { skill, .. } if skill == "issue_events" => Some(Outcome::Agent(json!({"count": count, "last_seen_ms": NOW}))),
+        Effect::Call { skill, .. } if skill == "issue_events" => {
+            Some(Outcome::Agent(json!({"count": count, "last_seen_ms": NOW})))
+        }
         _ => None,
     }
 }
@@ -302,7 +313,10 @@ fn regression_reverts_behind_approval_and_asks_for_a_follow_up() {
     let mut world = World::with(count_hook(50));
     let (w, run) = drive(&mut world, ctx());
     let Some(Event::Ended { state, reason, verdict, follow_up }) = w.log.last() else { panic!() };
-    assert_eq!((*state, *reason, *verdict), (RunState::Failed, Some(Reason::Regressed), Some(ObserveVerdict::Regressed)));
+    assert_eq!(
+        (*state, *reason, *verdict),
+        (RunState::Failed, Some(Reason::Regressed), Some(ObserveVerdict::Regressed))
+    );
     let t = calls(&world);
     assert_eq!(&t[t.len() - 4..], ["approval.revert", "forgejo.revert", "plane.comment", "zulip.post"]);
     let (revert, _) = &world.performed[&format!("{}:close:2:revert", run.id)];
@@ -334,7 +348,9 @@ fn inconclusive_extends_once_then_asks_a_person() {
     assert_eq!(run.observe_round, 2);
     assert!(world.performed.contains_key(&format!("{}:observe:2:issue_events", run.id)));
     assert_eq!(run.state, RunState::Waiting);
-    assert!(decide(&run, &Input::VerdictGiven { verdict: ObserveVerdict::Inconclusive, by: "bob".into() }, &w.ctx).is_err());
+    assert!(
+        decide(&run, &Input::VerdictGiven { verdict: ObserveVerdict::Inconclusive, by: "bob".into() }, &w.ctx).is_err()
+    );
     w.queue.clear();
     w.queue.push_back(Some(Input::VerdictGiven { verdict: ObserveVerdict::Resolved, by: "bob".into() }));
     let run = w.drain(&mut world);
@@ -369,7 +385,9 @@ fn retryable_failure_retries_under_a_new_step_id() {
     }
 
     let mut world = World::with(|e| match e {
-        Effect::Call { skill, .. } if skill == "create_issue" => Some(Outcome::Failed { error: "503".into(), retryable: true }),
+        Effect::Call { skill, .. } if skill == "create_issue" => {
+            Some(Outcome::Failed { error: "503".into(), retryable: true })
+        }
         _ => None,
     });
     let (w, _) = drive(&mut world, ctx());
@@ -391,9 +409,14 @@ fn duplicates_and_stale_inputs_are_ignored() {
     assert_eq!(decide(&after, &done, &w.ctx).unwrap(), vec![], "duplicate completion");
     let stale = Input::Completed { step: format!("{}:fix:9:open_pr", run.id), outcome: Outcome::Agent(json!({})) };
     assert_eq!(decide(&after, &stale, &w.ctx).unwrap(), vec![]);
-    let foreign = Input::Completed { step: "r-ffffffffffffffff:triage:0:open_thread".into(), outcome: Outcome::Agent(json!({})) };
+    let foreign =
+        Input::Completed { step: "r-ffffffffffffffff:triage:0:open_thread".into(), outcome: Outcome::Agent(json!({})) };
     assert!(matches!(decide(&after, &foreign, &w.ctx), Err(Rejection::InvalidInput(_))));
-    assert_eq!(decide(&after, &Input::ApprovalSettled { approval_id: "nope".into(), approved: true, by: "b".into() }, &w.ctx).unwrap(), vec![]);
+    assert_eq!(
+        decide(&after, &Input::ApprovalSettled { approval_id: "nope".into(), approved: true, by: "b".into() }, &w.ctx)
+            .unwrap(),
+        vec![]
+    );
 
     // An approval settled twice counts once.
     until_run(&mut w, &mut world, |r| r.gate.is_some() && r.cursor == Cursor::Merge);
@@ -429,14 +452,11 @@ fn safety_wall_holds_without_an_approval_whatever_the_policy() {
 
 #[test]
 fn open_refusals() {
-    let mut c = ctx();
+    let c = ctx();
     let (run, e) = open(signal(), &c).unwrap();
     assert_eq!(run.version, 1);
+    assert_eq!(run.id, run_id("acme", "checkout-keyerror", 1), "a fingerprint's first run");
     assert_eq!(open(signal(), &c).unwrap().1, e, "opening twice gives the same first event");
-    c.last_run = Some(LastRun { run_id: "r-0000000000000000".into(), at_ms: NOW - 1_000 });
-    assert_eq!(open(signal(), &c).unwrap_err(), Rejection::Cooldown { until_ms: NOW - 1_000 + 600_000 });
-    c.last_run = Some(LastRun { run_id: run.id.clone(), at_ms: NOW - 1_000 });
-    assert!(open(signal(), &c).is_ok(), "the same run is not its own cooldown");
     let mut s = signal();
     s.generation = 3;
     s.parent_run = Some("r-1".into());
@@ -450,6 +470,85 @@ fn open_refusals() {
     let mut bad = ctx();
     bad.org = "Not An Org".into();
     assert!(matches!(open(signal(), &bad), Err(Rejection::InvalidSignal(_))));
+    let mut bad = ctx();
+    bad.last_run = Some(LastRun { run_id: "../../x".into(), at_ms: NOW });
+    assert!(matches!(open(signal(), &bad), Err(Rejection::InvalidInput(_))));
+}
+
+/// The context of an alert for the same fingerprint `after_ms` after the last run opened.
+fn later(last: &Run, after_ms: i64, status: LastRunStatus) -> loams_factory::Ctx {
+    let mut c = ctx();
+    c.now_ms = NOW + after_ms;
+    c.last_run = Some(LastRun { run_id: last.id.clone(), at_ms: NOW });
+    c.last_run_status = status;
+    c
+}
+
+#[test]
+fn repeated_alerts_join_the_open_run_then_cool_down_then_open_a_new_lineage() {
+    let cooldown = ctx().config.cooldown_ms as i64;
+    let mut world = World::new();
+    let mut w = Worker::start(signal(), ctx());
+    until(&mut w, &mut world, Cursor::AwaitTriage);
+    let first = w.run();
+
+    // While the run is open, however long it takes, a repeat alert is the same run (create-if-absent: a no-op).
+    for after in [1, cooldown, 10 * cooldown] {
+        let (again, _) = open(signal(), &later(&first, after, LastRunStatus::Open)).unwrap();
+        assert_eq!(again.id, first.id, "{after} ms after opening");
+    }
+    // Without the state, the run is taken for open during the cooldown after its opening.
+    assert_eq!(open(signal(), &later(&first, cooldown - 1, LastRunStatus::Unknown)).unwrap().0.id, first.id);
+
+    // The run ends; within the cooldown after its end a new alert is refused, not silently mapped to the old run.
+    w.queue.clear();
+    w.queue.push_back(Some(Input::TriageDecided { accept: false, by: "oncall".into() }));
+    w.drain(&mut world);
+    assert!(w.run().state.is_terminal());
+    let ended_at = NOW + 5_000;
+    let ended = LastRunStatus::Ended { at_ms: ended_at };
+    assert_eq!(
+        open(signal(), &later(&first, 6_000, ended)).unwrap_err(),
+        Rejection::Cooldown { until_ms: ended_at + cooldown }
+    );
+    assert_eq!(
+        open(signal(), &later(&first, 5_000 + cooldown - 1, ended)).unwrap_err(),
+        Rejection::Cooldown { until_ms: ended_at + cooldown }
+    );
+
+    // After the cooldown: a new lineage with its own id, derived from the run it follows, so two workers agree.
+    let c = later(&first, 5_000 + cooldown, ended);
+    let (second, opened) = open(signal(), &c).unwrap();
+    assert_ne!(second.id, first.id);
+    assert_eq!(second.id, run_id_after("acme", "checkout-keyerror", 1, Some(&first.id)));
+    assert_eq!(open(signal(), &c).unwrap().1, opened);
+    assert_eq!(second.generation, 1);
+    assert_eq!(second.state, RunState::Open);
+    // Unknown state: the cooldown counts from the last opening.
+    assert_eq!(open(signal(), &later(&first, cooldown, LastRunStatus::Unknown)).unwrap().0.id, second.id);
+    // The new lineage runs through on its own ids.
+    let mut world = World::new();
+    let mut w2 = Worker::start(signal(), c);
+    let run = w2.drain(&mut world);
+    assert_eq!(run.state, RunState::Succeeded);
+    assert!(world.order.iter().all(|s| s.starts_with(&format!("{}:", second.id))));
+}
+
+#[test]
+fn follow_up_generations_get_their_own_ids_per_lineage() {
+    let mut a = signal();
+    a.generation = 2;
+    a.parent_run = Some("r-00000000000000aa".into());
+    let mut b = a.clone();
+    b.parent_run = Some("r-00000000000000bb".into());
+    // The cooldown of an ended run does not stop the lineage's own follow-up.
+    let mut c = ctx();
+    c.last_run = Some(LastRun { run_id: "r-00000000000000aa".into(), at_ms: NOW });
+    c.last_run_status = LastRunStatus::Ended { at_ms: NOW };
+    let (ra, _) = open(a, &c).unwrap();
+    let (rb, _) = open(b, &c).unwrap();
+    assert_ne!(ra.id, rb.id);
+    assert_eq!(ra.id, run_id_after("acme", "checkout-keyerror", 2, Some("r-00000000000000aa")));
 }
 
 #[test]
@@ -474,11 +573,125 @@ fn wire_shapes() {
     let (_, e) = open(signal(), &ctx()).unwrap();
     let v = serde_json::to_value(&e).unwrap();
     assert_eq!(v["type"], "opened");
-    let env = loams_factory::Envelope { org: "acme".into(), run: "r-1".into(), input: Some(Input::Kill { by: "a".into(), reason: "b".into() }) };
+    let env = loams_factory::Envelope {
+        org: "acme".into(),
+        run: "r-1".into(),
+        input: Some(Input::Kill { by: "a".into(), reason: "b".into() }),
+    };
     let json = serde_json::to_string(&env).unwrap();
     assert_eq!(json, r#"{"org":"acme","run":"r-1","input":{"type":"kill","by":"a","reason":"b"}}"#);
     let back: loams_factory::Envelope = serde_json::from_str(r#"{"org":"acme","run":"r-1"}"#).unwrap();
     assert_eq!(back.input, None);
-    let done: Input = serde_json::from_str(r#"{"type":"completed","step":"s","outcome":{"agent":{"sha":"x"}}}"#).unwrap();
+    let done: Input =
+        serde_json::from_str(r#"{"type":"completed","step":"s","outcome":{"agent":{"sha":"x"}}}"#).unwrap();
     assert_eq!(done, Input::Completed { step: "s".into(), outcome: Outcome::Agent(json!({"sha": "x"})) });
+}
+
+#[test]
+fn a_patch_outside_the_target_files_fails_the_attempt_and_never_reaches_forgejo() {
+    let mut world = World::with(|e| match e {
+        Effect::Model { purpose, step, .. } if purpose == "fix" && parts(step).1 == 1 => Some(Outcome::Model {
+            text: format!("{}=== .forgejo/workflows/ci.yml\n```yaml\non: push\n```\n", fix_text(1)),
+            input_tokens: 10,
+            output_tokens: 10,
+        }),
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(run.state, RunState::Succeeded, "attempt 2 proposes an allowed patch");
+    let refused = w.log.iter().find_map(|e| match e {
+        Event::AttemptFailed { attempt: 1, reason, feedback } => Some((reason.clone(), feedback.clone())),
+        _ => None,
+    });
+    let (reason, feedback) = refused.expect("attempt 1 failed");
+    assert!(reason.contains(".forgejo/workflows/ci.yml") && reason.contains("never changed"), "{reason}");
+    assert!(feedback.contains("Change only these files: src/checkout.py"), "{feedback}");
+    assert!(!w.log.iter().any(|e| matches!(e, Event::PatchProposed { files, .. } if files.len() > 1)));
+    for (effect, _) in world.performed.values() {
+        if let Effect::Call { agent, args, .. } = effect {
+            assert!(!(agent == "forgejo" && args.to_string().contains(".forgejo/")), "{args}");
+        }
+    }
+    assert!(!world.performed.contains_key(&format!("{}:fix:1:commit_patch", run.id)));
+
+    // A file that is not CI but not configured either is refused the same way.
+    let mut world = World::with(|e| match e {
+        Effect::Model { purpose, .. } if purpose == "fix" => Some(Outcome::Model {
+            text: "=== src/payments.py\n```\nx = 1\n```\n".into(),
+            input_tokens: 1,
+            output_tokens: 1,
+        }),
+        _ => None,
+    });
+    let (w, _) = drive(&mut world, ctx());
+    assert!(w.log.iter().any(|e| matches!(e, Event::AttemptFailed { reason, .. } if reason.contains("not one of the configured target files"))));
+    assert!(!trace(&world).contains(&"forgejo.commit_patch".to_string()));
+}
+
+#[test]
+fn the_merge_approval_binds_the_changed_paths_and_patch() {
+    // Two runs whose commits get the same head sha but whose patches differ need different approvals.
+    let approval_of = |attempt_text: &'static str| {
+        let mut world = World::with(move |e| match e {
+            Effect::Model { purpose, step, .. } if purpose == "fix" && parts(step).1 == 2 => Some(Outcome::Model {
+                text: format!("=== src/checkout.py\n```\n{attempt_text}\n```\n"),
+                input_tokens: 1,
+                output_tokens: 1,
+            }),
+            _ => None,
+        });
+        let (_, run) = drive(&mut world, ctx());
+        let (e, _) = &world.performed[&format!("{}:approve:2:approval.merge", run.id)];
+        let Effect::RequestApproval { approval, .. } = e else { panic!() };
+        approval.clone()
+    };
+    let a = approval_of("x = 1");
+    let b = approval_of("x = 2");
+    assert_eq!(a.action.args, b.action.args, "the call itself is the same: {{number, head_sha}}");
+    assert_ne!(a.action.target_commit, b.action.target_commit);
+    assert_ne!(a.action_hash, b.action_hash);
+    assert!(a.summary.contains("src/checkout.py"), "{}", a.summary);
+}
+
+fn series_hook(errors: u64, total: u64) -> impl Fn(&Effect) -> Option<Outcome> {
+    move |e| match e {
+        Effect::Call { skill, .. } if skill == "issue_events" => {
+            Some(Outcome::Agent(json!({"count": errors, "last_seen_ms": null})))
+        }
+        Effect::Call { skill, .. } if skill == "series" => Some(Outcome::Agent(json!({"points": [], "total": total}))),
+        _ => None,
+    }
+}
+
+#[test]
+fn analytics_errors_keep_a_quiet_glitchtip_from_resolving_and_can_regress_alone() {
+    // GlitchTip quiet, analytics still counting checkout errors: not resolved; after two windows a person decides.
+    let mut world = World::with(series_hook(0, 3));
+    let mut w = Worker::start(signal(), ctx());
+    until(&mut w, &mut world, Cursor::AwaitVerdict);
+    let run = w.run();
+    assert_eq!(run.observation.series_total, Some(3));
+    assert!(w.log.iter().all(|e| !matches!(e, Event::VerdictReached { verdict: ObserveVerdict::Resolved, .. })));
+    assert!(w.log.iter().any(|e| matches!(e, Event::VerdictReached { verdict: ObserveVerdict::Inconclusive, .. })));
+
+    // Analytics above the threshold regress the fix although GlitchTip saw nothing.
+    let mut world = World::with(series_hook(0, 40));
+    let (w, _) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::Regressed)));
+
+    // A signal without a GlitchTip issue resolves on a silent analytics series alone.
+    let mut s = signal();
+    s.glitchtip_issue_id = None;
+    let mut world = World::with(series_hook(0, 0));
+    let mut c = ctx();
+    c.now_ms = NOW + 250;
+    let mut w = Worker::start(s, c);
+    let run = w.drain(&mut world);
+    assert_eq!(run.state, RunState::Succeeded);
+    assert!(!trace(&world).contains(&"glitchtip.issue_events".to_string()));
+    // The analytics export reads whole seconds: the series starts at the first whole second after the merge.
+    assert_eq!(run.links.merged_at_ms, Some(NOW + 250));
+    let (series, _) = &world.performed[&format!("{}:observe:1:series", run.id)];
+    let Effect::Call { args, .. } = series else { panic!() };
+    assert_eq!(args["since_ms"], NOW + 1_000);
 }

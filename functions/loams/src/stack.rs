@@ -8,12 +8,14 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow};
 use async_trait::async_trait;
-use loams_a2a::{A2aClient, CardSigner, Skills};
+use loams_a2a::{A2aClient, CardSigner, Guards, Skills};
 use loams_agents::{
     AnalyticsAgent, AnalyticsConfig, ForgejoAgent, ForgejoConfig, GlitchTipAgent, GlitchTipConfig, PlaneAgent,
     PlaneConfig, ZulipAgent, ZulipConfig,
 };
-use loams_api::{ApiConfig, ApiError, ApiState, GlitchtipHook, Issuer, RunOpener};
+use loams_api::{
+    AgentAuth, AgentTokens, ApiConfig, ApiError, ApiState, ApprovalBroker, GlitchtipHook, Issuer, RunOpener,
+};
 use loams_factory::Signal;
 use loams_model::{ChatModel, ModelConfig, OpenAiCompatible, Replay};
 use loams_platform::{Clock, Queue, Sqlite, Store, SystemClock, Timers};
@@ -79,16 +81,25 @@ impl Stack {
         let (stop, stop_rx) = watch::channel(false);
         let mut tasks = Vec::new();
 
+        // The agents accept only tokens of this issuer minted for their own URL, and run a destructive skill only
+        // under a settled approval from the store that matches the call; the worker's clients carry such tokens.
+        let issuer = dev_issuer(&config.data_dir)?;
+        let guards = Guards {
+            auth: Arc::new(AgentAuth::new(issuer.verifier())),
+            gate: Arc::new(ApprovalBroker::new(store.clone(), clock.clone())),
+        };
+        let tokens = Arc::new(AgentTokens::new(issuer.clone(), config.org.clone()));
         let mut clients = HashMap::new();
         for (name, skills) in agents(apps)? {
-            let (url, task) = serve_agent(name, skills, store.clone(), &config.org, stop_rx.clone()).await?;
+            let (url, task) =
+                serve_agent(name, skills, store.clone(), &config.org, guards.clone(), stop_rx.clone()).await?;
             tasks.push(task);
             clients.insert(name.to_string(), url);
         }
         let mut directory = HashMap::new();
         for (name, (url, jwks)) in clients {
             let client = A2aClient::new(&url, &jwks).await.with_context(|| format!("connecting to agent {name}"))?;
-            directory.insert(name, client);
+            directory.insert(name, client.with_tokens(tokens.clone()));
         }
 
         let mut factory = loams_factory::Config::default();
@@ -137,7 +148,6 @@ impl Stack {
             }
         }));
 
-        let issuer = dev_issuer(&config.data_dir)?;
         let state = ApiState {
             store: store.clone(),
             queue,
@@ -148,6 +158,7 @@ impl Stack {
                     org: config.org.clone(),
                     env: config.env.clone(),
                     token: webhook_token(config)?,
+                    origin: apps.glitchtip.url.clone(),
                 }],
                 ..ApiConfig::default()
             }),
@@ -245,7 +256,7 @@ fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 /// A bearer token of `issuer` for `user` in `org`, valid for an hour.
 pub fn dev_token(issuer: &Issuer, user: &str, org: &str) -> anyhow::Result<String> {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
-    issuer.issue(user, org, "runs approvals devices", now, 3600).map_err(|e| anyhow!("issuing a token: {e}"))
+    issuer.issue(user, org, loams_api::scope::ALL, now, 3600).map_err(|e| anyhow!("issuing a token: {e}"))
 }
 
 /// The webhook opens runs through the worker, which owns run creation and the cooldown.
@@ -312,13 +323,14 @@ async fn serve_agent(
     skills: Arc<dyn Skills>,
     store: Arc<dyn Store>,
     org: &str,
+    guards: Guards,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<((String, loams_a2a::Jwks), JoinHandle<()>)> {
     let listener = TcpListener::bind(("127.0.0.1", 0)).await.with_context(|| format!("binding agent {name}"))?;
     let url = format!("http://{}", listener.local_addr()?);
     let signer = CardSigner::generate().map_err(|e| anyhow!("agent {name} card key: {e}"))?;
     let jwks = signer.jwks().map_err(|e| anyhow!("agent {name} card key: {e}"))?;
-    let router = loams_a2a::router(skills, store, org.to_string(), signer, url.clone());
+    let router = loams_a2a::router(skills, store, org.to_string(), signer, url.clone(), guards);
     Ok(((url, jwks), serve(listener, router, stop)))
 }
 

@@ -1,10 +1,21 @@
-//! Crash safety with real process kills: the sandbox apps run as their own process, `loams dev` is killed with
-//! SIGKILL at a series of moments through a run and restarted on the same data directory. The run must complete,
-//! and the apps must show exactly what an uninterrupted run leaves: no duplicate issue, PR, comment, message or
-//! merge.
+//! Crash safety with real process crashes at exact step boundaries. The sandbox apps and the model run outside the
+//! crashing process (the apps as their own process, the model as an OpenAI-compatible server in this test), like a
+//! real deployment's. `loams dev` is started again and again on the same data directory with the worker's fault
+//! switch `LOAMS_FAULT_ABORT_AT`, so each start aborts itself right after an effect was performed but not recorded
+//! (`after_effect`) or right after it was recorded but before the run was continued (`after_record`). A start
+//! first redoes what the previous one was cut at, and a message that carried the run through an abort is received
+//! again by the next start; a plan below moves the run one step per start, cutting each step it reaches at one of
+//! the two boundaries, while no queue message is received more than three times (the queue dead-letters at
+//! five). Cutting each step at both boundaries in one run is not possible (it would take two starts per step on
+//! the same message), so the run is crashed twice over, with two plans. Each time the run must complete, the apps
+//! must show exactly what an uninterrupted run leaves (no duplicate issue, PR, comment, message or merge), and each
+//! model answer must have been paid for once.
 
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use loams::demo::{DEMO_CASSETTE, Scenario, play, sandbox_counts};
@@ -12,12 +23,21 @@ use loams::phone::Phone;
 use loams_proto::connect::ConnectClient;
 use loams_proto::factory::v1 as factory;
 use loams_sandbox::SandboxInfo;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 const BIN: &str = env!("CARGO_BIN_EXE_loams");
-const WEBHOOK_TOKEN: &str = "kill-test-webhook-token-0123456789";
-/// Moments (ms after the API answers) at which each `loams dev` process is killed.
-const KILL_AFTER_MS: [u64; 8] = [150, 300, 450, 600, 250, 400, 700, 900];
+/// The fault of each start, cycled. Each plan moves the run one step per start and receives no message more than
+/// three times; the second cuts, roughly, at the other boundary the steps the first cut at one.
+const PLANS: [&[&str]; 2] = [
+    &["after_effect:1", "after_effect:2", "after_effect:2", "after_record:1", "after_record:2"],
+    &["after_record:1", "after_record:2", "after_effect:2", "after_effect:2", "after_effect:1"],
+];
+/// Short, so the message of an aborted start comes back soon; the worker extends it while a step runs.
+const VISIBILITY_MS: &str = "300";
+const WEBHOOK_TOKEN: &str = "kill-restart-webhook-token-0123456789";
+const MODEL_KEY_ENV: &str = "KILL_RESTART_MODEL_KEY";
+/// SIGABRT: what `std::process::abort` ends the process with.
+const SIGABRT: i32 = 6;
 
 struct Reaped(Child);
 
@@ -43,7 +63,7 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn config(dir: &Path, port: u16, info: &SandboxInfo) -> String {
+fn config(dir: &Path, port: u16, info: &SandboxInfo, model_url: &str) -> String {
     let t = &info.tokens;
     format!(
         r#"listen = "127.0.0.1:{port}"
@@ -52,7 +72,9 @@ org = "acme"
 webhook_token = "{webhook}"
 
 [model]
-cassette = "{cassette}"
+base_url = "{model}"
+model = "replay"
+api_key_env = "{model_key_env}"
 
 [policy]
 auto_triage = true
@@ -92,7 +114,8 @@ project_id = "{op_project}"
 "#,
         data = dir.join("data").display(),
         webhook = WEBHOOK_TOKEN,
-        cassette = dir.join("cassette.json").display(),
+        model = model_url,
+        model_key_env = MODEL_KEY_ENV,
         zulip = info.urls.zulip,
         zulip_email = t.zulip_email,
         zulip_key = t.zulip_api_key,
@@ -126,17 +149,120 @@ fn token(config: &Path, user: &str) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
-fn start_dev(config: &Path, log: &Path) -> Reaped {
+fn start_dev(config: &Path, log: &Path, fault: &str) -> Reaped {
     let log = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
     Reaped(
         Command::new(BIN)
             .args(["dev", "--config"])
             .arg(config)
+            .env("LOAMS_FAULT_ABORT_AT", fault)
+            .env("LOAMS_QUEUE_VISIBILITY_MS", VISIBILITY_MS)
+            .env(MODEL_KEY_ENV, "test-key")
+            .env("LOAMS_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("loams dev starts"),
     )
+}
+
+/// The model as a remote service: the demo cassette's answers served in order per purpose over the
+/// OpenAI-compatible API, surviving every restart of `loams dev` like a real provider does (a replay inside the
+/// crashing process would start its cassette over on each start). Counts the answers served per purpose.
+#[derive(Clone)]
+struct ModelService {
+    answers: Arc<Mutex<HashMap<String, VecDeque<Value>>>>,
+    served: Arc<Mutex<BTreeMap<String, u32>>>,
+}
+
+impl ModelService {
+    fn new(cassette: &str) -> ModelService {
+        let cassette: Value = serde_json::from_str(cassette).unwrap();
+        let mut answers: HashMap<String, VecDeque<Value>> = HashMap::new();
+        for c in cassette["completions"].as_array().unwrap() {
+            answers.entry(c["purpose"].as_str().unwrap().to_string()).or_default().push_back(c.clone());
+        }
+        ModelService { answers: Arc::new(Mutex::new(answers)), served: Arc::default() }
+    }
+
+    /// The purpose of a request, told by its system prompt.
+    fn purpose(request: &Value) -> &'static str {
+        let system = request["messages"][0]["content"].as_str().unwrap_or_default();
+        if system.starts_with("You are the fix engineer") {
+            "fix"
+        } else if system.starts_with("You are the senior lead") {
+            "lead_review"
+        } else {
+            "security_audit"
+        }
+    }
+
+    async fn serve(self) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let app = axum::Router::new().route(
+            "/chat/completions",
+            axum::routing::post(move |axum::Json(request): axum::Json<Value>| {
+                let service = self.clone();
+                async move {
+                    let purpose = ModelService::purpose(&request);
+                    let Some(answer) = service.answers.lock().unwrap().get_mut(purpose).and_then(VecDeque::pop_front)
+                    else {
+                        return (axum::http::StatusCode::BAD_REQUEST, axum::Json(json!({"error": "cassette exhausted"})));
+                    };
+                    *service.served.lock().unwrap().entry(purpose.to_string()).or_default() += 1;
+                    (
+                        axum::http::StatusCode::OK,
+                        axum::Json(json!({
+                            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer["text"]}}],
+                            "usage": {"prompt_tokens": answer["input_tokens"], "completion_tokens": answer["output_tokens"]},
+                        })),
+                    )
+                }
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        url
+    }
+}
+
+/// Whether the run's last event is a wait's timer being scheduled: the worker then has nothing to do for it until
+/// the wait ends, so deciding its approval now cannot be cut by a planned abort. (The API stores a decision and
+/// then enqueues the settlement; a crash between the two would strand the run until the approval expires, which
+/// this test is not about.)
+async fn idle_in_wait(oncall: &ConnectClient, run: &factory::Run) -> bool {
+    let request = factory::GetTimelineRequest { run_id: run.id.clone(), after_seq: run.version.saturating_sub(1), page_size: 1 };
+    let timeline: Result<factory::GetTimelineResponse, _> =
+        oncall.unary("/loams.factory.v1.FactoryService/GetTimeline", &request).await;
+    timeline.is_ok_and(|t| t.events.last().is_some_and(|e| e.r#type == "timer_scheduled"))
+}
+
+/// The log without its colour codes (an ESC, `[`, parameters, a final letter).
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// How many answers each purpose has in the cassette.
+fn cassette_counts(cassette: &str) -> BTreeMap<String, u32> {
+    let cassette: Value = serde_json::from_str(cassette).unwrap();
+    let mut counts = BTreeMap::new();
+    for c in cassette["completions"].as_array().unwrap() {
+        *counts.entry(c["purpose"].as_str().unwrap().to_string()).or_default() += 1;
+    }
+    counts
 }
 
 async fn wait_api(api: &str) {
@@ -162,17 +288,41 @@ fn effects(state: &Value) -> Value {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails intermittently: after some kill schedules the run ends `failed`; under investigation (issue 2)"]
-async fn killed_at_step_boundaries_the_run_completes_without_duplicates() {
+async fn crashed_at_every_step_boundary_the_run_completes_without_duplicates() {
     // What an uninterrupted run leaves in the apps.
     let clean = tempfile::tempdir().unwrap();
     let baseline = play(Scenario::demo(clean.path().to_path_buf()), &mut Vec::new()).await.unwrap();
     assert_eq!(baseline.first().state, "succeeded");
     let expected = effects(&baseline.sandbox_state);
 
+    let mut cuts = BTreeSet::new();
+    for plan in PLANS {
+        let crashed = crashed_run(plan).await;
+        assert_eq!(crashed.apps, expected, "apps after a crashed run differ from a clean run ({plan:?})");
+        assert_eq!(crashed.paid, cassette_counts(DEMO_CASSETTE), "a model answer was paid twice or never ({plan:?})");
+        cuts.extend(crashed.cuts);
+    }
+    let at = |boundary: &str| cuts.iter().filter(|(b, _)| b == boundary).count();
+    let steps: BTreeSet<&String> = cuts.iter().map(|(_, step)| step).collect();
+    eprintln!("cut {} steps: {} after their effect, {} after their record", steps.len(), at("AfterEffect"), at("AfterRecord"));
+    // The demo run performs about twenty-five steps; the two plans cut most of them, many at both boundaries.
+    assert!(steps.len() >= 17 && at("AfterEffect") >= 16 && at("AfterRecord") >= 11, "too few cuts: {cuts:?}");
+}
+
+/// What a run crashed according to one plan left behind.
+struct Crashed {
+    apps: Value,
+    paid: BTreeMap<String, u32>,
+    /// (boundary, step) of every abort.
+    cuts: BTreeSet<(String, String)>,
+}
+
+/// Runs the demo signal on `loams dev` started again after each planned abort until the run ends.
+async fn crashed_run(plan: &[&str]) -> Crashed {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
-    std::fs::write(dir.join("cassette.json"), DEMO_CASSETTE).unwrap();
+    let model = ModelService::new(DEMO_CASSETTE);
+    let model_url = model.clone().serve().await;
     let _sandbox = Reaped(
         Command::new(BIN)
             .args(["sandbox", "--state"])
@@ -187,61 +337,88 @@ async fn killed_at_step_boundaries_the_run_completes_without_duplicates() {
     let port = free_port();
     let api = format!("http://127.0.0.1:{port}");
     let config_path = dir.join("loams.toml");
-    std::fs::write(&config_path, config(dir, port, &info)).unwrap();
+    std::fs::write(&config_path, config(dir, port, &info, &model_url)).unwrap();
     let log = dir.join("dev.log");
+    let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
 
-    let mut dev = start_dev(&config_path, &log);
+    let mut dev = start_dev(&config_path, &log, plan[0]);
     wait_api(&api).await;
     let phone = Phone::register(&api, &token(&config_path, "alice"), "alice-phone").await.unwrap();
     let oncall = ConnectClient::new(api.clone())
         .with_header("authorization", format!("Bearer {}", token(&config_path, "oncall")))
         .unwrap();
-    let alert = reqwest::Client::new()
+    // The first start may abort on the run's first step before it answers: the run is then found by listing.
+    let _ = reqwest::Client::new()
         .post(format!("{api}/webhooks/glitchtip/{WEBHOOK_TOKEN}"))
-        .json(&serde_json::json!({
+        .json(&json!({
             "alias": "GlitchTip", "text": "GlitchTip Alert",
             "attachments": [{"title": "ZeroDivisionError: division by zero",
                              "title_link": format!("{}/{}/issues/{}", info.urls.glitchtip, info.glitchtip_org, info.glitchtip_issue_id),
                              "text": "checkout.apply_discount", "fields": []}]
         }))
         .send()
-        .await
-        .unwrap();
-    assert!(alert.status().is_success(), "alert: {}", alert.status());
-    let run_id = alert.json::<Value>().await.unwrap()["run"].as_str().unwrap().to_string();
+        .await;
 
-    let mut kills = 0;
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let mut since_start = Instant::now();
+    let mut run_id: Option<String> = None;
+    let mut starts = 1;
+    let deadline = Instant::now() + Duration::from_secs(80);
     loop {
-        assert!(Instant::now() < deadline, "run did not complete; log: {}", std::fs::read_to_string(&log).unwrap());
-        if kills < KILL_AFTER_MS.len() && since_start.elapsed() >= Duration::from_millis(KILL_AFTER_MS[kills]) {
-            drop(dev);
-            kills += 1;
-            dev = start_dev(&config_path, &log);
-            wait_api(&api).await;
-            since_start = Instant::now();
+        assert!(Instant::now() < deadline, "run did not complete after {starts} starts; log: {}", log_text());
+        if let Some(status) = dev.0.try_wait().unwrap() {
+            assert_eq!(
+                status.signal(),
+                Some(SIGABRT),
+                "start {starts} ({}) ended with {status} instead of aborting at its fault; log: {}",
+                plan[(starts - 1) % plan.len()],
+                log_text()
+            );
+            dev = start_dev(&config_path, &log, plan[starts % plan.len()]);
+            starts += 1;
             continue;
         }
-        // The phone and the watcher may hit the API while it is down: such calls just fail and are tried again.
-        if let Ok(pending) = phone.pending().await {
-            for approval in pending {
-                let _ = phone.decide(&approval.id, true).await;
+        // While a start is down or coming up these calls fail; they are simply tried again.
+        if run_id.is_none() {
+            let runs: Result<factory::ListRunsResponse, _> = oncall
+                .unary("/loams.factory.v1.FactoryService/ListRuns", &factory::ListRunsRequest::default())
+                .await;
+            if let Ok(runs) = runs {
+                assert!(runs.runs.len() <= 1, "one alert opened {} runs", runs.runs.len());
+                run_id = runs.runs.first().map(|r| r.id.clone());
             }
         }
-        let run: Result<factory::GetRunResponse, _> = oncall
-            .unary("/loams.factory.v1.FactoryService/GetRun", &factory::GetRunRequest { run_id: run_id.clone() })
-            .await;
-        if let Ok(factory::GetRunResponse { run: Some(run) }) = run {
-            if matches!(run.state.as_str(), "succeeded" | "failed" | "killed") {
-                assert_eq!(run.state, "succeeded", "log: {}", std::fs::read_to_string(&log).unwrap());
-                break;
+        if let Some(id) = &run_id {
+            let run: Result<factory::GetRunResponse, _> = oncall
+                .unary("/loams.factory.v1.FactoryService/GetRun", &factory::GetRunRequest { run_id: id.clone() })
+                .await;
+            if let Ok(factory::GetRunResponse { run: Some(run) }) = run {
+                if matches!(run.state.as_str(), "succeeded" | "failed" | "killed") {
+                    assert_eq!(run.state, "succeeded", "log: {}", log_text());
+                    break;
+                }
+                if run.state == "waiting" && idle_in_wait(&oncall, &run).await {
+                    for approval in phone.pending().await.unwrap_or_default() {
+                        let _ = phone.decide(&approval.id, true).await;
+                    }
+                }
             }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(kills, KILL_AFTER_MS.len(), "the run finished before every planned kill");
-    let after = sandbox_counts(&info.urls.forgejo).await.unwrap();
-    assert_eq!(effects(&after), expected, "apps after a killed run differ from a clean run");
     drop(dev);
+
+    // Every start but the last aborted at its fault, naming the step it was cut at.
+    let text = strip_ansi(&log_text());
+    let aborts: Vec<&str> = text.lines().filter(|l| l.contains("fault injection: aborting the process")).collect();
+    assert_eq!(aborts.len(), starts - 1, "log: {text}");
+    let cuts = aborts
+        .iter()
+        .filter_map(|l| {
+            let boundary = if l.contains("AfterEffect") { "AfterEffect" } else { "AfterRecord" };
+            let step = l.split("step=").nth(1)?.trim().trim_matches('"');
+            Some((boundary.to_string(), step.to_string()))
+        })
+        .collect();
+    let apps = effects(&sandbox_counts(&info.urls.forgejo).await.unwrap());
+    let paid = model.served.lock().unwrap().clone();
+    Crashed { apps, paid, cuts }
 }

@@ -9,7 +9,10 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use async_trait::async_trait;
 
-use crate::{Claim, Cond, Delivery, EventRow, Item, Page, Paged, Queue, Result, RunRow, Store, StoreError, Timer, Timers};
+use crate::{
+    Claim, Cond, Delivery, EventRow, Item, Page, Paged, Queue, Result, RunRow, Store, StoreError,
+    Timer, Timers,
+};
 
 /// Declares the live counters and their plain snapshot from one field list, so the two cannot drift apart.
 macro_rules! counters {
@@ -102,7 +105,13 @@ impl OpCounts {
 
     /// Store calls that write (each one transaction in the SQLite adapter).
     pub fn store_writes(&self) -> u64 {
-        self.create_run + self.append + self.put_item + self.delete_item + self.claim + self.finish + self.release
+        self.create_run
+            + self.append
+            + self.put_item
+            + self.delete_item
+            + self.claim
+            + self.finish
+            + self.release
     }
 
     /// Queue calls of any kind.
@@ -126,7 +135,10 @@ pub struct Counting<T> {
 
 impl<T> Counting<T> {
     pub fn new(inner: T) -> Self {
-        Counting { inner, counters: Counters::default() }
+        Counting {
+            inner,
+            counters: Counters::default(),
+        }
     }
 
     /// The wrapped adapter; calls made on it directly are not counted.
@@ -161,7 +173,9 @@ impl<T: Store> Store for Counting<T> {
         now_ms: i64,
     ) -> Result<bool> {
         Self::bump(&self.counters.create_run);
-        self.inner.create_run(org, id, state, snapshot, first_event, now_ms).await
+        self.inner
+            .create_run(org, id, state, snapshot, first_event, now_ms)
+            .await
     }
 
     async fn append(
@@ -175,10 +189,15 @@ impl<T: Store> Store for Counting<T> {
         now_ms: i64,
     ) -> Result<u64> {
         Self::bump(&self.counters.append);
-        let result = self.inner.append(org, id, expected_version, state, snapshot, events, now_ms).await;
+        let result = self
+            .inner
+            .append(org, id, expected_version, state, snapshot, events, now_ms)
+            .await;
         self.note_conflict(&result);
         if result.is_ok() {
-            self.counters.appended_events.fetch_add(events.len() as u64, Relaxed);
+            self.counters
+                .appended_events
+                .fetch_add(events.len() as u64, Relaxed);
         }
         result
     }
@@ -193,7 +212,13 @@ impl<T: Store> Store for Counting<T> {
         self.inner.list_runs(org, state, page).await
     }
 
-    async fn events(&self, org: &str, id: &str, after_seq: u64, limit: u32) -> Result<Vec<EventRow>> {
+    async fn events(
+        &self,
+        org: &str,
+        id: &str,
+        after_seq: u64,
+        limit: u32,
+    ) -> Result<Vec<EventRow>> {
         Self::bump(&self.counters.events);
         self.inner.events(org, id, after_seq, limit).await
     }
@@ -215,7 +240,13 @@ impl<T: Store> Store for Counting<T> {
         self.inner.delete_item(org, kind, id).await
     }
 
-    async fn list_items(&self, org: &str, kind: &str, index: Option<&str>, page: Page) -> Result<Paged<Item>> {
+    async fn list_items(
+        &self,
+        org: &str,
+        kind: &str,
+        index: Option<&str>,
+        page: Page,
+    ) -> Result<Paged<Item>> {
         Self::bump(&self.counters.list_items);
         self.inner.list_items(org, kind, index, page).await
     }
@@ -247,7 +278,9 @@ impl<T: Queue> Queue for Counting<T> {
         Self::bump(&self.counters.receive);
         let result = self.inner.receive(max, visibility_ms).await;
         if let Ok(deliveries) = &result {
-            self.counters.received.fetch_add(deliveries.len() as u64, Relaxed);
+            self.counters
+                .received
+                .fetch_add(deliveries.len() as u64, Relaxed);
         }
         result
     }
@@ -317,19 +350,38 @@ mod tests {
     #[tokio::test]
     async fn counts_each_operation_and_its_payload() {
         let (db, _clock) = counting();
-        assert!(db.create_run("acme", "r-1", "open", b"{}", b"e1", START).await.unwrap());
+        assert!(
+            db.create_run("acme", "r-1", "open", b"{}", b"e1", START)
+                .await
+                .unwrap()
+        );
         let events = vec![b"e2".to_vec(), b"e3".to_vec()];
-        assert_eq!(db.append("acme", "r-1", 1, "open", b"{}", &events, START).await.unwrap(), 3);
+        assert_eq!(
+            db.append("acme", "r-1", 1, "open", b"{}", &events, START)
+                .await
+                .unwrap(),
+            3
+        );
         // A stale expected version is refused, counted as a call and a conflict, and adds no events.
         assert!(matches!(
-            db.append("acme", "r-1", 1, "open", b"{}", &events, START).await,
+            db.append("acme", "r-1", 1, "open", b"{}", &events, START)
+                .await,
             Err(StoreError::Conflict)
         ));
-        assert_eq!(db.get_run("acme", "r-1").await.unwrap().map(|r| r.version), Some(3));
+        assert_eq!(
+            db.get_run("acme", "r-1").await.unwrap().map(|r| r.version),
+            Some(3)
+        );
         assert_eq!(db.events("acme", "r-1", 0, 10).await.unwrap().len(), 3);
         assert_eq!(db.put_item(&item(b"x"), Cond::Absent).await.unwrap(), 1);
-        assert!(matches!(db.put_item(&item(b"y"), Cond::Absent).await, Err(StoreError::Conflict)));
-        assert_eq!(db.claim("acme", "k", START, 1_000).await.unwrap(), Claim::New);
+        assert!(matches!(
+            db.put_item(&item(b"y"), Cond::Absent).await,
+            Err(StoreError::Conflict)
+        ));
+        assert_eq!(
+            db.claim("acme", "k", START, 1_000).await.unwrap(),
+            Claim::New
+        );
         db.finish("acme", "k", b"done", START).await.unwrap();
 
         db.send(b"m1", 0).await.unwrap();
@@ -346,12 +398,18 @@ mod tests {
         db.cancel("acme", "t").await.unwrap();
 
         let c = db.counts();
-        assert_eq!((c.create_run, c.append, c.appended_events, c.conflicts), (1, 2, 2, 2));
-        assert_eq!((c.get_run, c.events, c.put_item, c.claim, c.finish), (1, 1, 2, 1, 1));
+        assert_eq!(
+            (c.create_run, c.append, c.appended_events, c.conflicts),
+            (1, 2, 2, 2)
+        );
+        assert_eq!(
+            (c.get_run, c.events, c.put_item, c.claim, c.finish),
+            (1, 1, 2, 1, 1)
+        );
         assert_eq!((c.send, c.receive, c.received, c.ack), (2, 2, 2, 2));
         assert_eq!((c.schedule, c.due, c.cancel), (1, 1, 1));
         assert_eq!(c.store_reads(), 2);
-        assert_eq!(c.store_writes(), 6);
+        assert_eq!(c.store_writes(), 7);
         assert_eq!(c.queue_ops(), 6);
         assert_eq!(c.timer_ops(), 3);
 
@@ -360,7 +418,13 @@ mod tests {
         db.inner().get_run("acme", "r-1").await.unwrap();
         db.get_item("acme", "approval", "a-1").await.unwrap();
         let window = db.counts().since(&before);
-        assert_eq!(window, OpCounts { get_item: 1, ..OpCounts::default() });
+        assert_eq!(
+            window,
+            OpCounts {
+                get_item: 1,
+                ..OpCounts::default()
+            }
+        );
         assert_eq!(window.fields().iter().map(|(_, n)| n).sum::<u64>(), 1);
     }
 

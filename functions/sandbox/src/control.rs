@@ -80,6 +80,18 @@ pub(crate) fn router() -> Router<Arc<Shared>> {
     Router::new()
         .route("/_sandbox/state", get(state))
         .route("/_sandbox/glitchtip/producing", post(producing))
+        .route("/_sandbox/requests", get(requests))
+}
+
+async fn requests(AxState(shared): AxState<Arc<Shared>>) -> Response {
+    if !shared.config.record_requests {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(serde_json::json!({"error": "request recording is off (config record_requests)"})),
+        )
+            .into_response();
+    }
+    Json(shared.requests.snapshot()).into_response()
 }
 
 async fn state(AxState(shared): AxState<Arc<Shared>>) -> Json<Counts> {

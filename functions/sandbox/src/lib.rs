@@ -16,12 +16,14 @@ mod glitchtip;
 mod openpanel;
 mod persist;
 mod plane;
+mod record;
 mod util;
 mod zulip;
 
 pub use ci::{CiCheck, CiRule};
 pub use control::{Counts, ForgejoCounts, GlitchtipCounts, PlaneCounts, ZulipCounts};
 pub use glitchtip::ProducingMode;
+pub use record::Exchange;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
@@ -217,6 +219,9 @@ pub struct SandboxConfig {
     pub ci: CiCheck,
     pub glitchtip: GlitchtipSeed,
     pub openpanel: OpenpanelSeed,
+    /// Keep a log of every app request and answer (the newest 1000), served at `GET /_sandbox/requests`, for
+    /// contract tests. Off by default: it buffers every body.
+    pub record_requests: bool,
 }
 
 impl SandboxConfig {
@@ -288,6 +293,7 @@ pub(crate) struct Shared {
     pub config: SandboxConfig,
     pub urls: Urls,
     state: Mutex<State>,
+    pub requests: record::Log,
 }
 
 impl Shared {
@@ -359,6 +365,7 @@ impl Sandbox {
             config,
             urls,
             state: Mutex::new(state),
+            requests: record::Log::default(),
         });
         {
             let mut st = shared.lock();
@@ -375,7 +382,14 @@ impl Sandbox {
         ];
         let (stop, _) = watch::channel(false);
         let mut servers = Vec::new();
-        for ((listener, _), router) in listeners.into_iter().zip(routers) {
+        for (((listener, _), mut router), name) in listeners.into_iter().zip(routers).zip(APPS) {
+            if shared.config.record_requests {
+                // Only the app's own routes (and its 404 fallback): the control endpoints are not its API.
+                router = router.layer(axum::middleware::from_fn_with_state(
+                    (shared.clone(), name),
+                    record::record,
+                ));
+            }
             let app = router
                 .merge(control::router())
                 .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -440,6 +454,11 @@ impl SandboxHandle {
 
     pub fn counts(&self) -> Counts {
         control::counts(&self.shared.lock(), util::now_ms())
+    }
+
+    /// The recorded exchanges, oldest first; empty unless `record_requests` is set.
+    pub fn requests(&self) -> Vec<Exchange> {
+        self.shared.requests.snapshot()
     }
 
     /// Forces GlitchTip production events on or off, or back to following the default branch.

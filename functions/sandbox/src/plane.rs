@@ -584,7 +584,6 @@ async fn create_comment(
         "created_at": util::iso_ms(now),
         "updated_at": util::iso_ms(now),
         "deleted_at": null,
-        "comment_stripped": strip_tags(&comment.comment_html),
         "comment_html": comment.comment_html,
         "attachments": [],
         "access": comment.access,
@@ -609,20 +608,6 @@ async fn create_comment(
     (StatusCode::CREATED, Json(out)).into_response()
 }
 
-fn strip_tags(html: &str) -> String {
-    let mut out = String::with_capacity(html.len());
-    let mut in_tag = false;
-    for ch in html.chars() {
-        match ch {
-            '<' => in_tag = true,
-            '>' => in_tag = false,
-            c if !in_tag => out.push(c),
-            _ => {}
-        }
-    }
-    out
-}
-
 /// `GET /workspaces/{slug}/projects/{pk}/` (retrieve_project): the seeded project, with the identifier that
 /// prefixes work item keys.
 async fn get_project(
@@ -642,6 +627,7 @@ async fn get_project(
         .iter()
         .find(|s| s.default)
         .map(|s| s.id.clone());
+    let cover = format!("{}/static/project-cover.jpg", shared.urls.plane);
     // two literals: one would pass serde_json's macro recursion limit
     let mut out = json!({
         "id": p.project_id,
@@ -652,7 +638,8 @@ async fn get_project(
         "sort_order": 65535.0,
         "member_role": 20,
         "is_deployed": false,
-        "cover_image_url": null,
+        // The description types this as a non-null string, so the seeded project has a cover image.
+        "cover_image_url": cover,
         "created_at": created,
         "updated_at": created,
         "deleted_at": null,
@@ -672,7 +659,7 @@ async fn get_project(
         "is_time_tracking_enabled": false,
         "is_issue_type_enabled": false,
         "guest_view_all_features": false,
-        "cover_image": null,
+        "cover_image": cover,
         "archive_in": 0,
         "close_in": 0,
         "logo_props": {},

@@ -6,11 +6,15 @@ use loams_sandbox::{
 use serde_json::{Value, json};
 use std::time::Duration;
 
+#[path = "support/spec.rs"]
+mod spec;
+
 fn client() -> reqwest::Client {
     reqwest::Client::new()
 }
 
-async fn start(config: SandboxConfig) -> SandboxHandle {
+async fn start(mut config: SandboxConfig) -> SandboxHandle {
+    config.record_requests = true;
     match Sandbox::start(config).await {
         Ok(h) => h,
         Err(e) => panic!("sandbox did not start: {e}"),
@@ -36,34 +40,11 @@ async fn counts(sb: &SandboxHandle) -> Counts {
     }
 }
 
-fn spec(rel: &str) -> Option<Value> {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/api-specs")
-        .join(rel);
-    let text = std::fs::read_to_string(&path).ok()?;
-    serde_json::from_str(&text).ok()
-}
-
-/// Required fields present, and (when `closed`) no field the schema does not define.
-fn conforms(obj: &Value, schema: &Value, closed: bool) -> Result<(), String> {
-    let o = obj.as_object().ok_or("not an object")?;
-    for r in schema["required"].as_array().into_iter().flatten() {
-        let r = r.as_str().unwrap_or_default();
-        if !o.contains_key(r) {
-            return Err(format!("missing required field {r}"));
-        }
-    }
-    if closed {
-        let props = schema["properties"]
-            .as_object()
-            .ok_or("schema has no properties")?;
-        for k in o.keys() {
-            if !props.contains_key(k) {
-                return Err(format!("field {k} is not in the schema"));
-            }
-        }
-    }
-    Ok(())
+/// Every answer the sandbox gave in this test, held to the official description of its app.
+fn conform(sb: &SandboxHandle) {
+    let log = sb.requests();
+    let checked = spec::assert_exchanges_conform(&log, false);
+    assert!(checked > 0, "no exchange with a described app was recorded");
 }
 
 #[tokio::test]
@@ -198,6 +179,7 @@ async fn zulip_send_and_read_a_topic() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(json_of(me).await["email"], t.zulip_email.as_str());
     assert_eq!(counts(&sb).await.zulip.messages, 3);
+    conform(&sb);
     sb.shutdown().await;
 }
 
@@ -370,6 +352,7 @@ async fn plane_work_items_are_idempotent_on_external_id() {
 
     let n = counts(&sb).await;
     assert_eq!((n.plane.issues, n.plane.comments), (1, 1));
+    conform(&sb);
     sb.shutdown().await;
 }
 
@@ -650,23 +633,7 @@ async fn forgejo_ci_pr_merge_and_production() {
     assert_eq!(s, 204);
 
     // responses stay inside the official definitions
-    if let Some(spec) = spec("forgejo/forgejo-swagger.v1.json") {
-        let d = &spec["definitions"];
-        for (name, obj) in [
-            ("PullRequest", &merged),
-            ("CombinedStatus", &failed),
-            ("CommitStatus", &failed["statuses"][0]),
-        ] {
-            conforms(obj, &d[name], true).unwrap_or_else(|e| panic!("{name}: {e}"));
-        }
-        let (_, contents) = f.get("/contents/README.md").await;
-        conforms(&contents, &d["ContentsResponse"], true)
-            .unwrap_or_else(|e| panic!("ContentsResponse: {e}"));
-        let (_, branch) = f.get("/branches/main").await;
-        conforms(&branch, &d["Branch"], true).unwrap_or_else(|e| panic!("Branch: {e}"));
-        conforms(&branch["commit"], &d["PayloadCommit"], true)
-            .unwrap_or_else(|e| panic!("PayloadCommit: {e}"));
-    }
+    conform(&sb);
     sb.shutdown().await;
 }
 
@@ -804,13 +771,7 @@ async fn glitchtip_events_follow_production_and_control() {
         .unwrap_or_default();
     assert!(link.ends_with("/acme/issues/42"), "{link}");
 
-    if let Some(spec) = spec("glitchtip/glitchtip-openapi.json") {
-        let s = &spec["components"]["schemas"];
-        conforms(&issue, &s["IssueDetailSchema"], true)
-            .unwrap_or_else(|e| panic!("IssueDetailSchema: {e}"));
-        conforms(&list[0], &s["IssueEventSchema"], true)
-            .unwrap_or_else(|e| panic!("IssueEventSchema: {e}"));
-    }
+    conform(&sb);
     sb.shutdown().await;
 }
 
@@ -909,6 +870,7 @@ async fn state_survives_a_restart_from_the_state_file() {
         .post("/labels", json!({"name": "kept", "color": "#00aabb"}))
         .await;
     assert_eq!(s, 201);
+    conform(&sb);
     sb.shutdown().await;
 
     let sb = start(config).await;
@@ -922,6 +884,7 @@ async fn state_survives_a_restart_from_the_state_file() {
         .post("/branches", json!({"new_branch_name": "keep"}))
         .await;
     assert_eq!(s, 409, "the branch came back from the state file");
+    conform(&sb);
     sb.shutdown().await;
 }
 
@@ -1025,10 +988,6 @@ async fn forgejo_labels_are_created_listed_and_put_on_a_pull_request() {
             .is_some_and(|u| u.ends_with(&format!("/labels/{}", bug["id"]))),
         "{bug}"
     );
-    if let Some(spec) = spec("forgejo/forgejo-swagger.v1.json") {
-        conforms(&factory, &spec["definitions"]["Label"], true)
-            .unwrap_or_else(|e| panic!("Label: {e}"));
-    }
 
     // listed by name, paged, with the total in a header
     let r = client()
@@ -1096,6 +1055,7 @@ async fn forgejo_labels_are_created_listed_and_put_on_a_pull_request() {
         (n.forgejo.labels, n.forgejo.prs, n.forgejo.open_prs),
         (2, 1, 1)
     );
+    conform(&sb);
     sb.shutdown().await;
 }
 
@@ -1144,12 +1104,6 @@ async fn forgejo_single_commit_has_parents_files_and_stats() {
             .is_some_and(|m| m.starts_with("Merge pull request")),
         "{c}"
     );
-    if let Some(spec) = spec("forgejo/forgejo-swagger.v1.json") {
-        let d = &spec["definitions"];
-        conforms(&c, &d["Commit"], true).unwrap_or_else(|e| panic!("Commit: {e}"));
-        conforms(&c["commit"], &d["RepoCommit"], true)
-            .unwrap_or_else(|e| panic!("RepoCommit: {e}"));
-    }
     let (_, with_stats) = f.get(&format!("/git/commits/{merge_sha}")).await;
     assert_eq!(
         with_stats["stats"],
@@ -1189,6 +1143,7 @@ async fn forgejo_single_commit_has_parents_files_and_stats() {
     assert_eq!(s, 404);
     let (s, _) = f.get("/git/commits/bad..ref").await;
     assert_eq!(s, 422);
+    conform(&sb);
     sb.shutdown().await;
 }
 
@@ -1255,6 +1210,7 @@ async fn plane_project_names_its_identifier() {
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(r.status(), want, "{u}");
     }
+    conform(&sb);
     sb.shutdown().await;
 }
 
@@ -1286,6 +1242,7 @@ async fn control_state_groups_counters_by_app() {
         ),
         (json!(0), json!(1))
     );
+    conform(&sb);
     sb.shutdown().await;
 }
 
@@ -1321,5 +1278,70 @@ async fn zulip_get_stream_id_by_name() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r.status(), 401);
+    conform(&sb);
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_request_log_is_served_only_when_recording() {
+    let off = match Sandbox::start(SandboxConfig::default()).await {
+        Ok(h) => h,
+        Err(e) => panic!("{e}"),
+    };
+    let r = client()
+        .get(format!("{}/_sandbox/requests", off.urls().zulip))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.status(), 404);
+    assert!(off.requests().is_empty());
+    off.shutdown().await;
+
+    let sb = start(SandboxConfig::default()).await;
+    let t = sb.tokens().clone();
+    let r = client()
+        .get(format!(
+            "{}/api/v1/get_stream_id?stream=factory",
+            sb.urls().zulip
+        ))
+        .basic_auth(&t.zulip_email, Some(&t.zulip_api_key))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.status(), 200);
+    // control requests are not part of the apps' APIs and are not logged
+    counts(&sb).await;
+    let served: Vec<loams_sandbox::Exchange> = client()
+        .get(format!("{}/_sandbox/requests", sb.urls().forgejo))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .json()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(served, sb.requests());
+    assert_eq!(served.len(), 1, "{served:?}");
+    let e = &served[0];
+    assert_eq!(
+        (
+            e.app.as_str(),
+            e.method.as_str(),
+            e.path.as_str(),
+            e.query.as_str(),
+            e.status
+        ),
+        (
+            "zulip",
+            "GET",
+            "/api/v1/get_stream_id",
+            "stream=factory",
+            200
+        )
+    );
+    assert_eq!(
+        serde_json::from_str::<Value>(&e.response_body).unwrap_or_default(),
+        json!({"result": "success", "msg": "", "stream_id": 1})
+    );
+    conform(&sb);
     sb.shutdown().await;
 }

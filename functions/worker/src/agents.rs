@@ -3,13 +3,16 @@
 use std::collections::HashMap;
 
 use async_trait::async_trait;
-use loams_a2a::A2aClient;
+use loams_a2a::{A2aClient, CallError};
 use serde_json::Value;
 
 /// The result of one agent call as the engine sees it.
 pub enum AgentReply {
     Done(Value),
     Failed { error: String, retryable: bool },
+    /// The agent is still performing this very step (same message id): nothing to record yet; ask again later
+    /// with the same id rather than retry the step under a new one, which could repeat its effect.
+    InProgress,
 }
 
 /// Calls an agent's skill with the step id as A2A `messageId`, so a repeated call is answered from the agent's
@@ -39,6 +42,7 @@ impl AgentCaller for A2aAgents {
         };
         match client.call(step, skill, args, approval_id).await {
             Ok(output) => AgentReply::Done(output),
+            Err(CallError::InProgress(_)) => AgentReply::InProgress,
             Err(e) => {
                 let retryable = e.retryable();
                 AgentReply::Failed { error: e.to_string(), retryable }

@@ -12,8 +12,10 @@ pub enum WorkerError {
     Contended(u32),
     #[error("open refused: {0}")]
     OpenRefused(String),
+    /// Another worker (or a crashed one whose lease has not run out) holds the step; try it again later under
+    /// the same step id, after `retry_ms`.
     #[error("effect {step} still in progress elsewhere")]
-    InProgress { step: String },
+    InProgress { step: String, retry_ms: u64 },
 }
 
 impl WorkerError {

@@ -1,9 +1,10 @@
 //! The queue worker: one message moves one run by at most one external effect.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use loams_factory::{Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, Outcome, Policy, Prices, Run, Signal};
+use loams_factory::{Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, LastRunStatus, Outcome, Policy, Prices, Run, Signal};
 use loams_model::{ChatMessage, ChatModel, ChatRequest};
 use loams_platform::{Claim, Clock, Cond, Item, Page, Queue, Store, StoreError, Timers};
 use serde_json::json;
@@ -11,15 +12,23 @@ use tracing::{Instrument, info_span, warn};
 
 use crate::WorkerError;
 use crate::agents::{AgentCaller, AgentReply};
+use crate::settings::{Boundary, Settings};
 
-/// How long a received message stays hidden from other workers; longer than any single effect may take.
-const VISIBILITY_MS: u64 = 60_000;
-/// Delay before a message whose handling failed for a passing reason is seen again.
+/// Delay before a message whose handling failed for a passing reason is seen again; doubled per receive, so a
+/// store hiccup of a few seconds does not use up the queue's receives and dead-letter the run's only message.
 const RETRY_DELAY_MS: u64 = 500;
+/// Largest doubling of `RETRY_DELAY_MS` (500 ms * 2^4 = 8 s).
+const MAX_BACKOFF_SHIFT: u32 = 4;
 /// Conditional-append conflicts tolerated in a row before the message is retried later.
 const MAX_CONFLICTS: u32 = 16;
 /// A model call's idempotency lease: another worker may take the call over only after this.
 const MODEL_LEASE_MS: u64 = 180_000;
+/// Delay before a step whose model call is held by someone else is tried again. A third of the lease, so that a
+/// holder that crashed is taken over after a few receives rather than after the queue gave up on the message.
+const IN_PROGRESS_DELAY_MS: u64 = MODEL_LEASE_MS / 3;
+/// When an agent says a step is still in progress: it usually finishes in milliseconds; after a crash its claim
+/// lasts the agent's lease, and the retry timer keeps coming back until then.
+const AGENT_IN_PROGRESS_DELAY_MS: u64 = 2_000;
 /// Messages taken from the queue per receive and handled concurrently.
 const BATCH: u32 = 8;
 
@@ -41,6 +50,12 @@ pub struct WorkerDeps {
 
 pub struct Worker {
     deps: WorkerDeps,
+    settings: Settings,
+    /// One lock per run being handled in this process. Two messages of one run (a duplicate continuation, a
+    /// timer fired twice, a settlement racing the step that asked for it) are then handled one after the other:
+    /// the second sees what the first recorded instead of performing the same step alongside it, which an
+    /// agent would answer with "still in progress". Entries live only while a message of the run is handled.
+    runs: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// What opening a signal did.
@@ -52,8 +67,9 @@ pub struct Opened {
 }
 
 impl Worker {
+    /// Builds the worker; reads its environment settings (see the crate documentation) once, here.
     pub fn new(deps: WorkerDeps) -> Self {
-        Worker { deps }
+        Worker { deps, settings: Settings::from_env(), runs: std::sync::Mutex::default() }
     }
 
     /// Opens a run for `signal` (create-if-absent) and enqueues its first step.
@@ -62,6 +78,17 @@ impl Worker {
         let now = d.clock.now_ms();
         let mut ctx = self.ctx(org, now).await?;
         ctx.last_run = self.last_run(org, &signal.fingerprint).await?;
+        if let Some(last) = &ctx.last_run {
+            // The cooldown counts from the end of the fingerprint's last run, and a repeat of the alert while it
+            // runs belongs to it: the engine needs to know which.
+            ctx.last_run_status = match d.store.get_run(org, &last.run_id).await? {
+                Some(row) if matches!(row.state.as_str(), "succeeded" | "failed" | "killed") => {
+                    LastRunStatus::Ended { at_ms: row.updated_ms }
+                }
+                Some(_) => LastRunStatus::Open,
+                None => LastRunStatus::Unknown,
+            };
+        }
         let (run, opened) = loams_factory::open(signal.clone(), &ctx).map_err(|e| WorkerError::OpenRefused(e.to_string()))?;
         let created = d
             .store
@@ -95,7 +122,9 @@ impl Worker {
             let Some(effect) = run.next_effect() else { return Ok(()) };
             let outcome = self.perform(&run, &effect).await?;
             let step = effect.step().to_string();
-            let run = self.record(&envelope.org, &envelope.run, &Input::Completed { step, outcome }).await?;
+            self.cross(Boundary::AfterEffect, &step);
+            let run = self.record(&envelope.org, &envelope.run, &Input::Completed { step: step.clone(), outcome }).await?;
+            self.cross(Boundary::AfterRecord, &step);
             if run.next_effect().is_some() {
                 self.enqueue(&envelope.org, &envelope.run, None, 0).await?;
             }
@@ -108,18 +137,38 @@ impl Worker {
     /// Takes one batch from the queue and handles it; returns how many messages it took.
     pub async fn run_once(&self) -> Result<usize, WorkerError> {
         let d = &self.deps;
-        let deliveries = d.queue.receive(BATCH, VISIBILITY_MS).await?;
+        let visibility = self.settings.visibility_ms;
+        let deliveries = d.queue.receive(BATCH, visibility).await?;
         let handled = deliveries.iter().map(|delivery| async move {
             let Ok(envelope) = serde_json::from_slice::<Envelope>(&delivery.body) else {
                 // A body that does not parse never will: drop it loudly rather than retry it forever.
                 warn!(message = %delivery.id, "dropping a queue message that is not an envelope");
                 return d.queue.ack(&delivery.receipt).await;
             };
-            match self.handle(&envelope).await {
+            match self.handle_visible(&envelope, &delivery.receipt).await {
                 Ok(()) => d.queue.ack(&delivery.receipt).await,
+                Err(WorkerError::InProgress { step, retry_ms }) => {
+                    // Waiting out someone else's lease must not use up the message's receives (it would be
+                    // dead-lettered), so the continuation moves to the timer store and the message is done.
+                    let due = d.clock.now_ms().saturating_add(i64::try_from(retry_ms).unwrap_or(i64::MAX));
+                    let again = Envelope { org: envelope.org.clone(), run: envelope.run.clone(), input: None };
+                    let timer = format!("retry:{step}");
+                    let scheduled = match to_json(&again) {
+                        Ok(body) => d.timers.schedule(&envelope.org, &timer, due, &body).await,
+                        Err(e) => return Err(StoreError::Invalid(e.to_string())),
+                    };
+                    match scheduled {
+                        Ok(()) => d.queue.ack(&delivery.receipt).await,
+                        Err(e) => {
+                            warn!(run = %envelope.run, error = %e, "could not schedule the retry; the message comes back");
+                            d.queue.retry_later(&delivery.receipt, RETRY_DELAY_MS).await
+                        }
+                    }
+                }
                 Err(e) if e.retryable() => {
-                    warn!(run = %envelope.run, error = %e, "step will be retried");
-                    d.queue.retry_later(&delivery.receipt, RETRY_DELAY_MS).await
+                    let delay = RETRY_DELAY_MS << delivery.receive_count.saturating_sub(1).min(MAX_BACKOFF_SHIFT);
+                    warn!(run = %envelope.run, error = %e, delay_ms = delay, "step will be retried");
+                    d.queue.retry_later(&delivery.receipt, delay).await
                 }
                 Err(e) => {
                     warn!(run = %envelope.run, error = %e, "dropping a message that cannot succeed");
@@ -131,6 +180,55 @@ impl Worker {
             result?;
         }
         Ok(deliveries.len())
+    }
+
+    /// Handles the message while keeping it hidden from other workers: its visibility is extended every third of
+    /// the timeout, so an effect slower than the timeout (a model call may take minutes) is not performed twice
+    /// side by side, while the message of a crashed worker still comes back soon.
+    async fn handle_visible(&self, envelope: &Envelope, receipt: &str) -> Result<(), WorkerError> {
+        let visibility = self.settings.visibility_ms;
+        let key = format!("{}/{}", envelope.org, envelope.run);
+        let work = async {
+            let lock = self.run_lock(&key);
+            let result = {
+                let _held = lock.lock().await;
+                self.handle(envelope).await
+            };
+            drop(lock);
+            self.forget_run_lock(&key);
+            result
+        };
+        tokio::pin!(work);
+        loop {
+            tokio::select! {
+                result = &mut work => return result,
+                _ = tokio::time::sleep(Duration::from_millis(visibility / 3)) => {
+                    if let Err(e) = self.deps.queue.retry_later(receipt, visibility).await {
+                        warn!(run = %envelope.run, error = %e, "extending the message visibility failed");
+                    }
+                }
+            }
+        }
+    }
+
+    fn run_lock(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        // A poisoned map only means another task panicked while inserting; the map itself is still sound.
+        let mut runs = self.runs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        runs.entry(key.to_string()).or_default().clone()
+    }
+
+    /// Drops the run's lock once no task holds or waits for it, so the map does not grow with every run seen.
+    fn forget_run_lock(&self, key: &str) {
+        let mut runs = self.runs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if runs.get(key).is_some_and(|lock| Arc::strong_count(lock) == 1) {
+            runs.remove(key);
+        }
+    }
+
+    fn cross(&self, boundary: Boundary, step: &str) {
+        if let Some(fault) = &self.settings.fault {
+            fault.cross(boundary, step);
+        }
     }
 
     /// Works the queue until `stop` turns true, pausing briefly whenever it is empty.
@@ -206,10 +304,13 @@ impl Worker {
             Effect::Call { step, agent, skill, args, approval_id } => {
                 let span = info_span!("invoke_agent", gen_ai.agent.name = %agent, gen_ai.tool.name = %skill, step = %step);
                 let reply = d.agents.call(agent, step, skill, args.clone(), approval_id.as_deref()).instrument(span).await;
-                Ok(match reply {
-                    AgentReply::Done(output) => Outcome::Agent(output),
-                    AgentReply::Failed { error, retryable } => Outcome::Failed { error, retryable },
-                })
+                match reply {
+                    AgentReply::Done(output) => Ok(Outcome::Agent(output)),
+                    AgentReply::Failed { error, retryable } => Ok(Outcome::Failed { error, retryable }),
+                    AgentReply::InProgress => {
+                        Err(WorkerError::InProgress { step: step.clone(), retry_ms: AGENT_IN_PROGRESS_DELAY_MS })
+                    }
+                }
             }
             Effect::Model { step, purpose, messages } => self.complete(&run.org, step, purpose, messages).await,
             Effect::RequestApproval { approval, .. } => {
@@ -255,7 +356,7 @@ impl Worker {
             Claim::Done(stored) => {
                 return serde_json::from_slice(&stored).map_err(|e| WorkerError::Corrupt(format!("{key}: {e}")));
             }
-            Claim::InProgress => return Err(WorkerError::InProgress { step: step.into() }),
+            Claim::InProgress => return Err(WorkerError::InProgress { step: step.into(), retry_ms: IN_PROGRESS_DELAY_MS }),
             Claim::New => {}
         }
         let request = ChatRequest {

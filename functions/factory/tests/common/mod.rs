@@ -49,7 +49,9 @@ pub struct World {
 }
 
 pub fn fix_text(attempt: u32) -> String {
-    format!("The fix:\n=== src/checkout.py\n```python\ncurrency = order.get('currency', 'EUR')  # attempt {attempt}\n```\n")
+    format!(
+        "The fix:\n=== src/checkout.py\n```python\ncurrency = order.get('currency', 'EUR')  # attempt {attempt}\n```\n"
+    )
 }
 
 impl World {
@@ -70,38 +72,50 @@ impl World {
             Effect::Model { purpose, .. } => {
                 let text = match purpose.as_str() {
                     "fix" => fix_text(attempt),
-                    "lead_review" => "Small and correct.\nAll good\n".to_string(),
+                    "lead_review" => "All good\n".to_string(),
                     _ => format!("LOW src/checkout.py:1 default currency is hard-coded\n{AUDIT_APPROVAL}\n"),
                 };
                 Outcome::Model { text, input_tokens: 1_000, output_tokens: 200 }
             }
-            Effect::Call { agent, skill, .. } => Outcome::Agent(match (agent.as_str(), skill.as_str()) {
-                ("zulip", "open_thread") => json!({"message_id": 100, "url": "https://zulip.example/#narrow/100"}),
-                ("zulip", "post") => json!({"message_id": 101}),
-                ("plane", "create_issue") => {
-                    json!({"id": "iss-1", "key": "SHOP-7", "url": "https://plane.example/SHOP-7", "created": true})
-                }
-                ("plane", "comment") => json!({"id": "c-1"}),
-                ("plane", "set_state") => json!({"state": "completed"}),
-                ("forgejo", "read_files") => {
-                    json!({"files": [{"path": "src/checkout.py", "content": "currency = order['currency']\n"}]})
-                }
-                ("forgejo", "commit_patch") => json!({"sha": format!("c0ffee{attempt}")}),
-                ("forgejo", "open_pr") => json!({"number": 7, "url": "https://forgejo.example/pr/7", "head_sha": format!("c0ffee{attempt}")}),
-                // Attempt 1: pending once, then a failing test; attempt 2 passes.
-                ("forgejo", "ci_status") => match (attempt, action.as_str()) {
-                    (1, "ci_status.0") => json!({"state": "pending", "log": ""}),
-                    (1, _) => json!({"state": "failure", "log": "PASS test_cart\nFAIL test_checkout\n"}),
-                    _ => json!({"state": "success", "log": "PASS test_cart\nPASS test_checkout\n"}),
-                },
-                ("forgejo", "merge") => json!({"merge_sha": "m3rge"}),
-                ("forgejo", "close_pr") => json!({"closed": true}),
-                ("forgejo", "revert") => json!({"number": 8, "url": "https://forgejo.example/pr/8", "head_sha": "r3v"}),
-                ("glitchtip", "issue_events") => json!({"count": 0, "last_seen_ms": null}),
-                ("glitchtip", "resolve") => json!({"status": "resolved"}),
-                ("analytics", "series") => json!({"points": [{"date": "2024-01-01", "count": 3}], "total": 3}),
-                other => panic!("unexpected call {other:?}"),
-            }),
+            Effect::Call { agent, skill, .. } => {
+                Outcome::Agent(match (agent.as_str(), skill.as_str()) {
+                    ("zulip", "open_thread") => {
+                        json!({"message_id": 100, "url": "https://zulip.example/#narrow/100"})
+                    }
+                    ("zulip", "post") => json!({"message_id": 101}),
+                    ("plane", "create_issue") => {
+                        json!({"id": "iss-1", "key": "SHOP-7", "url": "https://plane.example/SHOP-7", "created": true})
+                    }
+                    ("plane", "comment") => json!({"id": "c-1"}),
+                    ("plane", "set_state") => json!({"state": "completed"}),
+                    ("forgejo", "read_files") => {
+                        json!({"files": [{"path": "src/checkout.py", "content": "currency = order['currency']\n"}]})
+                    }
+                    ("forgejo", "commit_patch") => json!({"sha": format!("c0ffee{attempt}")}),
+                    ("forgejo", "open_pr") => {
+                        json!({"number": 7, "url": "https://forgejo.example/pr/7", "head_sha": format!("c0ffee{attempt}")})
+                    }
+                    // Attempt 1: pending once, then a failing test; attempt 2 passes.
+                    ("forgejo", "ci_status") => match (attempt, action.as_str()) {
+                        (1, "ci_status.0") => json!({"state": "pending", "log": ""}),
+                        (1, _) => {
+                            json!({"state": "failure", "log": "PASS test_cart\nFAIL test_checkout\n"})
+                        }
+                        _ => {
+                            json!({"state": "success", "log": "PASS test_cart\nPASS test_checkout\n"})
+                        }
+                    },
+                    ("forgejo", "merge") => json!({"merge_sha": "m3rge"}),
+                    ("forgejo", "close_pr") => json!({"closed": true}),
+                    ("forgejo", "revert") => {
+                        json!({"number": 8, "url": "https://forgejo.example/pr/8", "head_sha": "r3v"})
+                    }
+                    ("glitchtip", "issue_events") => json!({"count": 0, "last_seen_ms": null}),
+                    ("glitchtip", "resolve") => json!({"status": "resolved"}),
+                    ("analytics", "series") => json!({"points": [], "total": 0}),
+                    other => panic!("unexpected call {other:?}"),
+                })
+            }
         }
     }
 
@@ -151,12 +165,14 @@ pub struct Worker {
     pub cached: Option<Run>,
     pub queue: VecDeque<Option<Input>>,
     pub ctx: Ctx,
+    /// Every input the outside world sent (settlements, timers, decisions), in order.
+    pub sent: Vec<Input>,
 }
 
 impl Worker {
     pub fn start(signal: Signal, ctx: Ctx) -> Worker {
         let (run, first) = open(signal, &ctx).expect("open");
-        Worker { log: vec![first], cached: Some(run), queue: VecDeque::from([None]), ctx }
+        Worker { log: vec![first], cached: Some(run), queue: VecDeque::from([None]), ctx, sent: Vec::new() }
     }
 
     pub fn run(&mut self) -> Run {
@@ -192,14 +208,18 @@ impl Worker {
             return false;
         }
         let run = self.run();
-        let Some(effect) = run.next_effect() else { return true };
+        let Some(effect) = run.next_effect() else {
+            return true;
+        };
         let (outcome, later) = world.perform(&effect);
+        self.sent.extend(later.iter().cloned());
         self.queue.extend(later.into_iter().map(Some));
         if crash == Some(Crash::AfterPerform) {
             self.cached = None;
             return false;
         }
-        let events = decide(&run, &Input::Completed { step: effect.step().into(), outcome }, &self.ctx).expect("decide");
+        let events =
+            decide(&run, &Input::Completed { step: effect.step().into(), outcome }, &self.ctx).expect("decide");
         self.append(events);
         if crash == Some(Crash::AfterRecord) {
             self.cached = None;
@@ -214,7 +234,9 @@ impl Worker {
     /// Delivers queued messages in order until none is left.
     pub fn drain(&mut self, world: &mut World) -> Run {
         for _ in 0..10_000 {
-            let Some(msg) = self.queue.pop_front() else { return self.run() };
+            let Some(msg) = self.queue.pop_front() else {
+                return self.run();
+            };
             assert!(self.process(&msg, world, None));
         }
         panic!("the run does not settle");
@@ -234,7 +256,9 @@ pub fn trace(world: &World) -> Vec<String> {
         .map(|s| match &world.performed[s].0 {
             Effect::Call { agent, skill, .. } => format!("{agent}.{skill}"),
             Effect::Model { purpose, .. } => format!("model.{purpose}"),
-            Effect::RequestApproval { approval, .. } => format!("approval.{}", approval.action.skill),
+            Effect::RequestApproval { approval, .. } => {
+                format!("approval.{}", approval.action.skill)
+            }
             Effect::Wait { .. } => format!("wait.{}", parts(s).2),
         })
         .collect()

@@ -1,0 +1,157 @@
+//! The credential broker's side of agent calls (DESIGN.md section 7): the tokens the factory's A2A
+//! clients present, their verification at the agents, and the approval gate an agent asks at the
+//! moment of a destructive call.
+//!
+//! - [`AgentTokens`] mints, per agent, a short-lived ES256 JWT with `sub = agent:loams-factory`,
+//!   the run's organisation and `aud` = the agent's interface URL.
+//! - [`AgentAuth`] verifies such a token at an agent: signature, `iss`, `exp`, `aud` = that agent's
+//!   URL, and a lifetime of at most [`MAX_AGENT_TOKEN_TTL_S`].
+//! - [`ApprovalBroker`] admits a destructive call only under a settled, approved, unexpired
+//!   approval whose action hash is the hash of exactly this call.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use aws_lc_rs::constant_time;
+use loams_a2a::{ApprovalGate, AuthError, CallerAuth, GateError, Principal, TokenError, TokenSource};
+use loams_factory::action_hash;
+use loams_factory::approval::{Approval, ApprovalAction, ApprovalState};
+use loams_platform::{Clock, Store, StoreError, limits};
+use serde_json::Value;
+
+use crate::ApiError;
+use crate::auth::{Issuer, Verifier};
+
+/// The principal the factory's worker calls agents as.
+pub const AGENT_SUBJECT: &str = "agent:loams-factory";
+/// Longest lifetime of an agent token accepted (DESIGN.md section 7: at most 15 minutes).
+pub const MAX_AGENT_TOKEN_TTL_S: u64 = 15 * 60;
+/// Lifetime of the tokens minted here: long enough for one skill call (the agent's longest is 4 min).
+const AGENT_TOKEN_TTL_S: u64 = 5 * 60;
+/// Scope of agent tokens; agents decide by their own policy and the approval gate, not by scope.
+const AGENT_SCOPE: &str = "a2a";
+/// Item kind of approval records (docs/contracts.md).
+const APPROVAL_KIND: &str = "approval";
+
+/// Mints the bearer token for one agent call: `sub` = [`AGENT_SUBJECT`], `org`, `aud` = the agent's
+/// URL, valid for five minutes. A fresh token per call costs one ECDSA signature and leaves no
+/// cache of live credentials to guard.
+pub struct AgentTokens {
+    issuer: Issuer,
+    org: String,
+}
+
+impl AgentTokens {
+    pub fn new(issuer: Issuer, org: impl Into<String>) -> Self {
+        Self { issuer, org: org.into() }
+    }
+}
+
+#[async_trait]
+impl TokenSource for AgentTokens {
+    async fn token(&self, audience: &str) -> Result<String, TokenError> {
+        let now = jsonwebtoken::get_current_timestamp();
+        self.issuer.issue_for(audience, AGENT_SUBJECT, &self.org, AGENT_SCOPE, now, AGENT_TOKEN_TTL_S).map_err(|e| {
+            TokenError { audience: audience.chars().take(limits::MAX_KEY).collect(), reason: e.to_string() }
+        })
+    }
+}
+
+/// Verifies agent tokens at an agent against the issuer's keys, with the agent's URL as audience.
+pub struct AgentAuth {
+    verifier: Verifier,
+}
+
+impl AgentAuth {
+    /// `verifier` carries the trusted keys and issuer; its audience is replaced per agent.
+    pub fn new(verifier: Verifier) -> Self {
+        Self { verifier }
+    }
+}
+
+#[async_trait]
+impl CallerAuth for AgentAuth {
+    async fn verify(&self, bearer: Option<&str>, audience: &str) -> Result<Principal, AuthError> {
+        let token = bearer.ok_or(AuthError::Missing)?;
+        let claims = self.verifier.for_audience(audience).verify_claims(token).await.map_err(|e| match e {
+            ApiError::Unavailable(why) | ApiError::Internal(why) => AuthError::Unavailable(why),
+            _ => AuthError::Invalid,
+        })?;
+        // A long-lived token stolen once would open the agent for its whole life; refuse any that
+        // was minted for longer than an agent token may live.
+        if claims.exp.saturating_sub(claims.iat) > MAX_AGENT_TOKEN_TTL_S {
+            return Err(AuthError::Invalid);
+        }
+        Ok(Principal { subject: claims.sub, org: claims.org })
+    }
+}
+
+/// Checks destructive calls against the factory's approval records in the store.
+pub struct ApprovalBroker {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+}
+
+impl ApprovalBroker {
+    pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
+        Self { store, clock }
+    }
+}
+
+#[async_trait]
+impl ApprovalGate for ApprovalBroker {
+    async fn admit(&self, org: &str, agent: &str, skill: &str, args: &Value, approval_id: &str) -> Result<(), GateError> {
+        let refuse = |why: &str| Err(GateError::Refused(why.to_string()));
+        if limits::key("approval id", approval_id).is_err() {
+            return refuse("the approval id is malformed");
+        }
+        let item = match self.store.get_item(org, APPROVAL_KIND, approval_id).await {
+            Ok(Some(item)) => item,
+            Ok(None) => return refuse("no such approval"),
+            Err(StoreError::Invalid(_)) => return refuse("the approval id is malformed"),
+            Err(e) => return Err(GateError::Unavailable(e.to_string())),
+        };
+        let approval: Approval = match serde_json::from_slice(&item.body) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::error!(error = %e, approval_id, "stored approval does not decode");
+                return refuse("the approval record is unreadable");
+            }
+        };
+        let now = self.clock.now_ms();
+        match approval.effective_state(now) {
+            ApprovalState::Approved => {}
+            ApprovalState::Pending => return refuse("the approval is still pending"),
+            ApprovalState::Denied => return refuse("the approval was denied"),
+            ApprovalState::Expired => return refuse("the approval has expired"),
+        }
+        // An approval releases its call within its lifetime only, even once approved.
+        if now >= approval.expires_at_ms {
+            return refuse("the approval has expired");
+        }
+        if approval.org != org {
+            return refuse("the approval belongs to another organisation");
+        }
+        if approval.action.agent != agent || approval.action.skill != skill {
+            return refuse(&format!(
+                "the approval is for {}.{}, not {agent}.{skill}",
+                approval.action.agent, approval.action.skill
+            ));
+        }
+        // The hash the person signed over must be the hash of exactly this call: agent, skill and args
+        // come from the call, so an approval for other arguments releases nothing. The target commit
+        // is the record's own: the engine binds run context into it (the patch behind a merge) that
+        // the call does not carry, and the hash covers it as signed.
+        let called = ApprovalAction {
+            agent: agent.to_string(),
+            skill: skill.to_string(),
+            args: args.clone(),
+            target_commit: approval.action.target_commit.clone(),
+        };
+        let hash = action_hash(&called);
+        if constant_time::verify_slices_are_equal(hash.as_bytes(), approval.action_hash.as_bytes()).is_err() {
+            return refuse("the call does not match the approved action (action hash differs)");
+        }
+        Ok(())
+    }
+}

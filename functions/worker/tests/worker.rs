@@ -1,0 +1,378 @@
+//! The worker on the in-memory SQLite backend with scripted agents and model: whole runs driven through the queue,
+//! and the crash and concurrency cases of one message.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use loams_factory::{AUDIT_APPROVAL, Envelope, Input, LEAD_APPROVAL, Outcome, Run, Signal};
+use loams_model::{ChatModel, ChatRequest, ChatResponse, ModelError};
+use loams_platform::{Claim, Clock, ManualClock, Page, Queue, Sqlite, Store};
+use loams_worker::{AgentCaller, AgentReply, Scheduler, Worker, WorkerDeps, WorkerError};
+use serde_json::{Value, json};
+
+const ORG: &str = "acme";
+const PATCH: &str = "Divide by 100.\n\n=== src/checkout.py\n```python\ndef apply_discount(price, percent):\n    return price * (1 - percent / 100)\n```\n";
+
+/// Agents that answer every skill of the contract's table, A2A-like: a repeated step id (message id) gets the
+/// stored answer and performs nothing.
+#[derive(Default)]
+struct FakeAgents {
+    /// Error events GlitchTip reports after the merge (above the threshold: regressed).
+    error_events: u64,
+    /// step id -> (agent.skill, answer), and how many times each step id was called.
+    answered: Mutex<HashMap<String, (String, Value)>>,
+    calls: Mutex<HashMap<String, u32>>,
+}
+
+impl FakeAgents {
+    fn output(&self, agent: &str, skill: &str, step: &str) -> Value {
+        match (agent, skill) {
+            ("zulip", "open_thread") => json!({"message_id": 1, "url": "https://chat/1"}),
+            ("zulip", "post") => json!({"message_id": 2}),
+            ("plane", "create_issue") => json!({"id": "i-1", "key": "ACME-1", "url": "https://plane/1", "created": true}),
+            ("plane", "comment") => json!({"id": "c-1"}),
+            ("plane", "set_state") => json!({"state": "completed"}),
+            ("forgejo", "read_files") => {
+                json!({"files": [{"path": "src/checkout.py", "content": "def apply_discount(price, percent):\n    return price / 0\n"}]})
+            }
+            ("forgejo", "commit_patch") => json!({"sha": "c0ffee"}),
+            ("forgejo", "open_pr") => json!({"number": 7, "url": "https://git/pr/7", "head_sha": "c0ffee"}),
+            ("forgejo", "ci_status") => json!({"state": "success", "log": "ok"}),
+            ("forgejo", "merge") => json!({"merge_sha": "m3rge"}),
+            ("forgejo", "revert") => json!({"number": 8, "url": "https://git/pr/8", "head_sha": "r3v"}),
+            ("forgejo", "close_pr") => json!({"closed": true}),
+            ("glitchtip", "issue_events") => json!({"count": self.error_events, "last_seen_ms": null}),
+            ("glitchtip", "resolve") => json!({"status": "resolved"}),
+            ("analytics", "series") => json!({"points": [], "total": 0}),
+            _ => panic!("step {step} calls {agent}.{skill}, which is not in the skills table"),
+        }
+    }
+
+    fn calls_of(&self, step: &str) -> u32 {
+        self.calls.lock().unwrap().get(step).copied().unwrap_or(0)
+    }
+}
+
+#[async_trait]
+impl AgentCaller for FakeAgents {
+    async fn call(&self, agent: &str, step: &str, skill: &str, _args: Value, _approval_id: Option<&str>) -> AgentReply {
+        *self.calls.lock().unwrap().entry(step.to_string()).or_default() += 1;
+        let mut answered = self.answered.lock().unwrap();
+        let (called, answer) = answered
+            .entry(step.to_string())
+            .or_insert_with(|| (format!("{agent}.{skill}"), self.output(agent, skill, step)))
+            .clone();
+        // One message id is one call: the same id for another call would be a worker bug.
+        assert_eq!(called, format!("{agent}.{skill}"), "message id {step} reused for another call");
+        AgentReply::Done(answer)
+    }
+}
+
+/// A model that answers each purpose with a fixed text and counts what it was paid for.
+#[derive(Default)]
+struct FakeModel {
+    paid: Mutex<Vec<String>>,
+}
+
+#[async_trait]
+impl ChatModel for FakeModel {
+    async fn complete(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
+        self.paid.lock().unwrap().push(req.purpose.clone());
+        let text = match req.purpose.as_str() {
+            "fix" => PATCH.to_string(),
+            "lead_review" => LEAD_APPROVAL.to_string(),
+            "security_audit" => format!("LOW src/checkout.py:2 negative percent; exploit: none; remedy: clamp\n\n{AUDIT_APPROVAL}"),
+            other => panic!("unexpected purpose {other}"),
+        };
+        Ok(ChatResponse { text, model: "fake".into(), input_tokens: 100, output_tokens: 20 })
+    }
+}
+
+struct Harness {
+    clock: Arc<ManualClock>,
+    db: Arc<Sqlite>,
+    agents: Arc<FakeAgents>,
+    model: Arc<FakeModel>,
+    worker: Worker,
+    scheduler: Scheduler,
+}
+
+impl Harness {
+    fn new(agents: FakeAgents, max_generations: u32) -> Harness {
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+        let db = Arc::new(Sqlite::memory(clock.clone()).unwrap());
+        let agents = Arc::new(agents);
+        let model = Arc::new(FakeModel::default());
+        let worker = Harness::worker(&clock, &db, &agents, &model, max_generations);
+        let scheduler = Scheduler::new(db.clone(), db.clone(), clock.clone());
+        Harness { clock, db, agents, model, worker, scheduler }
+    }
+
+    /// A worker on the harness's backend (several may share it, like several processes).
+    fn worker(
+        clock: &Arc<ManualClock>,
+        db: &Arc<Sqlite>,
+        agents: &Arc<FakeAgents>,
+        model: &Arc<FakeModel>,
+        max_generations: u32,
+    ) -> Worker {
+        let config = loams_factory::Config { max_generations, ..loams_factory::Config::default() };
+        let policy = loams_factory::Policy { auto_triage: true, ..loams_factory::Policy::default() };
+        Worker::new(WorkerDeps {
+            store: db.clone(),
+            queue: db.clone(),
+            timers: db.clone(),
+            clock: clock.clone(),
+            agents: agents.clone(),
+            model: model.clone(),
+            env: "prod".into(),
+            config,
+            policy,
+            prices: loams_factory::Prices::default(),
+            owner: Some("oncall".into()),
+        })
+    }
+
+    async fn run(&self, id: &str) -> Run {
+        let row = self.db.get_run(ORG, id).await.unwrap().unwrap();
+        serde_json::from_slice(&row.snapshot).unwrap()
+    }
+
+    async fn version(&self, id: &str) -> u64 {
+        self.db.get_run(ORG, id).await.unwrap().unwrap().version
+    }
+
+    async fn send(&self, run: &str, input: Option<Input>) {
+        let envelope = Envelope { org: ORG.into(), run: run.into(), input };
+        self.db.send(&serde_json::to_vec(&envelope).unwrap(), 0).await.unwrap();
+    }
+
+    /// Drives the queue, the timers and a person approving every pending approval (as the API enqueues a
+    /// settlement) until run `id` has ended. Time moves only while nothing is left to do.
+    async fn drive(&self, id: &str) -> Run {
+        let mut settled = Vec::new();
+        for _ in 0..2_000 {
+            let run = self.run(id).await;
+            if run.state.is_terminal() {
+                return run;
+            }
+            let mut busy = self.worker.run_once().await.unwrap() + self.scheduler.fire_due().await.unwrap();
+            let pending = self.db.list_items(ORG, "approval", Some("pending"), Page::first(10)).await.unwrap();
+            for approval in pending.items {
+                if !settled.contains(&approval.id) {
+                    settled.push(approval.id.clone());
+                    let input = Input::ApprovalSettled { approval_id: approval.id, approved: true, by: "alice".into() };
+                    self.send(id, Some(input)).await;
+                    busy += 1;
+                }
+            }
+            if busy == 0 {
+                self.clock.advance(5_000);
+            }
+        }
+        panic!("run {id} did not end: {:?}", self.run(id).await);
+    }
+}
+
+fn signal(fingerprint: &str) -> Signal {
+    Signal {
+        source: "glitchtip".into(),
+        fingerprint: fingerprint.into(),
+        title: "ZeroDivisionError: division by zero".into(),
+        link: "https://glitchtip/issues/1".into(),
+        glitchtip_issue_id: Some("1".into()),
+        severity: "error".into(),
+        generation: 1,
+        parent_run: None,
+    }
+}
+
+#[tokio::test]
+async fn a_run_driven_through_the_queue_succeeds_performing_each_step_once() {
+    let h = Harness::new(FakeAgents::default(), 2);
+    let opened = h.worker.open(ORG, signal("fp-1")).await.unwrap();
+    assert!(opened.created);
+    // Opening the same signal again is a no-op.
+    assert!(!h.worker.open(ORG, signal("fp-1")).await.unwrap().created);
+
+    let run = h.drive(&opened.run_id).await;
+    assert_eq!(run.state.as_str(), "succeeded", "{run:?}");
+    assert_eq!(run.links.deploy_ref.as_deref(), Some("m3rge"));
+    assert_eq!(*h.model.paid.lock().unwrap(), ["fix", "lead_review", "security_audit"]);
+    let calls = h.agents.calls.lock().unwrap().clone();
+    let skills: Vec<String> = {
+        let answered = h.agents.answered.lock().unwrap();
+        let mut s: Vec<String> = answered.values().map(|(skill, _)| skill.clone()).collect();
+        s.sort();
+        s
+    };
+    for skill in ["zulip.open_thread", "plane.create_issue", "forgejo.commit_patch", "forgejo.open_pr", "forgejo.merge",
+        "glitchtip.resolve", "plane.set_state"]
+    {
+        assert_eq!(skills.iter().filter(|s| *s == skill).count(), 1, "{skill} in {skills:?}");
+    }
+    // The second open's duplicate continuation makes some steps run twice side by side: always under the same
+    // message id, so the agent performed each once, and nothing was recorded as a failure.
+    assert!(calls.values().all(|n| *n <= 2), "{calls:?}");
+    let events = h.db.events(ORG, &opened.run_id, 0, 500).await.unwrap();
+    assert!(events.iter().all(|e| serde_json::from_slice::<Value>(&e.body).unwrap()["type"] != "step_failed"));
+    // The approval was stored once, under the request's step id.
+    let approvals = h.db.list_items(ORG, "approval", None, Page::first(10)).await.unwrap();
+    assert_eq!(approvals.items.len(), 1);
+    assert!(h.db.dead_letters(10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn two_workers_on_the_same_message_record_the_step_once_under_one_message_id() {
+    let h = Harness::new(FakeAgents::default(), 2);
+    let second = Harness::worker(&h.clock, &h.db, &h.agents, &h.model, 2);
+    let id = h.worker.open(ORG, signal("fp-2")).await.unwrap().run_id;
+    let envelope = Envelope { org: ORG.into(), run: id.clone(), input: None };
+    let before = h.version(&id).await;
+
+    let (a, b) = tokio::join!(h.worker.handle(&envelope), second.handle(&envelope));
+    a.unwrap();
+    b.unwrap();
+
+    let run = h.run(&id).await;
+    let step = format!("{id}:triage:0:open_thread");
+    // Whether the second worker performed the same step alongside (then under the same message id, answered from
+    // the agent's task store) or, coming later, the next one depends on timing; the thread is opened once either way.
+    assert!((1..=2).contains(&h.agents.calls_of(&step)));
+    assert_eq!(run.links.thread_message_id, Some(1));
+    // One thread opened, triage decided, the issue created by one of them afterwards: never a step twice.
+    let events = h.db.events(ORG, &id, before, 100).await.unwrap();
+    let kinds: Vec<String> = events
+        .iter()
+        .map(|e| serde_json::from_slice::<Value>(&e.body).unwrap()["type"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(kinds.iter().filter(|k| *k == "thread_opened").count(), 1, "{kinds:?}");
+    assert_eq!(kinds.iter().filter(|k| *k == "step_failed").count(), 0, "{kinds:?}");
+}
+
+/// Drives run `id` until its next effect is the fix model call; returns that call's step id.
+async fn until_fix(h: &Harness, id: &str) -> String {
+    for _ in 0..50 {
+        let run = h.run(id).await;
+        if let Some(loams_factory::Effect::Model { step, .. }) = run.next_effect() {
+            return step;
+        }
+        h.worker.handle(&Envelope { org: ORG.into(), run: id.into(), input: None }).await.unwrap();
+    }
+    panic!("the run never reached its fix");
+}
+
+#[tokio::test]
+async fn a_model_call_claimed_elsewhere_is_retried_later_and_a_finished_one_reused() {
+    let h = Harness::new(FakeAgents::default(), 2);
+    let id = h.worker.open(ORG, signal("fp-3")).await.unwrap().run_id;
+    // Drain the open's continuation so the queue holds only what this test sends.
+    let step = until_fix(&h, &id).await;
+    for d in h.db.receive(10, 1_000).await.unwrap() {
+        h.db.ack(&d.receipt).await.unwrap();
+    }
+
+    // Another worker holds the call: the message is not lost and the model is not paid.
+    let key = format!("model:{step}");
+    assert_eq!(h.db.claim(ORG, &key, h.clock.now_ms(), 180_000).await.unwrap(), Claim::New);
+    h.send(&id, None).await;
+    let envelope = Envelope { org: ORG.into(), run: id.clone(), input: None };
+    assert!(matches!(h.worker.handle(&envelope).await, Err(WorkerError::InProgress { .. })));
+    assert_eq!(h.worker.run_once().await.unwrap(), 1);
+    assert!(h.model.paid.lock().unwrap().is_empty());
+    // Not lost and not spun on: the continuation waits in the timer store (waiting out a lease must not use up
+    // the message's receives and dead-letter it).
+    assert_eq!(h.worker.run_once().await.unwrap(), 0);
+    assert_eq!(h.scheduler.fire_due().await.unwrap(), 0, "not due yet");
+
+    // The holder finishes: the retry reuses its answer.
+    let outcome = Outcome::Model { text: PATCH.into(), input_tokens: 7, output_tokens: 3 };
+    h.db.finish(ORG, &key, &serde_json::to_vec(&outcome).unwrap(), h.clock.now_ms()).await.unwrap();
+    h.clock.advance(61_000);
+    assert_eq!(h.scheduler.fire_due().await.unwrap(), 1);
+    assert_eq!(h.worker.run_once().await.unwrap(), 1);
+    assert!(h.model.paid.lock().unwrap().is_empty(), "paid twice for {step}");
+    let run = h.run(&id).await;
+    assert_eq!(run.budget.tokens, 10, "the reused answer is the one recorded");
+    assert!(run.patch.iter().any(|f| f.path == "src/checkout.py"));
+}
+
+#[tokio::test]
+async fn a_regressed_run_opens_its_follow_up_unless_the_cap_refuses() {
+    for (cap, runs) in [(2, 2), (1, 1)] {
+        let h = Harness::new(FakeAgents { error_events: 50, ..FakeAgents::default() }, cap);
+        let id = h.worker.open(ORG, signal("fp-4")).await.unwrap().run_id;
+        let run = h.drive(&id).await;
+        assert_eq!(run.state.as_str(), "failed");
+        assert_eq!(run.follow_up.is_some(), cap == 2, "{:?}", run.follow_up);
+        let all = h.db.list_runs(ORG, None, Page::first(10)).await.unwrap().items;
+        assert_eq!(all.len(), runs, "cap {cap}");
+        if cap == 2 {
+            let next = all.iter().find(|r| r.id != id).unwrap();
+            let next: Run = serde_json::from_slice(&next.snapshot).unwrap();
+            assert_eq!((next.generation, next.parent_run.as_deref()), (2, Some(id.as_str())));
+        }
+        // The revert went through its approval.
+        assert!(h.agents.answered.lock().unwrap().values().any(|(s, _)| s == "forgejo.revert"));
+    }
+}
+
+#[tokio::test]
+async fn a_malformed_message_is_acked_and_dropped() {
+    let h = Harness::new(FakeAgents::default(), 2);
+    h.db.send(b"{not an envelope", 0).await.unwrap();
+    assert_eq!(h.worker.run_once().await.unwrap(), 1);
+    h.clock.advance(10 * 60_000);
+    assert_eq!(h.worker.run_once().await.unwrap(), 0, "the message came back");
+    assert!(h.db.dead_letters(10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_timer_fired_twice_changes_nothing_the_second_time() {
+    let h = Harness::new(FakeAgents::default(), 2);
+    let id = h.worker.open(ORG, signal("fp-5")).await.unwrap().run_id;
+    // Run until the run waits on a timer (the approval of the merge).
+    let mut timer = None;
+    for _ in 0..100 {
+        let run = h.run(&id).await;
+        if let Some(w) = run.wait.as_ref().filter(|w| w.scheduled) {
+            timer = Some(w.timer_id.clone());
+            break;
+        }
+        h.worker.run_once().await.unwrap();
+        h.scheduler.fire_due().await.unwrap();
+    }
+    let timer_id = timer.expect("the run never waited on a timer");
+    let fired = Some(Input::TimerFired { timer_id: timer_id.clone() });
+    h.send(&id, fired.clone()).await;
+    h.worker.run_once().await.unwrap();
+    let after_first = h.version(&id).await;
+    assert!(h.run(&id).await.wait.as_ref().is_none_or(|w| w.timer_id != timer_id));
+
+    h.send(&id, fired).await;
+    assert!(h.worker.run_once().await.unwrap() >= 1);
+    // The first firing's continuation may still be queued; what counts is that the duplicate added nothing.
+    let events = h.db.events(ORG, &id, after_first, 100).await.unwrap();
+    let fired_again = events
+        .iter()
+        .filter(|e| serde_json::from_slice::<Value>(&e.body).unwrap()["type"] == "timer_fired")
+        .filter(|e| serde_json::from_slice::<Value>(&e.body).unwrap()["timer_id"] == timer_id.as_str())
+        .count();
+    assert_eq!(fired_again, 0);
+}
+
+#[tokio::test]
+async fn a_step_performed_again_after_a_crash_reuses_its_message_id() {
+    let h = Harness::new(FakeAgents::default(), 2);
+    let id = h.worker.open(ORG, signal("fp-6")).await.unwrap().run_id;
+    let run = h.run(&id).await;
+    let Some(loams_factory::Effect::Call { step, .. }) = run.next_effect() else { panic!("no call first") };
+    // A crash after the effect and before the record: the agent answered, the run does not know.
+    let agent_reply = h.agents.call("zulip", &step, "open_thread", json!({}), None).await;
+    assert!(matches!(agent_reply, AgentReply::Done(_)));
+    h.worker.handle(&Envelope { org: ORG.into(), run: id.clone(), input: None }).await.unwrap();
+    assert_eq!(h.agents.calls_of(&step), 2, "the redo used another message id");
+    assert_eq!(h.agents.answered.lock().unwrap().len(), 1, "one call performed once, answered twice");
+    assert_eq!(h.run(&id).await.links.thread_message_id, Some(1));
+}
