@@ -3,6 +3,10 @@
 //!
 //! Every write is safe to repeat: branches are created if absent, unchanged files are not recommitted, an open PR
 //! for the branch is reused, an already-merged PR answers like a fresh merge.
+//!
+//! Commits are pinned: a work branch is written only where the caller says it stands (the base head for a first
+//! commit, the caller's previous commit after that), so a branch prepared or pushed to by someone else is refused
+//! instead of being merged along with the patch.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -252,6 +256,17 @@ impl ForgejoClient {
         Ok(b.commit.id)
     }
 
+    /// Like [`Self::branch_head`], `None` if the branch does not exist.
+    pub async fn find_branch_head(&self, branch: &str) -> Result<Option<String>, AgentError> {
+        let reply = self.http.send(self.http.request(Method::GET, self.repo_url(&["branches", branch]))).await?;
+        if reply.status == 404 {
+            return Ok(None);
+        }
+        let reply = self.http.ok(reply)?;
+        let b: Branch = self.http.decode(&reply.body)?;
+        Ok(Some(b.commit.id))
+    }
+
     /// `DELETE /branches/{branch}`; a branch already gone is fine.
     pub async fn delete_branch(&self, branch: &str) -> Result<(), AgentError> {
         let reply = self.http.send(self.http.request(Method::DELETE, self.repo_url(&["branches", branch]))).await?;
@@ -261,13 +276,13 @@ impl ForgejoClient {
         self.http.ok(reply).map(drop)
     }
 
-    /// Brings `branch` to the given file states in one commit (`POST /contents`, repoChangeFiles). Files already in
-    /// that state are left out; if nothing changes no commit is made and the branch head is returned.
-    pub async fn apply_changes(&self, branch: &str, message: &str, changes: &[FileChange]) -> Result<String, AgentError> {
+    /// The repoChangeFiles operations that bring the files at `at` (a branch or commit) to `changes`; files already
+    /// in that state are left out.
+    async fn pending_ops(&self, at: &str, changes: &[FileChange]) -> Result<Vec<Value>, AgentError> {
         let b64 = base64::engine::general_purpose::STANDARD;
         let mut ops = Vec::new();
         for change in changes {
-            let current = self.get_file(&change.path, branch).await?;
+            let current = self.get_file(&change.path, at).await?;
             match (&change.content, current) {
                 (Some(want), None) => ops.push(json!({"operation": "create", "path": change.path, "content": b64.encode(want)})),
                 (Some(want), Some(have)) if *want != have.content => ops.push(
@@ -277,8 +292,16 @@ impl ForgejoClient {
                 (Some(_), Some(_)) | (None, None) => {}
             }
         }
+        Ok(ops)
+    }
+
+    /// Brings `branch`, which stands at commit `head`, to the given file states in one commit (`POST /contents`,
+    /// repoChangeFiles). The files are read at `head`, not at the branch name, so a push in between cannot make a
+    /// foreign commit look like ours; if nothing changes no commit is made and `head` is returned.
+    pub async fn apply_changes(&self, branch: &str, head: &str, message: &str, changes: &[FileChange]) -> Result<String, AgentError> {
+        let ops = self.pending_ops(head, changes).await?;
         if ops.is_empty() {
-            return self.branch_head(branch).await;
+            return Ok(head.to_string());
         }
         let body = json!({"branch": branch, "message": message, "files": ops});
         let rb = self.http.request(Method::POST, self.repo_url(&["contents"])).json(&body);
@@ -473,6 +496,9 @@ struct FileArg {
 struct CommitArgs {
     branch: String,
     base: String,
+    /// Where the branch must stand: the caller's previous commit; absent (or null) for the first commit.
+    #[serde(default)]
+    expected_head: Option<String>,
     files: Vec<FileArg>,
     message: String,
 }
@@ -542,9 +568,64 @@ impl ForgejoAgent {
         Ok(())
     }
 
-    async fn commit(&self, branch: &str, base: &str, message: &str, changes: &[FileChange]) -> Result<String, AgentError> {
-        self.client.create_branch(branch, base).await?;
-        self.client.apply_changes(branch, message, changes).await
+    /// Commits `changes` on `branch`, which must stand at `expected_head` (the caller's previous commit) or, when
+    /// that is absent, not exist or stand at the head of `base`. Anything else is refused with nothing committed:
+    /// a branch name is predictable, so a branch prepared by someone else (or pushed to since the caller's last
+    /// commit) would otherwise carry their commits into the merge. A retry whose earlier answer was lost finds its
+    /// own commit on the branch and gets it back.
+    async fn commit(&self, branch: &str, base: &str, expected_head: Option<&str>, message: &str, changes: &[FileChange]) -> Result<String, AgentError> {
+        let parent = match expected_head {
+            Some(sha) => sha.to_ascii_lowercase(),
+            None => self.client.branch_head(base).await?.to_ascii_lowercase(),
+        };
+        let head = match self.client.find_branch_head(branch).await? {
+            Some(head) => head,
+            None if expected_head.is_some() => {
+                return Err(AgentError::Refused(format!(
+                    "forgejo: branch `{branch}` no longer exists; it was expected at {parent}"
+                )));
+            }
+            // Created at the sha read above rather than at `base` by name: a base moving meanwhile changes nothing.
+            None if self.client.create_branch(branch, &parent).await? => parent.clone(),
+            // 409: created concurrently; whoever did must have put it where we expect.
+            None => self.client.branch_head(branch).await?,
+        };
+        if !head.eq_ignore_ascii_case(&parent) {
+            if self.is_own_commit(&head, &parent, changes).await? {
+                return Ok(head);
+            }
+            let expected = if expected_head.is_some() { "the previous commit" } else { "the head of the base branch" };
+            return Err(AgentError::Refused(format!(
+                "forgejo: branch `{branch}` is at {head}, not at {parent} ({expected}); refusing to commit on top of \
+                 commits this caller did not make"
+            )));
+        }
+        let sha = self.client.apply_changes(branch, &parent, message, changes).await?;
+        // A push between the check above and the commit ends up under our commit.
+        if !sha.eq_ignore_ascii_case(&parent) {
+            let parents = self.client.commit_parents(&sha).await?;
+            if !matches!(parents.as_slice(), [p] if p.eq_ignore_ascii_case(&parent)) {
+                return Err(AgentError::Refused(format!(
+                    "forgejo: branch `{branch}` moved while committing: {sha} is not on top of {parent}"
+                )));
+            }
+        }
+        Ok(sha)
+    }
+
+    /// Whether `head` is exactly the commit `changes` make on top of `parent`: its only parent is `parent`, it
+    /// touches no other file, and every changed file is in the wanted state.
+    async fn is_own_commit(&self, head: &str, parent: &str, changes: &[FileChange]) -> Result<bool, AgentError> {
+        let parents = self.client.commit_parents(head).await?;
+        if !matches!(parents.as_slice(), [p] if p.eq_ignore_ascii_case(parent)) {
+            return Ok(false);
+        }
+        let ours: BTreeSet<&str> = changes.iter().map(|c| c.path.as_str()).collect();
+        let touched = diff_paths(&self.client.commit_diff(head).await?)?;
+        if touched.iter().any(|p| !ours.contains(p.as_str())) {
+            return Ok(false);
+        }
+        Ok(self.client.pending_ops(head, changes).await?.is_empty())
     }
 
     async fn open_pr(&self, a: &PrArgs) -> Result<Value, AgentError> {
@@ -576,11 +657,19 @@ impl ForgejoAgent {
         } else {
             pr
         };
+        // The PR was looked up by base, but it can be retargeted at any time; the caller binds CI, review and merge to
+        // this answer, so it must be about the base that was asked for.
+        if pr.base.name != a.base || pr.head.name != a.branch {
+            return Err(AgentError::Refused(format!(
+                "forgejo: PR #{} is `{}` into `{}`, not `{}` into `{}`",
+                pr.number, pr.head.name, pr.base.name, a.branch, a.base
+            )));
+        }
         if !a.labels.is_empty() {
             let ids = self.client.ensure_labels(&a.labels).await?;
             self.client.add_labels(pr.number, &ids).await?;
         }
-        Ok(json!({"number": pr.number, "url": pr.html_url, "head_sha": pr.head.sha}))
+        Ok(json!({"number": pr.number, "url": pr.html_url, "head_sha": pr.head.sha, "base": pr.base.name}))
     }
 
     async fn merge(&self, a: MergeArgs) -> Result<Value, AgentError> {
@@ -619,8 +708,12 @@ impl ForgejoAgent {
         if a.branch == self.base_branch || a.branch == pr.base.name {
             return Err(AgentError::Refused(format!("forgejo: refusing to delete the base branch `{}`", a.branch)));
         }
+        // A merged PR cannot be closed, and its branch stays for the record. Saying so (with the merge commit) lets
+        // a caller that never learned of the merge (its answer was lost) undo the merge instead.
         if pr.merged {
-            return Err(AgentError::Refused(format!("forgejo: PR #{} is already merged", a.number)));
+            let sha = merged_sha(&pr)
+                .ok_or_else(|| self.client.http.bad(format!("PR #{} is merged but has no merge commit", a.number)))?;
+            return Ok(json!({"closed": false, "merged": true, "merge_sha": sha}));
         }
         if pr.state != "closed" {
             self.client.edit_pr(a.number, &json!({"state": "closed"})).await?;
@@ -650,7 +743,8 @@ impl ForgejoAgent {
             changes.push(FileChange { path, content: before.map(|f| f.content) });
         }
         let message = format!("Revert {}\n\nThis reverts commit {}.", a.merge_sha, a.merge_sha);
-        self.commit(&a.branch, &a.base, &message, &changes).await?;
+        // The revert branch is as predictable as the work branch: it too must be new (or our own earlier revert).
+        self.commit(&a.branch, &a.base, None, &message, &changes).await?;
         let body = format!("This reverts commit {}.", a.merge_sha);
         let pr = PrArgs { branch: a.branch, base: a.base, title: a.title, body, draft: false, labels: Vec::new() };
         self.open_pr(&pr).await
@@ -680,6 +774,9 @@ impl ForgejoAgent {
             "commit_patch" => {
                 let a: CommitArgs = args(skill, value)?;
                 self.check_work_branch(&a.branch, &a.base)?;
+                if let Some(sha) = &a.expected_head {
+                    check_sha("expected_head", sha)?;
+                }
                 require("message", &a.message, MAX_BODY)?;
                 if a.files.is_empty() || a.files.len() > MAX_FILES {
                     return Err(AgentError::InvalidArgs(format!("`files` must hold 1 to {MAX_FILES} files")));
@@ -692,7 +789,7 @@ impl ForgejoAgent {
                     }
                     changes.push(FileChange { path: f.path, content: f.content.map(String::into_bytes) });
                 }
-                let sha = self.commit(&a.branch, &a.base, &a.message, &changes).await?;
+                let sha = self.commit(&a.branch, &a.base, a.expected_head.as_deref(), &a.message, &changes).await?;
                 Ok(json!({"sha": sha}))
             }
             "open_pr" => self.open_pr(&args(skill, value)?).await,
@@ -759,15 +856,16 @@ impl Skills for ForgejoAgent {
             skills: vec![
                 skill("read_files", "Read files", "Read files at a ref (missing files come back with null content).", Risk::Read,
                     &[r#"{"paths":["src/checkout.js"],"ref":"main"}"#]),
-                skill("commit_patch", "Commit patch", "Commit whole-file contents to a work branch, creating the branch from base if absent (null content deletes).", Risk::Write,
-                    &[r#"{"branch":"factory/r-0123456789abcdef","base":"main","files":[{"path":"src/checkout.js","content":"..."}],"message":"Fix TypeError in checkout"}"#]),
+                skill("commit_patch", "Commit patch", "Commit whole-file contents to a work branch (null content deletes). The branch must stand at expected_head (the previous commit); without it, it must not exist (it is created from base) or stand at the base head. Anything else is refused.", Risk::Write,
+                    &[r#"{"branch":"factory/r-0123456789abcdef","base":"main","files":[{"path":"src/checkout.js","content":"..."}],"message":"Fix TypeError in checkout"}"#,
+                      r#"{"branch":"factory/r-0123456789abcdef","base":"main","expected_head":"3f786850e387550fdab836ed7e6dc881de23001b","files":[{"path":"src/checkout.js","content":"..."}],"message":"Fix attempt 2"}"#]),
                 skill("open_pr", "Open pull request", "Open a pull request for a branch, or update and return the open one; draft adds the WIP: prefix.", Risk::Write,
                     &[r#"{"branch":"factory/r-0123456789abcdef","base":"main","title":"Fix checkout","body":"...","draft":false,"labels":["factory"]}"#]),
                 skill("ci_status", "CI status", "Combined CI state of a commit (pending, success, failure, error) with the checks' log.", Risk::Read,
                     &[r#"{"sha":"3f786850e387550fdab836ed7e6dc881de23001b"}"#]),
                 skill("merge", "Merge", "Merge a pull request at the approved head commit; an already merged PR answers the same.", Risk::Destructive,
                     &[r#"{"number":12,"head_sha":"3f786850e387550fdab836ed7e6dc881de23001b"}"#]),
-                skill("close_pr", "Close pull request", "Close a pull request without merging and delete its branch.", Risk::Destructive,
+                skill("close_pr", "Close pull request", "Close a pull request without merging and delete its branch; an already merged PR is left as is and answered with its merge commit.", Risk::Destructive,
                     &[r#"{"number":12,"branch":"factory/r-0123456789abcdef"}"#]),
                 skill("revert", "Revert", "Revert a merged commit on a new branch and open a pull request for it.", Risk::Destructive,
                     &[r#"{"merge_sha":"3f786850e387550fdab836ed7e6dc881de23001b","branch":"factory/r-0123456789abcdef-revert","base":"main","title":"Revert fix"}"#]),

@@ -152,6 +152,13 @@ async fn forgejo_patch_pr_ci_merge_flow() {
     let merge_sha = merged["merge_sha"].as_str().unwrap().to_string();
     let again = ok(&agent, "merge", json!({"number": number, "head_sha": c1["sha"]})).await;
     assert_eq!(again["merge_sha"], json!(merge_sha));
+    // A merged PR cannot be closed: close_pr says so with the merge commit (a run that lost the merge's answer
+    // reverts instead), and leaves the branch alone.
+    let close = json!({"number": number, "branch": branch});
+    assert_eq!(ok(&agent, "close_pr", close.clone()).await, json!({"closed": false, "merged": true, "merge_sha": merge_sha}));
+    assert_eq!(ok(&agent, "close_pr", close).await["merge_sha"], json!(merge_sha));
+    let kept = ok(&agent, "read_files", json!({"paths": ["src/checkout.py"], "ref": branch})).await;
+    assert_eq!(kept["files"][0]["content"], json!(fixed));
     let after = ok(&agent, "read_files", json!({"paths": ["src/checkout.py"]})).await;
     assert_eq!(after["files"][0]["content"], json!(fixed));
     conform(&info).await;
@@ -208,6 +215,11 @@ async fn analytics_series_counts_days() {
     assert!((3..=4).contains(&points.len()), "{s}");
     let sum: f64 = points.iter().map(|p| p["count"].as_f64().unwrap()).sum();
     assert_eq!(s["total"].as_f64().unwrap(), sum);
+    // A start in the future (a series started at the next whole second after a merge, read within that second)
+    // counts nothing rather than failing.
+    let future = since + 4 * 86_400_000;
+    let empty = ok(&agent, "series", json!({"event": "checkout_error", "since_ms": future})).await;
+    assert_eq!(empty, json!({"points": [], "total": 0}));
     let bad = AnalyticsAgent::new(&AnalyticsConfig { client_secret: "nope".into(), ..cfg }).unwrap();
     let err = bad.invoke("series", json!({"event": "x", "since_ms": since})).await.unwrap_err();
     assert!(!err.retryable && err.message.contains("401"), "{err:?}");

@@ -8,7 +8,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::routing::post;
 use loams_factory::Signal;
-use loams_platform::{Cond, Item, StoreError};
+use loams_platform::{Cond, Item};
 use serde::Deserialize;
 
 use crate::{ApiError, ApiState};
@@ -16,7 +16,7 @@ use crate::{ApiError, ApiState};
 /// Largest webhook body read; GlitchTip's alerts are a few KiB.
 pub const MAX_WEBHOOK_BYTES: usize = 64 * 1024;
 /// How long a delivery is remembered for dedupe.
-const DEDUPE_MS: i64 = 7 * 24 * 60 * 60 * 1000;
+const DEDUPE_MS: i64 = 10 * 60 * 1000;
 const MAX_ISSUE_ID: usize = 64;
 
 /// One configured GlitchTip webhook: its secret URL token opens runs in `org` / `env`.
@@ -144,6 +144,8 @@ async fn glitchtip(
     match deliver(&state, state.opener.as_ref(), hook, &body, signal).await {
         Ok(Some(run)) => reply(StatusCode::ACCEPTED, serde_json::json!({"run": run})),
         Ok(None) => reply(StatusCode::OK, serde_json::json!({"duplicate": true})),
+        // Received and understood, and nothing to do (cooldown, kill switch): a 2xx so GlitchTip does not resend.
+        Err(ApiError::FailedPrecondition(reason)) => reply(StatusCode::OK, serde_json::json!({"refused": reason})),
         Err(e) => {
             tracing::warn!(error = %e, org = %hook.org, "glitchtip webhook failed");
             reply(StatusCode::SERVICE_UNAVAILABLE, serde_json::json!({"error": "try again later"}))
@@ -151,7 +153,10 @@ async fn glitchtip(
     }
 }
 
-/// Records the delivery and opens the run; `None` for a delivery seen before.
+/// Opens the run of a delivery; `None` for a delivery seen within the last minutes. Opening is idempotent by run
+/// id, so the marker only tells a resend (GlitchTip retries within minutes) from a new alert; it is written after the
+/// open succeeded, so a crash in between never turns the alert into a "duplicate" that opened nothing, and it
+/// lives no longer than a resend window, so a later alert of the same issue reaches the cooldown logic.
 async fn deliver(
     state: &ApiState,
     opener: &dyn RunOpener,
@@ -161,30 +166,22 @@ async fn deliver(
 ) -> Result<Option<String>, ApiError> {
     // GlitchTip sends no delivery id; a redelivery carries the same bytes, so the body's hash identifies it.
     let hash = digest::digest(&digest::SHA256, body);
+    let id = format!("glitchtip:{}", hex::encode(hash.as_ref()));
+    if state.store.get_item(&hook.org, "webhook", &id).await?.is_some() {
+        return Ok(None);
+    }
+    let run = opener.open(&hook.org, &hook.env, signal).await?;
     let item = Item {
         org: hook.org.clone(),
         kind: "webhook".into(),
-        id: format!("glitchtip:{}", hex::encode(hash.as_ref())),
+        id,
         version: 0,
         index: None,
-        body: Vec::new(),
+        body: run.as_bytes().to_vec(),
         expires_ms: Some(state.now_ms() + DEDUPE_MS),
     };
-    match state.store.put_item(&item, Cond::Absent).await {
-        Ok(_) => {}
-        Err(StoreError::Conflict) => return Ok(None),
-        Err(e) => return Err(e.into()),
-    }
-    match opener.open(&hook.org, &hook.env, signal).await {
-        Ok(run) => Ok(Some(run)),
-        Err(e) => {
-            // Forget the delivery so a resend is not mistaken for a duplicate of one that opened nothing.
-            if let Err(d) = state.store.delete_item(&hook.org, "webhook", &item.id).await {
-                tracing::warn!(error = %d, "forgetting a failed webhook delivery failed");
-            }
-            Err(e)
-        }
-    }
+    state.store.put_item(&item, Cond::Any).await?;
+    Ok(Some(run))
 }
 
 pub(crate) fn routes(state: ApiState) -> axum::Router {

@@ -26,6 +26,12 @@ struct Opener(Mutex<Vec<(String, String, Signal)>>);
 #[async_trait]
 impl RunOpener for Opener {
     async fn open(&self, org: &str, env: &str, signal: Signal) -> Result<String, ApiError> {
+        // Issue 90 is in cooldown; issue 91's opener is down.
+        match signal.fingerprint.as_str() {
+            "glitchtip:90" => return Err(ApiError::FailedPrecondition("fingerprint in cooldown until 99".into())),
+            "glitchtip:91" => return Err(ApiError::Unavailable("store busy".into())),
+            _ => {}
+        }
         let id = loams_factory::run_id(org, &signal.fingerprint, signal.generation);
         self.0.lock().unwrap().push((org.into(), env.into(), signal));
         Ok(id)
@@ -625,6 +631,23 @@ async fn glitchtip_webhook_opens_a_run_once() {
         assert_eq!(env.webhook(HOOK_TOKEN, serde_json::to_vec(&body).unwrap()).await.status(), 400, "{link}");
     }
     assert_eq!(env.opener.0.lock().unwrap().len(), 2);
+
+    // A refusal (cooldown) is an answer, not a failure: 2xx so GlitchTip does not resend, naming the reason.
+    let refused = env.webhook(HOOK_TOKEN, alert(90)).await;
+    assert_eq!(refused.status(), 200);
+    let body: serde_json::Value = refused.json().await.unwrap();
+    assert!(body["refused"].as_str().unwrap().contains("cooldown"), "{body}");
+    // A failed open leaves no delivery marker: the resend is tried again rather than called a duplicate.
+    for _ in 0..2 {
+        assert_eq!(env.webhook(HOOK_TOKEN, alert(91)).await.status(), 503);
+    }
+    assert!(env.db.get_item("acme", "webhook", &format!("glitchtip:{}", hex_sha256(&alert(91)))).await.unwrap().is_none());
+    assert_eq!(env.opener.0.lock().unwrap().len(), 2);
+}
+
+fn hex_sha256(bytes: &[u8]) -> String {
+    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, bytes);
+    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[tokio::test]

@@ -428,7 +428,26 @@ fn call_result(run: &Run, v: &Value, ctx: &Ctx) -> Result<Vec<Event>, String> {
         Cursor::ReadFiles => vec![Event::FilesRead { files: read_files(v)? }],
         Cursor::CommitPatch => vec![Event::Committed { sha: text(v, "sha")? }],
         Cursor::OpenPr => {
-            vec![Event::PrOpened { number: number(v, "number")?, url: text(v, "url")?, head_sha: text(v, "head_sha")? }]
+            let head_sha = text(v, "head_sha")?;
+            let opened = Event::PrOpened { number: number(v, "number")?, url: text(v, "url")?, head_sha: head_sha.clone() };
+            let committed = run.links.commit_sha.as_deref().unwrap_or_default();
+            if head_sha.eq_ignore_ascii_case(committed) {
+                vec![opened]
+            } else {
+                // CI, review and the approval are about the factory's commit; a different head means someone pushed
+                // to the branch. The PR is recorded (so the ending closes it and deletes the branch) and the run
+                // stops: another attempt would only build on, and read, that branch.
+                let reason = format!(
+                    "tampering suspected: the PR head {} is not the factory's commit {}",
+                    short(&head_sha),
+                    short(committed)
+                );
+                vec![
+                    opened,
+                    Event::AttemptFailed { attempt: run.attempt, reason: reason.clone(), feedback: String::new() },
+                    abandon(RunState::Failed, Reason::StepFailed, format!("attempt {}: {reason}", run.attempt)),
+                ]
+            }
         }
         Cursor::CiStatus => ci_result(run, v)?,
         Cursor::Merge => vec![Event::Merged { merge_sha: text(v, "merge_sha")?, at_ms: ctx.now_ms }],
@@ -446,8 +465,15 @@ fn call_result(run: &Run, v: &Value, ctx: &Ctx) -> Result<Vec<Event>, String> {
         }
         Cursor::Finishing => {
             let action = *run.finish.first().ok_or("nothing to finish")?;
-            if action == FinishStep::ClosePr && field(v, "closed")?.as_bool() != Some(true) {
-                return Err("field `closed` is not true".into());
+            if action == FinishStep::ClosePr {
+                match (field(v, "closed")?.as_bool(), v.get("merged").and_then(Value::as_bool)) {
+                    (Some(true), _) => {}
+                    // The merge happened but its outcome was lost: compensate for the deploy, not for an open PR.
+                    (Some(false), Some(true)) => {
+                        return Ok(vec![Event::MergeFound { merge_sha: text(v, "merge_sha")? }]);
+                    }
+                    _ => return Err("field `closed` is not true and the PR is not merged".into()),
+                }
             }
             let url = match action {
                 FinishStep::DraftPr | FinishStep::Revert => Some(text(v, "url")?),

@@ -141,6 +141,9 @@ pub enum Event {
     /// A stop while already ending only turns the ending into `killed` when it is a kill.
     Abandoned { state: RunState, reason: Reason, detail: String },
     FinishStepDone { step: String, action: FinishStep, url: Option<String> },
+    /// Closing the PR found it merged: the merge was performed but its outcome never recorded (a crash in between).
+    /// The run now knows the deploy and compensates for it instead of closing the PR.
+    MergeFound { merge_sha: String },
     FinishStepSkipped { step: String, action: FinishStep, reason: String },
     Ended { state: RunState, reason: Option<Reason>, verdict: Option<ObserveVerdict>, follow_up: Option<FollowUp> },
 }
@@ -199,6 +202,9 @@ impl Event {
             Event::VerdictReached { verdict, .. } => format!("verdict: {}", verdict_name(*verdict)),
             Event::Abandoned { reason, .. } => format!("stopped: {}", reason_name(*reason)),
             Event::FinishStepDone { action, .. } => format!("{} done", action.action()),
+            Event::MergeFound { merge_sha } => {
+                format!("the PR was already merged and deployed {}", short_sha(merge_sha))
+            }
             Event::FinishStepSkipped { action, .. } => format!("{} skipped", action.action()),
             Event::Ended { state, reason, .. } => match reason {
                 Some(reason) => format!("run {} ({})", state.as_str(), reason_name(*reason)),

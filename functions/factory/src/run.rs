@@ -504,17 +504,27 @@ impl Run {
                     }
                 }
                 None => {
-                    let first = if self.links.deploy_ref.is_some() {
-                        (*reason == Reason::Killed).then_some(FinishStep::Revert)
-                    } else if reason.hands_off() {
-                        self.links.commit_sha.is_some().then_some(FinishStep::DraftPr)
-                    } else {
-                        self.links.pr_number.is_some().then_some(FinishStep::ClosePr)
-                    };
+                    let first = self.compensation(reason.hands_off(), *reason == Reason::Killed);
                     let steps = self.tell(first.into_iter().collect());
                     self.start_finish(*state, Some(*reason), detail.clone(), steps);
                 }
             },
+            Event::MergeFound { merge_sha } => {
+                self.links.deploy_ref = Some(merge_sha.clone());
+                if self.finish.first() == Some(&FinishStep::ClosePr) {
+                    self.finish.remove(0);
+                }
+                // The ending stays what it was; the compensation is now the one for a deployed change (a kill,
+                // first or later, reverts it).
+                if let Some(ending) = &self.ending
+                    && let Some(step) = self.compensation(
+                        ending.reason.is_some_and(Reason::hands_off),
+                        ending.state == RunState::Killed,
+                    )
+                {
+                    self.finish.insert(0, step);
+                }
+            }
             Event::FinishStepDone { url, action, .. } => {
                 if matches!(action, FinishStep::Revert | FinishStep::DraftPr) {
                     self.links.follow_pr_url = url.clone();
@@ -546,6 +556,19 @@ impl Run {
         }
         self.version += 1;
         self.refresh();
+    }
+
+    /// The step that undoes or hands off the run's work when it stops: once the change is deployed only a kill
+    /// reverts it (other stops leave a deploy that passed review to people); before that, a hand-off opens a draft
+    /// PR and any other stop closes the PR.
+    fn compensation(&self, hands_off: bool, killed: bool) -> Option<FinishStep> {
+        if self.links.deploy_ref.is_some() {
+            killed.then_some(FinishStep::Revert)
+        } else if hands_off {
+            self.links.commit_sha.is_some().then_some(FinishStep::DraftPr)
+        } else {
+            self.links.pr_number.is_some().then_some(FinishStep::ClosePr)
+        }
     }
 
     /// Appends the comment and post that tell people, where an issue and a thread exist.
@@ -714,9 +737,12 @@ impl Run {
                 "commit_patch",
                 "forgejo",
                 "commit_patch",
+                // Pins the branch: the agent refuses to commit unless it stands at the factory's previous commit
+                // (none yet: at the base head), so commits pushed by someone else never ride along into the merge.
                 json!({
                     "branch": self.branch(),
                     "base": c.base_branch,
+                    "expected_head": l.commit_sha,
                     "files": self.patch,
                     "message": format!("factory: fix attempt {} for {}", self.attempt, self.id),
                 }),
@@ -835,7 +861,10 @@ pub(crate) fn gated_action(run: &Run, call: &Effect) -> Option<ApprovalAction> {
     };
     let commit = |key: &str| args.get(key).and_then(|v| v.as_str()).map(str::to_string);
     let target_commit = match skill.as_str() {
-        "merge" => commit("head_sha").map(|sha| format!("{sha}; {}", run.change_binding())),
+        "merge" => commit("head_sha").map(|sha| {
+            let committed = run.links.commit_sha.as_deref().unwrap_or("none");
+            format!("{sha}; commit {committed}; {}", run.change_binding())
+        }),
         "revert" => commit("merge_sha"),
         _ => None,
     };

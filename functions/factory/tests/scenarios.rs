@@ -4,7 +4,7 @@ mod common;
 
 use common::*;
 use loams_factory::{
-    Cursor, Effect, Event, Input, LastRun, LastRunStatus, ObserveVerdict, Outcome, Reason, Rejection, Rule, Run,
+    Cursor, Effect, Event, FinishStep, Input, LastRun, LastRunStatus, ObserveVerdict, Outcome, Reason, Rejection, Rule, Run,
     RunState, Verdict, decide, open, run_id, run_id_after,
 };
 use serde_json::json;
@@ -694,4 +694,101 @@ fn analytics_errors_keep_a_quiet_glitchtip_from_resolving_and_can_regress_alone(
     let (series, _) = &world.performed[&format!("{}:observe:1:series", run.id)];
     let Effect::Call { args, .. } = series else { panic!() };
     assert_eq!(args["since_ms"], NOW + 1_000);
+}
+
+#[test]
+fn a_sub_second_observe_window_reads_an_empty_future_series_and_resolves() {
+    // The window ends before the series' first whole second: the analytics agent answers a start in the future
+    // with an empty series, which counts as no analytics errors.
+    let mut c = ctx();
+    c.now_ms = NOW + 250;
+    c.config.observe_window_ms = 500;
+    let read_at = NOW + 250 + 500;
+    let mut world = World::with(move |e| match e {
+        Effect::Call { skill, args, .. } if skill == "series" => {
+            assert!(args["since_ms"].as_i64().is_some_and(|t| t > read_at), "{args}");
+            Some(Outcome::Agent(json!({"points": [], "total": 0})))
+        }
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, c);
+    assert_eq!(ended(&w), (RunState::Succeeded, None));
+    assert_eq!(run.observation.series_total, Some(0));
+    assert_eq!(run.verdict, Some(ObserveVerdict::Resolved));
+}
+
+/// Delivers messages until the next one would perform the approved merge, then performs it and crashes before
+/// recording its outcome; the message stays queued for redelivery.
+fn merge_then_crash(w: &mut Worker, world: &mut World) {
+    while let Some(msg) = w.queue.pop_front() {
+        let run = w.run();
+        let mut next = run.clone();
+        for e in decide(&run, &msg.clone().unwrap_or(Input::Continue), &w.ctx).unwrap() {
+            next.apply(&e);
+        }
+        if matches!(next.next_effect(), Some(Effect::Call { skill, .. }) if skill == "merge") {
+            assert!(!w.process(&msg, world, Some(Crash::AfterPerform)));
+            w.queue.push_front(msg);
+            assert!(world.merged());
+            assert_eq!(w.run().links.deploy_ref, None, "the merge's outcome is lost");
+            return;
+        }
+        w.process(&msg, world, None);
+    }
+    panic!("never reached the merge");
+}
+
+#[test]
+fn a_kill_after_a_merge_whose_outcome_was_lost_reverts_it() {
+    let mut world = World::new();
+    let mut w = Worker::start(signal(), ctx());
+    merge_then_crash(&mut w, &mut world);
+    w.queue.push_front(Some(Input::Kill { by: "carol".into(), reason: "stop".into() }));
+    let run = w.drain(&mut world);
+    assert_eq!(ended(&w), (RunState::Killed, Some(Reason::Killed)));
+    // Closing finds the PR merged: the run learns the deploy and reverts it behind its own approval.
+    let t = calls(&world);
+    assert_eq!(
+        &t[t.len() - 6..],
+        ["approval.close_pr", "forgejo.close_pr", "approval.revert", "forgejo.revert", "plane.comment", "zulip.post"]
+    );
+    assert_eq!(t.iter().filter(|s| *s == "forgejo.merge").count(), 1);
+    assert!(w.log.iter().any(|e| matches!(e, Event::MergeFound { merge_sha } if merge_sha == "m3rge")));
+    assert_eq!(run.links.deploy_ref.as_deref(), Some("m3rge"));
+    assert_eq!(run.links.follow_pr_url.as_deref(), Some("https://forgejo.example/pr/8"));
+    let (revert, _) = &world.performed[&format!("{}:close:2:revert", run.id)];
+    let Effect::Call { args, approval_id, .. } = revert else { panic!() };
+    assert_eq!(args["merge_sha"], "m3rge");
+    assert!(approval_id.is_some());
+}
+
+#[test]
+fn another_stop_after_a_lost_merge_records_the_deploy_and_leaves_it() {
+    // The merge is performed but answered with a permanent failure (say, a timeout on the way back): the run stops
+    // as a failed step and means to close the PR, which turns out merged. Only a kill reverts a deploy.
+    let mut world = World::with(|e| match e {
+        Effect::Call { skill, .. } if skill == "merge" => {
+            Some(Outcome::Failed { error: "connection reset".into(), retryable: false })
+        }
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
+    let t = calls(&world);
+    assert_eq!(&t[t.len() - 4..], ["approval.close_pr", "forgejo.close_pr", "plane.comment", "zulip.post"]);
+    assert_eq!(run.links.deploy_ref.as_deref(), Some("m3rge"));
+    assert!(!w.log.iter().any(|e| matches!(e, Event::FinishStepSkipped { .. })));
+
+    // A close answer that neither closed nor found a merge is a failed step, skipped.
+    let mut world = World::with(|e| match e {
+        Effect::Call { skill, .. } if skill == "merge" => {
+            Some(Outcome::Failed { error: "no".into(), retryable: false })
+        }
+        Effect::Call { skill, .. } if skill == "close_pr" => Some(Outcome::Agent(json!({"closed": false}))),
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(run.links.deploy_ref, None);
+    let skipped_close = |e: &Event| matches!(e, Event::FinishStepSkipped { action: FinishStep::ClosePr, .. });
+    assert!(w.log.iter().any(skipped_close));
 }

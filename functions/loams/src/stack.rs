@@ -20,7 +20,7 @@ use loams_factory::Signal;
 use loams_model::{ChatModel, ModelConfig, OpenAiCompatible, Replay};
 use loams_platform::{Clock, Queue, Sqlite, Store, SystemClock, Timers};
 use loams_sandbox::{Sandbox, SandboxConfig, SandboxInfo};
-use loams_worker::{A2aAgents, Scheduler, Worker, WorkerDeps};
+use loams_worker::{A2aAgents, Scheduler, Worker, WorkerDeps, WorkerError};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -265,7 +265,11 @@ struct WorkerOpener(Arc<Worker>);
 #[async_trait]
 impl RunOpener for WorkerOpener {
     async fn open(&self, org: &str, _env: &str, signal: Signal) -> Result<String, ApiError> {
-        self.0.open(org, signal).await.map(|opened| opened.run_id).map_err(|e| ApiError::Unavailable(e.to_string()))
+        match self.0.open(org, signal).await {
+            Ok(opened) => Ok(opened.run_id),
+            Err(WorkerError::OpenRefused(reason)) => Err(ApiError::FailedPrecondition(reason)),
+            Err(e) => Err(ApiError::Unavailable(e.to_string())),
+        }
     }
 }
 

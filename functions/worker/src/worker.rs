@@ -94,7 +94,9 @@ impl Worker {
             .store
             .create_run(org, &run.id, state_name(&run), &to_json(&run)?, &logged(&opened, &run, now)?, now)
             .await?;
-        if created {
+        // Also when the run existed but its record is missing (a crash between the two writes): without it a later
+        // alert would map onto the ended run and open nothing.
+        if created || ctx.last_run.as_ref().is_none_or(|last| last.run_id != run.id) {
             let last = LastRun { run_id: run.id.clone(), at_ms: now };
             let item = Item {
                 org: org.to_string(),
@@ -119,11 +121,13 @@ impl Worker {
         async {
             let input = envelope.input.clone().unwrap_or(Input::Continue);
             let run = self.record(&envelope.org, &envelope.run, &input).await?;
+            self.open_follow_up(&envelope.org, &run).await?;
             let Some(effect) = run.next_effect() else { return Ok(()) };
             let outcome = self.perform(&run, &effect).await?;
             let step = effect.step().to_string();
             self.cross(Boundary::AfterEffect, &step);
             let run = self.record(&envelope.org, &envelope.run, &Input::Completed { step: step.clone(), outcome }).await?;
+            self.open_follow_up(&envelope.org, &run).await?;
             self.cross(Boundary::AfterRecord, &step);
             if run.next_effect().is_some() {
                 self.enqueue(&envelope.org, &envelope.run, None, 0).await?;
@@ -152,7 +156,9 @@ impl Worker {
                     // dead-lettered), so the continuation moves to the timer store and the message is done.
                     let due = d.clock.now_ms().saturating_add(i64::try_from(retry_ms).unwrap_or(i64::MAX));
                     let again = Envelope { org: envelope.org.clone(), run: envelope.run.clone(), input: None };
-                    let timer = format!("retry:{step}");
+                    // One timer per retry: the scheduler cancels a fired timer by id, which must not drop a retry
+                    // scheduled again in between.
+                    let timer = format!("retry:{step}:{due}");
                     let scheduled = match to_json(&again) {
                         Ok(body) => d.timers.schedule(&envelope.org, &timer, due, &body).await,
                         Err(e) => return Err(StoreError::Invalid(e.to_string())),
@@ -270,10 +276,7 @@ impl Worker {
                 bodies.push(logged(event, &run, now)?);
             }
             match d.store.append(org, run_id, row.version, state_name(&run), &to_json(&run)?, &bodies, now).await {
-                Ok(_) => {
-                    self.after_recorded(org, &events).await?;
-                    return Ok(run);
-                }
+                Ok(_) => return Ok(run),
                 Err(StoreError::Conflict) => continue,
                 Err(e) => return Err(e.into()),
             }
@@ -281,20 +284,21 @@ impl Worker {
         Err(WorkerError::Contended(MAX_CONFLICTS))
     }
 
-    /// Follow-ups of recorded events that live outside the run: a regressed run opens its successor.
-    async fn after_recorded(&self, org: &str, events: &[Event]) -> Result<(), WorkerError> {
-        for event in events {
-            if let Event::Ended { follow_up: Some(follow_up), .. } = event {
-                match self.open(org, follow_up.signal.clone()).await {
-                    Ok(_) => {}
-                    // The engine already checked the generation cap; a refusal here (cooldown, kill) is recorded
-                    // in the log rather than retried forever.
-                    Err(WorkerError::OpenRefused(reason)) => warn!(%reason, "follow-up run not opened"),
-                    Err(e) => return Err(e),
-                }
+    /// What an ended run asks for outside itself: a regressed run opens its successor. Checked on every message
+    /// of the run, not only the one that ended it, so a crash right after the end cannot lose the successor.
+    async fn open_follow_up(&self, org: &str, run: &Run) -> Result<(), WorkerError> {
+        let Some(follow_up) = run.follow_up.as_ref().filter(|_| run.state.is_terminal()) else { return Ok(()) };
+        // Create-if-absent: opening it again after a crash (or on a redelivered message) is a no-op.
+        match self.open(org, follow_up.signal.clone()).await {
+            Ok(_) => Ok(()),
+            // The engine already checked the generation cap; a refusal here (kill switch) is logged rather than
+            // retried forever.
+            Err(WorkerError::OpenRefused(reason)) => {
+                warn!(%reason, "follow-up run not opened");
+                Ok(())
             }
+            Err(e) => Err(e),
         }
-        Ok(())
     }
 
     /// Performs one effect, idempotently under its step id.

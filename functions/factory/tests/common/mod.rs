@@ -63,7 +63,12 @@ impl World {
         World { hook: Box::new(hook), ..World::new() }
     }
 
-    fn default_answer(effect: &Effect) -> Outcome {
+    /// Whether the PR was merged: once performed, a merge stays (whether or not the run recorded its outcome).
+    pub fn merged(&self) -> bool {
+        self.performed.values().any(|(e, _)| matches!(e, Effect::Call { skill, .. } if skill == "merge"))
+    }
+
+    fn default_answer(&self, effect: &Effect) -> Outcome {
         let step = effect.step();
         let (_, attempt, action) = parts(step);
         match effect {
@@ -106,6 +111,10 @@ impl World {
                         }
                     },
                     ("forgejo", "merge") => json!({"merge_sha": "m3rge"}),
+                    // Like the forgejo agent: a merged PR cannot be closed, the answer names its merge commit.
+                    ("forgejo", "close_pr") if self.merged() => {
+                        json!({"closed": false, "merged": true, "merge_sha": "m3rge"})
+                    }
                     ("forgejo", "close_pr") => json!({"closed": true}),
                     ("forgejo", "revert") => {
                         json!({"number": 8, "url": "https://forgejo.example/pr/8", "head_sha": "r3v"})
@@ -127,7 +136,7 @@ impl World {
             assert_eq!(first, effect, "step {step} performed twice with a different effect");
             return (outcome.clone(), Vec::new());
         }
-        let outcome = (self.hook)(effect).unwrap_or_else(|| World::default_answer(effect));
+        let outcome = (self.hook)(effect).unwrap_or_else(|| self.default_answer(effect));
         let mut later = Vec::new();
         match effect {
             // Short timers fire; stall timeouts (hours away) never do in these tests.
