@@ -431,6 +431,12 @@ fn call_result(run: &Run, v: &Value, ctx: &Ctx) -> Result<Vec<Event>, String> {
             let head_sha = text(v, "head_sha")?;
             let opened = Event::PrOpened { number: number(v, "number")?, url: text(v, "url")?, head_sha: head_sha.clone() };
             let committed = run.links.commit_sha.as_deref().unwrap_or_default();
+            // The agent answers only about a PR into the base it was asked for; an answer naming another base is
+            // refused like a foreign head.
+            let base = v.get("base").map(|_| text(v, "base")).transpose()?;
+            if let Some(base) = base.filter(|b| *b != run.config.base_branch) {
+                return Err(format!("the PR targets `{base}`, not `{}`", run.config.base_branch));
+            }
             if head_sha.eq_ignore_ascii_case(committed) {
                 vec![opened]
             } else {
@@ -438,9 +444,7 @@ fn call_result(run: &Run, v: &Value, ctx: &Ctx) -> Result<Vec<Event>, String> {
                 // to the branch. The PR is recorded (so the ending closes it and deletes the branch) and the run
                 // stops: another attempt would only build on, and read, that branch.
                 let reason = format!(
-                    "tampering suspected: the PR head {} is not the factory's commit {}",
-                    short(&head_sha),
-                    short(committed)
+                    "tampering suspected: the PR head {head_sha} is not the factory's commit {committed}"
                 );
                 vec![
                     opened,

@@ -70,6 +70,11 @@ fn full_happy_path() {
     assert_eq!(args["branch"], format!("factory/{id}"));
     assert_eq!(args["files"][0]["path"], "src/checkout.py");
     assert!(args["files"][0]["content"].as_str().unwrap().contains("attempt 2"));
+    // Each commit pins the branch: the first where the base stands, the next on the factory's previous commit.
+    assert_eq!(args["expected_head"], "c0ffee1");
+    let (first, _) = &world.performed[&format!("{id}:fix:1:commit_patch")];
+    let Effect::Call { args, .. } = first else { panic!() };
+    assert_eq!(args["expected_head"], serde_json::Value::Null);
 
     // Attempt 2's fix prompt carries attempt 1's failing CI log.
     let (fix2, _) = &world.performed[&format!("{id}:fix:2:propose")];
@@ -82,7 +87,7 @@ fn full_happy_path() {
     assert_eq!(approval.action.args, serde_json::json!({"number": 7, "head_sha": "c0ffee2"}));
     // The change itself is bound: the head commit, the patch hash and the paths, in the hash and in the summary.
     let patch_hash = run.attempts[1].patch_hash.clone().unwrap();
-    let binding = format!("c0ffee2; patch {}: src/checkout.py", &patch_hash[..12]);
+    let binding = format!("c0ffee2; commit c0ffee2; patch {}: src/checkout.py", &patch_hash[..12]);
     assert_eq!(approval.action.target_commit.as_deref(), Some(binding.as_str()));
     assert!(
         approval.summary.contains(&format!("Changes patch {}: src/checkout.py.", &patch_hash[..12])),

@@ -319,6 +319,30 @@ async fn a_regressed_run_opens_its_follow_up_unless_the_cap_refuses() {
 }
 
 #[tokio::test]
+async fn a_follow_up_lost_in_a_crash_is_opened_by_the_next_message_of_the_ended_run() {
+    // A regressed run that ended and opened its successor...
+    let h = Harness::new(FakeAgents { error_events: 50, ..FakeAgents::default() }, 2);
+    let id = h.worker.open(ORG, signal("fp-8")).await.unwrap().run_id;
+    let ended = h.drive(&id).await;
+    assert!(ended.follow_up.is_some());
+    let row = h.db.get_run(ORG, &id).await.unwrap().unwrap();
+
+    // ...copied into a store where the process died right after recording the end: no successor yet.
+    let crashed = Harness::new(FakeAgents { error_events: 50, ..FakeAgents::default() }, 2);
+    crashed.db.create_run(ORG, &id, &row.state, &row.snapshot, b"{}", 0).await.unwrap();
+    assert_eq!(crashed.db.list_runs(ORG, None, Page::first(10)).await.unwrap().items.len(), 1);
+
+    // The redelivered message of the ended run opens it; another one changes nothing more.
+    for _ in 0..2 {
+        crashed.worker.handle(&Envelope { org: ORG.into(), run: id.clone(), input: None }).await.unwrap();
+    }
+    let all = crashed.db.list_runs(ORG, None, Page::first(10)).await.unwrap().items;
+    assert_eq!(all.len(), 2, "exactly one successor");
+    let next: Run = serde_json::from_slice(&all.iter().find(|r| r.id != id).unwrap().snapshot).unwrap();
+    assert_eq!((next.generation, next.parent_run.as_deref()), (2, Some(id.as_str())));
+}
+
+#[tokio::test]
 async fn a_malformed_message_is_acked_and_dropped() {
     let h = Harness::new(FakeAgents::default(), 2);
     h.db.send(b"{not an envelope", 0).await.unwrap();

@@ -98,7 +98,7 @@ impl World {
                     }
                     ("forgejo", "commit_patch") => json!({"sha": format!("c0ffee{attempt}")}),
                     ("forgejo", "open_pr") => {
-                        json!({"number": 7, "url": "https://forgejo.example/pr/7", "head_sha": format!("c0ffee{attempt}")})
+                        json!({"number": 7, "url": "https://forgejo.example/pr/7", "head_sha": format!("c0ffee{attempt}"), "base": "main"})
                     }
                     // Attempt 1: pending once, then a failing test; attempt 2 passes.
                     ("forgejo", "ci_status") => match (attempt, action.as_str()) {
