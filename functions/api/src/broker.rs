@@ -82,6 +82,11 @@ impl CallerAuth for AgentAuth {
         if claims.exp.saturating_sub(claims.iat) > MAX_AGENT_TOKEN_TTL_S {
             return Err(AuthError::Invalid);
         }
+        // Only the factory calls agents; a user's token (or any other token of this issuer) that happens to name an
+        // agent as its audience must not open it.
+        if claims.sub != AGENT_SUBJECT {
+            return Err(AuthError::Invalid);
+        }
         Ok(Principal { subject: claims.sub, org: claims.org })
     }
 }

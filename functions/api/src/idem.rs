@@ -27,7 +27,8 @@ where
         )));
     }
     // The user is part of the key so one person's key can never replay another person's answer.
-    let record = format!("api:{method}:{}:{key}", caller.user);
+    // Length-prefixed: a user name containing ':' cannot make two (user, key) pairs spell the same record.
+    let record = format!("api:{method}:{}:{}:{key}", caller.user.len(), caller.user);
     let org = caller.org.as_str();
     match state.store.claim(org, &record, state.now_ms(), state.config.write_lease_ms).await? {
         Claim::Done(bytes) => {

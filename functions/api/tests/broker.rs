@@ -42,6 +42,9 @@ async fn agent_tokens_verify_for_their_agent_only() {
     assert_eq!(auth.verify(Some(&token), "http://127.0.0.1:4712").await, Err(AuthError::Invalid));
     let user = issuer.issue("alice", "acme", "runs", now_s(), 600).unwrap();
     assert_eq!(auth.verify(Some(&user), AGENT_URL).await, Err(AuthError::Invalid));
+    // A token of this issuer for this very agent, but not the factory's: only the factory calls agents.
+    let someone = issuer.issue_for(AGENT_URL, "alice", "acme", "a2a", now_s(), 300).unwrap();
+    assert_eq!(auth.verify(Some(&someone), AGENT_URL).await, Err(AuthError::Invalid));
     // Another key, an expired token, a token living longer than an agent token may, garbage.
     let stranger = Issuer::generate("loams-dev", "loams-api").unwrap();
     let forged = stranger.issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s(), 300).unwrap();

@@ -428,8 +428,8 @@ fn call_result(run: &Run, v: &Value, ctx: &Ctx) -> Result<Vec<Event>, String> {
         Cursor::ReadFiles => vec![Event::FilesRead { files: read_files(v)? }],
         Cursor::CommitPatch => vec![Event::Committed { sha: text(v, "sha")? }],
         Cursor::OpenPr => {
-            let head_sha = text(v, "head_sha")?;
-            let opened = Event::PrOpened { number: number(v, "number")?, url: text(v, "url")?, head_sha: head_sha.clone() };
+            let (number, url, head_sha) = (number(v, "number")?, text(v, "url")?, text(v, "head_sha")?);
+            let opened = Event::PrOpened { number, url, head_sha: head_sha.clone() };
             let committed = run.links.commit_sha.as_deref().unwrap_or_default();
             // The agent answers only about a PR into the base it was asked for; an answer naming another base is
             // refused like a foreign head.

@@ -792,3 +792,66 @@ fn another_stop_after_a_lost_merge_records_the_deploy_and_leaves_it() {
     let skipped_close = |e: &Event| matches!(e, Event::FinishStepSkipped { action: FinishStep::ClosePr, .. });
     assert!(w.log.iter().any(skipped_close));
 }
+
+#[test]
+fn a_pr_head_other_than_the_factory_commit_fails_the_attempt_and_nothing_runs_on_it() {
+    // Someone pushed to the work branch between the commit and opening the PR: the head is theirs.
+    let mut world = World::with(|e| match e {
+        Effect::Call { skill, .. } if skill == "open_pr" => Some(Outcome::Agent(
+            json!({"number": 7, "url": "https://forgejo.example/pr/7", "head_sha": "bad0bad", "base": "main"}),
+        )),
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
+    let reason = w.log.iter().find_map(|e| match e {
+        Event::AttemptFailed { attempt: 1, reason, .. } => Some(reason.clone()),
+        _ => None,
+    });
+    let reason = reason.expect("attempt 1 failed");
+    assert!(reason.contains("tampering suspected") && reason.contains("bad0bad") && reason.contains("c0ffee1"), "{reason}");
+    assert_eq!(run.attempts[0].failure.as_deref(), Some(reason.as_str()));
+    assert_eq!(run.attempt, 1, "no further attempt builds on that branch");
+    let t = calls(&world);
+    for never in ["forgejo.ci_status", "model.lead_review", "model.security_audit", "approval.merge", "forgejo.merge"] {
+        assert!(!t.iter().any(|s| s == never), "{never} ran: {t:?}");
+    }
+    // The PR is recorded so the ending closes it (and deletes the branch).
+    assert_eq!(run.links.pr_number, Some(7));
+    assert_eq!(&t[t.len() - 4..], ["approval.close_pr", "forgejo.close_pr", "plane.comment", "zulip.post"]);
+
+    // A PR into another base than the one asked for is refused the same way: no CI, no merge.
+    let mut world = World::with(|e| match e {
+        Effect::Call { skill, .. } if skill == "open_pr" => Some(Outcome::Agent(
+            json!({"number": 7, "url": "https://forgejo.example/pr/7", "head_sha": "c0ffee1", "base": "release"}),
+        )),
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
+    assert!(run.ending.unwrap().detail.contains("`release`"));
+    assert!(!calls(&world).iter().any(|s| s == "forgejo.ci_status"));
+}
+
+#[test]
+fn commits_are_pinned_and_a_refused_commit_stops_the_run() {
+    // Attempt 2 must land on attempt 1's commit; the agent finds the branch moved and refuses for good.
+    let mut world = World::with(|e| match e {
+        Effect::Call { skill, step, .. } if skill == "commit_patch" && parts(step).1 == 2 => Some(Outcome::Failed {
+            error: "forgejo: branch `factory/x` is at bad0bad, not at c0ffee1 (the previous commit)".into(),
+            retryable: false,
+        }),
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
+    assert!(run.ending.unwrap().detail.contains("bad0bad"));
+    let (e, _) = &world.performed[&format!("{}:fix:2:commit_patch", run.id)];
+    let Effect::Call { args, .. } = e else { panic!() };
+    assert_eq!(args["expected_head"], "c0ffee1");
+    assert_eq!(run.links.commit_sha.as_deref(), Some("c0ffee1"), "the refused commit is not recorded");
+    assert!(!world.performed.contains_key(&format!("{}:fix:2:open_pr", run.id)));
+    let t = calls(&world);
+    assert!(!t.iter().any(|s| s == "forgejo.merge"), "{t:?}");
+    assert_eq!(&t[t.len() - 4..], ["approval.close_pr", "forgejo.close_pr", "plane.comment", "zulip.post"]);
+}

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, anyhow};
+use anyhow::{Context, anyhow, bail};
 use async_trait::async_trait;
 use loams_a2a::{A2aClient, CardSigner, Guards, Skills};
 use loams_agents::{
@@ -26,6 +26,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::{
+    MIN_WEBHOOK_TOKEN,
     AnalyticsSettings, AppSettings, Config, ForgejoSettings, GlitchtipSettings, PlaneSettings, Secret, ZulipSettings,
 };
 
@@ -211,7 +212,8 @@ pub fn webhook_token(config: &Config) -> anyhow::Result<String> {
     }
     let path = config.data_dir.join("webhook.token");
     match std::fs::read_to_string(&path) {
-        Ok(token) => Ok(token.trim().to_string()),
+        Ok(token) if token.trim().len() >= MIN_WEBHOOK_TOKEN => Ok(token.trim().to_string()),
+        Ok(_) => bail!("{}: the webhook token is shorter than {MIN_WEBHOOK_TOKEN} characters", path.display()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let mut bytes = [0u8; 24];
             aws_lc_rs::rand::fill(&mut bytes).map_err(|_| anyhow!("no randomness for the webhook token"))?;
