@@ -165,6 +165,78 @@ async fn forgejo_patch_pr_ci_merge_flow() {
     sb.shutdown().await;
 }
 
+/// Someone with push access who is not the factory.
+fn intruder(info: &SandboxInfo) -> ForgejoClient {
+    ForgejoClient::new(&ForgejoConfig::new(&info.urls.forgejo, &info.tokens.forgejo_token, &info.forgejo_owner, &info.forgejo_repo))
+        .unwrap()
+}
+
+fn change(path: &str, content: &str) -> forgejo::FileChange {
+    forgejo::FileChange { path: path.into(), content: Some(content.as_bytes().to_vec()) }
+}
+
+async fn refused(agent: &ForgejoAgent, skill: &str, args: Value, needle: &str) {
+    match agent.invoke(skill, args.clone()).await {
+        Ok(v) => panic!("{skill}({args}) succeeded: {v}"),
+        Err(e) => assert!(!e.retryable && e.message.contains(needle), "{e:?}"),
+    }
+}
+
+#[tokio::test]
+async fn forgejo_commit_patch_refuses_branches_it_did_not_make() {
+    let (sb, info) = sandbox().await;
+    let agent = forgejo(&info);
+    let other = intruder(&info);
+    let base = info.forgejo_base.clone();
+    let base_head = other.branch_head(&base).await.unwrap();
+    let fixed = "def apply_discount(price, percent):\n    return price * percent / 100\n";
+    let files = json!([{"path": "src/checkout.py", "content": fixed}]);
+
+    // A branch prepared in advance under the predictable name, with a backdoor under a commit that even carries
+    // the factory's exact file: refused, and nothing is committed on top.
+    let branch = "factory/r-aaaaaaaaaaaaaaaa";
+    assert!(other.create_branch(branch, &base).await.unwrap());
+    let planted = [change("src/checkout.py", fixed), change("src/backdoor.py", "import os\n")];
+    let foreign = other.apply_changes(branch, &base_head, "innocent", &planted).await.unwrap();
+    let patch = json!({"branch": branch, "base": base, "message": "Fix", "files": files});
+    refused(&agent, "commit_patch", patch.clone(), "refusing to commit on top").await;
+    let mut explicit_null = patch.clone();
+    explicit_null["expected_head"] = Value::Null;
+    refused(&agent, "commit_patch", explicit_null, &foreign).await;
+    assert_eq!(other.branch_head(branch).await.unwrap(), foreign);
+
+    // A branch that stands where the base does is fine; then each commit is pinned to the previous one.
+    let branch = "factory/r-bbbbbbbbbbbbbbbb";
+    assert!(other.create_branch(branch, &base).await.unwrap());
+    let first = json!({"branch": branch, "base": base, "message": "Fix", "files": files});
+    let c1 = ok(&agent, "commit_patch", first).await["sha"].as_str().unwrap().to_string();
+    let again = json!({"branch": branch, "base": base, "expected_head": c1, "message": "Fix 2",
+        "files": [{"path": "src/checkout.py", "content": format!("{fixed}# 2\n")}]});
+    let c2 = ok(&agent, "commit_patch", again.clone()).await["sha"].as_str().unwrap().to_string();
+    assert_ne!(c1, c2);
+    // A retry whose answer was lost gets its own commit back.
+    assert_eq!(ok(&agent, "commit_patch", again).await["sha"], json!(c2));
+    // Pinned to a commit the branch has moved past (someone pushed since): refused, the branch is left as it is.
+    let pushed = other.apply_changes(branch, &c2, "one more thing", &[change("src/backdoor.py", "x\n")]).await.unwrap();
+    let third = json!({"branch": branch, "base": base, "expected_head": c2, "message": "Fix 3",
+        "files": [{"path": "src/checkout.py", "content": format!("{fixed}# 3\n")}]});
+    refused(&agent, "commit_patch", third, "refusing to commit on top").await;
+    assert_eq!(other.branch_head(branch).await.unwrap(), pushed);
+    // Nor may a first commit land on it.
+    refused(&agent, "commit_patch", json!({"branch": branch, "base": base, "message": "Fix", "files": files}), "head of the base").await;
+    // A pinned commit to a branch that is gone is refused rather than recreated from base.
+    let gone = json!({"branch": "factory/r-cccccccccccccccc", "base": base, "expected_head": c2, "message": "Fix", "files": files});
+    refused(&agent, "commit_patch", gone, "no longer exists").await;
+    refused(&agent, "commit_patch", json!({"branch": branch, "base": base, "expected_head": "not-a-sha", "message": "m", "files": files}), "expected_head").await;
+
+    // The PR answer names its base.
+    let pr = ok(&agent, "open_pr", json!({"branch": branch, "base": base, "title": "Fix", "body": ""})).await;
+    assert_eq!(pr["base"], json!(base));
+    assert_eq!(pr["head_sha"], json!(pushed), "the factory sees the foreign head and refuses to go on");
+    conform(&info).await;
+    sb.shutdown().await;
+}
+
 #[tokio::test]
 async fn forgejo_close_pr_deletes_its_branch() {
     let (sb, info) = sandbox().await;

@@ -5,7 +5,7 @@
 //! - `LOAMS_QUEUE_VISIBILITY_MS` (default 30000, 100..=600000): how long a received message stays hidden. While a
 //!   step runs the worker extends it every third of that time, so a slow effect is never handed to a second
 //!   worker, and a message of a crashed worker comes back after at most this long.
-//! - `LOAMS_FAULT_ABORT_AT=<boundary>:<n>` (default off): aborts the process (`std::process::abort`, no unwinding,
+//! - `LOAMS_FAULT_ABORT_AT=<boundary>:<n>` (default off; read by debug builds only): aborts the process (`std::process::abort`, no unwinding,
 //!   no cleanup, like a kill) at the `n`-th crossing of `boundary` since the worker was built, counted over all
 //!   queue tasks of the process. `after_effect`: the effect was performed, its outcome is not recorded.
 //!   `after_record`: the outcome is recorded, the continuation is not enqueued and the message not acked.
@@ -80,7 +80,10 @@ pub(crate) struct Settings {
 
 impl Settings {
     pub(crate) fn from_env() -> Settings {
-        Settings::from_values(std::env::var(VISIBILITY_ENV).ok().as_deref(), std::env::var(FAULT_ENV).ok().as_deref())
+        // Fault injection exists for the crash tests, which run debug builds; a release build never reads the
+        // switch, so a stray variable in production cannot abort the service.
+        let fault = if cfg!(debug_assertions) { std::env::var(FAULT_ENV).ok() } else { None };
+        Settings::from_values(std::env::var(VISIBILITY_ENV).ok().as_deref(), fault.as_deref())
     }
 
     /// A bad value is reported and ignored rather than fatal: the worker then runs with the defaults (a crash
