@@ -639,6 +639,19 @@ impl Run {
         format!("patch {}: {}", hash.get(..12).unwrap_or(hash), paths.join(", "))
     }
 
+    /// What an attempt commits: the patched files, and every other target file as it is on the base. So the
+    /// branch head differs from the base by exactly this attempt's patch, whatever earlier attempts committed:
+    /// the reviews and the merge approval, which see and bind this patch only, cover the whole change that merges.
+    pub fn commit_files(&self) -> Vec<FileContent> {
+        let mut files = self.patch.clone();
+        for base in &self.files {
+            if base.content.is_some() && !self.patch.iter().any(|f| f.path == base.path) {
+                files.push(base.clone());
+            }
+        }
+        files
+    }
+
     pub fn branch(&self) -> String {
         format!("factory/{}", self.id)
     }
@@ -724,10 +737,14 @@ impl Run {
                 "post",
                 json!({"channel": c.channel, "topic": self.topic(), "content": prompts::issue_link(self)}),
             ),
-            Cursor::ReadFiles => {
-                let reference = if l.commit_sha.is_some() { self.branch() } else { c.base_branch.clone() };
-                self.call("read_files", "forgejo", "read_files", json!({"paths": c.target_files, "ref": reference}))
-            }
+            // Always the base: every attempt is a whole change against it (see `commit_files`), never a layer on
+            // top of an earlier attempt that the reviews of this one would not see.
+            Cursor::ReadFiles => self.call(
+                "read_files",
+                "forgejo",
+                "read_files",
+                json!({"paths": c.target_files, "ref": c.base_branch}),
+            ),
             Cursor::ProposeFix => Some(Effect::Model {
                 step: self.step("propose"),
                 purpose: "fix".into(),
@@ -743,7 +760,7 @@ impl Run {
                     "branch": self.branch(),
                     "base": c.base_branch,
                     "expected_head": l.commit_sha,
-                    "files": self.patch,
+                    "files": self.commit_files(),
                     "message": format!("factory: fix attempt {} for {}", self.attempt, self.id),
                 }),
             ),

@@ -855,3 +855,39 @@ fn commits_are_pinned_and_a_refused_commit_stops_the_run() {
     assert!(!t.iter().any(|s| s == "forgejo.merge"), "{t:?}");
     assert_eq!(&t[t.len() - 4..], ["approval.close_pr", "forgejo.close_pr", "plane.comment", "zulip.post"]);
 }
+
+#[test]
+fn every_attempt_is_a_whole_change_against_the_base() {
+    // Attempt 1 rewrites two files (one of them badly) and fails CI; attempt 2 changes only one. Whatever attempt 1
+    // committed, attempt 2's commit puts every other target file back as it is on the base, so the branch differs
+    // from the base by exactly the patch the reviews and the approval see.
+    let mut ctx = ctx();
+    ctx.config.target_files = vec!["src/checkout.py".into(), "src/auth.py".into()];
+    let mut world = World::with(|e| match e {
+        Effect::Call { skill, .. } if skill == "read_files" => Some(Outcome::Agent(json!({"files": [
+            {"path": "src/checkout.py", "content": "currency = order['currency']\n"},
+            {"path": "src/auth.py", "content": "def allowed(user):\n    return user.admin\n"},
+        ]}))),
+        Effect::Model { purpose, step, .. } if purpose == "fix" && parts(step).1 == 1 => Some(Outcome::Model {
+            text: "=== src/checkout.py\n```python\ncurrency = 'EUR'\n```\n=== src/auth.py\n```python\ndef allowed(user):\n    return True\n```\n".into(),
+            input_tokens: 10,
+            output_tokens: 10,
+        }),
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx);
+    assert_eq!(ended(&w).0, RunState::Succeeded);
+    for attempt in [1, 2] {
+        let (e, _) = &world.performed[&format!("{}:fix:{attempt}:read_files", run.id)];
+        let Effect::Call { args, .. } = e else { panic!() };
+        assert_eq!(args["ref"], "main", "attempt {attempt} reads the base");
+    }
+    let (e, _) = &world.performed[&format!("{}:fix:2:commit_patch", run.id)];
+    let Effect::Call { args, .. } = e else { panic!() };
+    let files = args["files"].as_array().unwrap();
+    let auth = files.iter().find(|f| f["path"] == "src/auth.py").expect("auth.py is committed back");
+    assert_eq!(auth["content"], "def allowed(user):\n    return user.admin\n");
+    assert!(files.iter().any(|f| f["path"] == "src/checkout.py" && f["content"] != "currency = order['currency']\n"));
+    // The approval binds and shows this attempt's patch: one file.
+    assert!(run.change_binding().ends_with(": src/checkout.py"), "{}", run.change_binding());
+}
