@@ -1,6 +1,7 @@
 //! loams-proto: the Loams client API types (prost + canonical proto3 JSON via pbjson), the canonical bytes of an
 //! approval decision, and a hand-written Connect protocol server (axum) and client (reqwest).
 
+#[cfg(feature = "connect")]
 pub mod connect;
 mod decision;
 

@@ -42,6 +42,8 @@ pub mod scope {
     pub const RUNS_READ: &str = "runs:read";
     /// Stop a run.
     pub const RUNS_KILL: &str = "runs:kill";
+    /// Give a run the decisions only a person can: triage, and the verdict after an inconclusive observation.
+    pub const RUNS_DECIDE: &str = "runs:decide";
     /// Read approvals.
     pub const APPROVALS_READ: &str = "approvals:read";
     /// Take a challenge and decide an approval.
@@ -49,7 +51,7 @@ pub mod scope {
     /// Register and revoke one's own devices.
     pub const DEVICES_WRITE: &str = "devices:write";
     /// Every scope above, as a `scope` claim (what the `loams dev` issuer grants).
-    pub const ALL: &str = "runs:read runs:kill approvals:read approvals:decide devices:write";
+    pub const ALL: &str = "runs:read runs:kill runs:decide approvals:read approvals:decide devices:write";
 }
 
 /// Who is calling: taken from a verified token only.
@@ -379,7 +381,7 @@ mod tests {
         let caller = Caller { scopes: vec!["runs".into(), "runs:read:x".into()], ..caller };
         assert!(caller.require(scope::RUNS_READ).is_err());
         let all: Vec<&str> = scope::ALL.split_whitespace().collect();
-        for s in [scope::RUNS_READ, scope::RUNS_KILL, scope::APPROVALS_READ, scope::APPROVALS_DECIDE, scope::DEVICES_WRITE] {
+        for s in [scope::RUNS_READ, scope::RUNS_KILL, scope::RUNS_DECIDE, scope::APPROVALS_READ, scope::APPROVALS_DECIDE, scope::DEVICES_WRITE] {
             assert!(all.contains(&s), "{s} missing from ALL");
         }
     }

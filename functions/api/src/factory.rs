@@ -4,7 +4,8 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use futures::Stream;
-use loams_factory::{Envelope, Input};
+use loams_factory::{Cursor, Envelope, Input, ObserveVerdict};
+use loams_platform::Claim;
 use loams_platform::{Cond, Item, Page};
 use loams_proto::connect::{CallContext, ConnectError, Router};
 use loams_proto::factory::v1 as pf;
@@ -114,6 +115,116 @@ async fn kill(state: &ApiState, caller: &Caller, req: pf::KillRunRequest) -> Res
         enqueue(state, &caller.org, &req.run_id, Input::Kill { reason: reason.clone(), by: caller.user.clone() })
             .await?;
         Ok(pf::KillRunResponse { run: Some(load_run(state, caller, &req.run_id).await?) })
+    })
+    .await
+}
+
+/// A decision only a person can give, and the cursor at which a run waits for it.
+#[derive(Clone, Copy)]
+enum Wanted {
+    Triage,
+    Verdict,
+}
+
+impl Wanted {
+    fn cursor(self) -> Cursor {
+        match self {
+            Wanted::Triage => Cursor::AwaitTriage,
+            Wanted::Verdict => Cursor::AwaitVerdict,
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Wanted::Triage => "triage",
+            Wanted::Verdict => "verdict",
+        }
+    }
+}
+
+/// Sends a person's triage decision or verdict to a run that waits for it. Runs inside the caller's idempotency
+/// claim, so a repeat with the same key gets the first answer even after the run has moved on.
+async fn decide_run(
+    state: &ApiState,
+    caller: &Caller,
+    run_id: &str,
+    wanted: Wanted,
+    input: Input,
+) -> Result<pf::Run, ApiError> {
+    id_arg("run_id", run_id)?;
+    let row = state
+        .store
+        .get_run(&caller.org, run_id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("run {run_id} not found")))?;
+    let run: loams_factory::Run = serde_json::from_slice(&row.snapshot)
+        .map_err(|e| ApiError::Internal(format!("run {run_id} has a malformed snapshot: {e}")))?;
+    // The engine ignores a decision the run does not wait for; refusing it here tells the person instead.
+    if run.state.is_terminal() || run.ending.is_some() || run.cursor != wanted.cursor() {
+        return Err(ApiError::FailedPrecondition(format!(
+            "run {run_id} is not waiting for a {} decision (it is at {}, {})",
+            wanted.what(),
+            run.stage.as_str(),
+            row.state
+        )));
+    }
+    // The worker applies the input later, so until then the snapshot still shows the wait. One marker per run and
+    // decision lets only the first person's call through; a second, possibly opposite, one is told so instead of
+    // being silently dropped by the engine.
+    let marker = format!("api:decided:{}:{run_id}", wanted.what());
+    match state.store.claim(&caller.org, &marker, state.now_ms(), state.config.write_lease_ms).await? {
+        Claim::New => {}
+        Claim::Done(_) => {
+            return Err(ApiError::FailedPrecondition(format!(
+                "the {} of run {run_id} was already decided",
+                wanted.what()
+            )));
+        }
+        Claim::InProgress => {
+            return Err(ApiError::Aborted(format!("another {} decision for run {run_id} is in progress", wanted.what())));
+        }
+    }
+    if let Err(e) = enqueue(state, &caller.org, run_id, input).await {
+        // Nothing was sent, so the decision is still open.
+        if let Err(re) = state.store.release(&caller.org, &marker).await {
+            tracing::warn!(error = %re, key = %marker, "releasing a decision marker failed");
+        }
+        return Err(e);
+    }
+    if let Err(e) = state.store.finish(&caller.org, &marker, b"", state.now_ms()).await {
+        // The input is queued; the lease runs out and a later call is then refused by the run's own state.
+        tracing::warn!(error = %e, key = %marker, "recording a decision marker failed");
+    }
+    convert::run(&row)
+}
+
+async fn decide_triage(
+    state: &ApiState,
+    caller: &Caller,
+    req: pf::DecideTriageRequest,
+) -> Result<pf::DecideTriageResponse, ApiError> {
+    idem::once(state, caller, "DecideTriage", &req.idempotency_key, || async {
+        let input = Input::TriageDecided { accept: req.accept, by: caller.user.clone() };
+        let run = decide_run(state, caller, &req.run_id, Wanted::Triage, input).await?;
+        Ok(pf::DecideTriageResponse { run: Some(run) })
+    })
+    .await
+}
+
+async fn give_verdict(
+    state: &ApiState,
+    caller: &Caller,
+    req: pf::GiveVerdictRequest,
+) -> Result<pf::GiveVerdictResponse, ApiError> {
+    let verdict = match pf::Verdict::try_from(req.verdict) {
+        Ok(pf::Verdict::Resolved) => ObserveVerdict::Resolved,
+        Ok(pf::Verdict::Regressed) => ObserveVerdict::Regressed,
+        _ => return Err(ApiError::InvalidArgument("verdict must be VERDICT_RESOLVED or VERDICT_REGRESSED".into())),
+    };
+    idem::once(state, caller, "GiveVerdict", &req.idempotency_key, || async {
+        let input = Input::VerdictGiven { verdict, by: caller.user.clone() };
+        let run = decide_run(state, caller, &req.run_id, Wanted::Verdict, input).await?;
+        Ok(pf::GiveVerdictResponse { run: Some(run) })
     })
     .await
 }
@@ -233,6 +344,22 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
         async move {
             let caller = s.caller(&ctx, scope::RUNS_KILL).await?;
             Ok(kill(&s, &caller, req).await?)
+        }
+    });
+    let s = state.clone();
+    let router = router.unary(&format!("{SERVICE}DecideTriage"), move |ctx: CallContext, req: pf::DecideTriageRequest| {
+        let s = s.clone();
+        async move {
+            let caller = s.caller(&ctx, scope::RUNS_DECIDE).await?;
+            Ok(decide_triage(&s, &caller, req).await?)
+        }
+    });
+    let s = state.clone();
+    let router = router.unary(&format!("{SERVICE}GiveVerdict"), move |ctx: CallContext, req: pf::GiveVerdictRequest| {
+        let s = s.clone();
+        async move {
+            let caller = s.caller(&ctx, scope::RUNS_DECIDE).await?;
+            Ok(give_verdict(&s, &caller, req).await?)
         }
     });
     let s = state;

@@ -100,7 +100,12 @@ impl Env {
 
     /// Run `RUN` as the engine opens it, moved on to the review stage, with its opening event as event 1.
     async fn seed_run(&self, org: &str, state: &str) {
-        let (snapshot, first) = run_snapshot(org);
+        self.seed_run_at(org, state, loams_factory::Stage::Review, loams_factory::Cursor::LeadReview).await;
+    }
+
+    /// Run `RUN` at another point of its loop (for example waiting for triage).
+    async fn seed_run_at(&self, org: &str, state: &str, stage: loams_factory::Stage, cursor: loams_factory::Cursor) {
+        let (snapshot, first) = run_snapshot(org, stage, cursor);
         let created = self.db.create_run(org, RUN, state, &snapshot, &first, 1).await.unwrap();
         assert!(created);
     }
@@ -167,8 +172,8 @@ impl Env {
     }
 }
 
-/// A real factory run (and its logged opening event) with the id `RUN`, in the review stage with a PR.
-fn run_snapshot(org: &str) -> (Vec<u8>, Vec<u8>) {
+/// A real factory run (and its logged opening event) with the id `RUN`, at `stage` and `cursor`, with a PR.
+fn run_snapshot(org: &str, stage: loams_factory::Stage, cursor: loams_factory::Cursor) -> (Vec<u8>, Vec<u8>) {
     let signal = Signal {
         source: "glitchtip".into(),
         fingerprint: "glitchtip:42".into(),
@@ -182,8 +187,8 @@ fn run_snapshot(org: &str) -> (Vec<u8>, Vec<u8>) {
     let (mut run, opened) = loams_factory::open(signal, &loams_factory::Ctx::new(org, "prod", 1)).unwrap();
     // The seeded rows use a fixed id so every test can name the run.
     run.id = RUN.into();
-    run.stage = loams_factory::Stage::Review;
-    run.cursor = loams_factory::Cursor::LeadReview;
+    run.stage = stage;
+    run.cursor = cursor;
     run.links.pr_url = Some("https://forgejo.example/acme/shop/pulls/7".into());
     let mut logged = serde_json::to_value(&opened).unwrap();
     logged["at_ms"] = 1.into();
@@ -317,7 +322,7 @@ async fn runs_timeline_and_watch() {
     tokio::spawn(async move {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         let ev = serde_json::to_vec(&serde_json::json!({"type": "run_killed", "reason": "stop"})).unwrap();
-        let (snapshot, _) = run_snapshot("acme");
+        let (snapshot, _) = run_snapshot("acme", loams_factory::Stage::Review, loams_factory::Cursor::LeadReview);
         db.append("acme", RUN, 1, "killed", &snapshot, &[ev], 2).await.unwrap();
     });
     let items: Vec<_> = tokio::time::timeout(std::time::Duration::from_secs(10), stream.collect::<Vec<_>>()).await.unwrap();
@@ -898,7 +903,7 @@ async fn watch_sends_heartbeats_ends_after_its_lifetime_and_resumes() {
 
     // The client resumes from the last seq it saw and gets only what came after.
     let ev = serde_json::to_vec(&serde_json::json!({"type": "run_killed", "at_ms": 9, "stage": "review"})).unwrap();
-    let (snapshot, _) = run_snapshot("acme");
+    let (snapshot, _) = run_snapshot("acme", loams_factory::Stage::Review, loams_factory::Cursor::LeadReview);
     env.db.append("acme", RUN, 1, "killed", &snapshot, &[ev], 2).await.unwrap();
     let resumed = c.server_stream::<_, pf::WatchRunResponse>(
         "/loams.factory.v1.FactoryService/WatchRun",
@@ -909,4 +914,101 @@ async fn watch_sends_heartbeats_ends_after_its_lifetime_and_resumes() {
     assert!(matches!(&items[0].item, Some(W::Snapshot(r)) if r.state == "killed"));
     assert_eq!(items.len(), 2);
     assert!(matches!(&items[1].item, Some(W::Event(e)) if e.seq == 2 && e.r#type == "run_killed"));
+}
+
+const DECIDE_TRIAGE: &str = "/loams.factory.v1.FactoryService/DecideTriage";
+const GIVE_VERDICT: &str = "/loams.factory.v1.FactoryService/GiveVerdict";
+
+fn triage(accept: bool, key: &str) -> pf::DecideTriageRequest {
+    pf::DecideTriageRequest { run_id: RUN.into(), accept, idempotency_key: key.into() }
+}
+
+fn verdict(v: pf::Verdict, key: &str) -> pf::GiveVerdictRequest {
+    pf::GiveVerdictRequest { run_id: RUN.into(), verdict: v as i32, idempotency_key: key.into() }
+}
+
+#[tokio::test]
+async fn a_person_decides_triage_and_gives_the_verdict_once() {
+    use loams_factory::{Cursor, ObserveVerdict, Stage};
+    let env = start().await;
+    env.seed_run_at("acme", "waiting", Stage::Triage, Cursor::AwaitTriage).await;
+    env.seed_run_at("beta", "waiting", Stage::Observe, Cursor::AwaitVerdict).await;
+    let alice = env.client("alice", "acme");
+
+    let resp: pf::DecideTriageResponse = alice.unary(DECIDE_TRIAGE, &triage(true, "t1")).await.unwrap();
+    let run = resp.run.unwrap();
+    assert_eq!((run.id.as_str(), run.stage_state.as_str()), (RUN, "await_triage"));
+    let queued = env.queued().await;
+    assert_eq!(
+        queued,
+        vec![Envelope {
+            org: "acme".into(),
+            run: RUN.into(),
+            input: Some(Input::TriageDecided { accept: true, by: "alice".into() }),
+        }]
+    );
+    // The same key again: the first answer, nothing sent again.
+    let again: pf::DecideTriageResponse = alice.unary(DECIDE_TRIAGE, &triage(true, "t1")).await.unwrap();
+    assert_eq!(again.run.unwrap().id, RUN);
+    // Until the worker applies it the run still shows the wait, but a second (opposite) decision is refused.
+    let bob = env.client("bob", "acme");
+    assert_eq!(code(bob.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(false, "t2")).await), Code::FailedPrecondition);
+    // This run waits for triage, not for a verdict.
+    let regressed = verdict(pf::Verdict::Regressed, "v1");
+    assert_eq!(code(bob.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &regressed).await), Code::FailedPrecondition);
+    assert!(env.queued().await.is_empty());
+
+    // Another organisation's run waits for its verdict.
+    let carol = env.client("carol", "beta");
+    let unspecified = verdict(pf::Verdict::Unspecified, "v0");
+    assert_eq!(code(carol.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &unspecified).await), Code::InvalidArgument);
+    assert_eq!(code(carol.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(true, "t1")).await), Code::FailedPrecondition);
+    let resp: pf::GiveVerdictResponse = carol.unary(GIVE_VERDICT, &regressed).await.unwrap();
+    assert_eq!(resp.run.unwrap().org, "beta");
+    let again: pf::GiveVerdictResponse = carol.unary(GIVE_VERDICT, &regressed).await.unwrap();
+    assert_eq!(again.run.unwrap().id, RUN);
+    assert_eq!(
+        env.queued().await,
+        vec![Envelope {
+            org: "beta".into(),
+            run: RUN.into(),
+            input: Some(Input::VerdictGiven { verdict: ObserveVerdict::Regressed, by: "carol".into() }),
+        }]
+    );
+    let resolved = verdict(pf::Verdict::Resolved, "v2");
+    assert_eq!(code(carol.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved).await), Code::FailedPrecondition);
+    assert!(env.queued().await.is_empty());
+}
+
+#[tokio::test]
+async fn refused_triage_and_verdict_calls_send_nothing() {
+    use loams_factory::{Cursor, Stage};
+    let env = start().await;
+    env.seed_run_at("acme", "waiting", Stage::Triage, Cursor::AwaitTriage).await;
+    env.seed_run("beta", "open").await;
+    let accept = triage(true, "t1");
+    let resolved = verdict(pf::Verdict::Resolved, "v1");
+
+    // Another organisation's run is not there.
+    let mallory = env.client("mallory", "umbrella");
+    assert_eq!(code(mallory.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &accept).await), Code::NotFound);
+    assert_eq!(code(mallory.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved).await), Code::NotFound);
+    // Reading and killing runs does not let one decide them.
+    let reader = env.client_with("alice", "acme", "runs:read runs:kill approvals:decide");
+    assert_eq!(code(reader.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &accept).await), Code::PermissionDenied);
+    assert_eq!(code(reader.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved).await), Code::PermissionDenied);
+    // A write needs its idempotency key.
+    let alice = env.client_with("alice", "acme", loams_api::scope::RUNS_DECIDE);
+    assert_eq!(code(alice.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(true, "")).await), Code::InvalidArgument);
+    // A run in review waits for neither.
+    let dave = env.client("dave", "beta");
+    assert_eq!(code(dave.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &accept).await), Code::FailedPrecondition);
+    assert_eq!(code(dave.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved).await), Code::FailedPrecondition);
+    assert!(env.queued().await.is_empty());
+
+    // The refusals used up neither the keys nor the decision: the scope alone is enough for the call.
+    alice.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(false, "t1")).await.unwrap();
+    let queued = env.queued().await;
+    assert_eq!(queued.len(), 1);
+    assert_eq!(queued[0].input, Some(Input::TriageDecided { accept: false, by: "alice".into() }));
 }

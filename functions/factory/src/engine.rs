@@ -22,6 +22,16 @@ pub const REQUESTER: &str = "agent:loams-factory";
 /// Longest error or reason text kept from outside.
 const MAX_TEXT: usize = 2_000;
 
+/// Shortest re-check interval, whatever `Config::recheck_ms` says: a zero would wake the run in a busy loop.
+const MIN_RECHECK_MS: u64 = 1_000;
+
+/// When the next timer of a wait until `due_ms` fires, seen at `now_ms`: the next re-check, or the deadline when
+/// that comes first.
+fn wake_ms(run: &Run, now_ms: i64, due_ms: i64) -> i64 {
+    let every = i64::try_from(run.config.recheck_ms.max(MIN_RECHECK_MS)).unwrap_or(i64::MAX);
+    now_ms.saturating_add(every).min(due_ms)
+}
+
 fn valid_org(org: &str) -> bool {
     let b = org.as_bytes();
     !b.is_empty()
@@ -201,6 +211,12 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
             let Some(wait) = run.wait.as_ref().filter(|w| &w.timer_id == timer_id) else {
                 return Ok(Vec::new());
             };
+            // A re-check before the deadline: whatever it was meant to notice (a kill switch, a decision the worker
+            // read from the store) comes in through the guards and other inputs, so the run just waits on.
+            if wait.is_recheck() && ctx.now_ms < wait.due_ms {
+                let wake_ms = wake_ms(run, ctx.now_ms, wait.due_ms);
+                return Ok(guard(run, vec![Event::WaitRechecked { timer_id: wait.next_recheck_id(), wake_ms }], ctx));
+            }
             let mut ev = vec![Event::TimerFired { timer_id: timer_id.clone() }];
             match wait.kind {
                 WaitKind::Triage => {
@@ -266,7 +282,9 @@ fn completed(run: &Run, effect: &Effect, outcome: &Outcome, ctx: &Ctx) -> Vec<Ev
     let result = match (effect, outcome) {
         (Effect::Wait { timer_id, .. }, _) => Ok(vec![Event::TimerScheduled { timer_id: timer_id.clone() }]),
         (Effect::RequestApproval { .. }, Outcome::Agent(v)) => {
-            text(v, "approval_id").map(|approval_id| vec![Event::ApprovalRequested { approval_id }])
+            let expires_ms = run.gate.as_ref().map_or(ctx.now_ms, |g| g.request.expires_at_ms);
+            let wake_ms = Some(wake_ms(run, ctx.now_ms, expires_ms));
+            text(v, "approval_id").map(|approval_id| vec![Event::ApprovalRequested { approval_id, wake_ms }])
         }
         (Effect::Model { purpose, .. }, Outcome::Model { text, input_tokens, output_tokens }) => {
             let answered = Event::ModelAnswered {
@@ -602,7 +620,8 @@ fn guard_once(run: &Run, ctx: &Ctx) -> Option<Event> {
             WaitKind::Verdict | WaitKind::Approval => ("await_verdict".to_string(), run.config.stall_ms),
         };
         let due_ms = ctx.now_ms.saturating_add(i64::try_from(delay).unwrap_or(i64::MAX));
-        return Some(Event::WaitStarted { timer_id: run.step(&action), kind, due_ms });
+        let wake_ms = Some(wake_ms(run, ctx.now_ms, due_ms));
+        return Some(Event::WaitStarted { timer_id: run.step(&action), kind, due_ms, wake_ms });
     }
     let planned = run.planned()?;
     let skip = |reason: String| match (run.finish.first(), run.ending.is_some()) {

@@ -111,7 +111,18 @@ pub enum Event {
         at_ms: i64,
     },
     StepFailed { step: String, error: String, retryable: bool },
-    WaitStarted { timer_id: String, kind: WaitKind, due_ms: i64 },
+    /// A wait until `due_ms`; its first timer fires at `wake_ms` (a re-check, see `Config::recheck_ms`), or at
+    /// `due_ms` when absent (waits recorded before re-checks).
+    WaitStarted {
+        timer_id: String,
+        kind: WaitKind,
+        due_ms: i64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        wake_ms: Option<i64>,
+    },
+    /// A re-check timer fired before the wait's deadline with nothing new: the run waits on under timer
+    /// `timer_id`, firing at `wake_ms`.
+    WaitRechecked { timer_id: String, wake_ms: i64 },
     TimerScheduled { timer_id: String },
     TimerFired { timer_id: String },
     ThreadOpened { message_id: u64, url: String },
@@ -131,7 +142,13 @@ pub enum Event {
     /// The attempt failed; `feedback` (CI log tail, review report, findings, parse error) goes to the next one.
     AttemptFailed { attempt: u32, reason: String, feedback: String },
     GateOpened { request: ApprovalRequest },
-    ApprovalRequested { approval_id: String },
+    /// The approval is stored; the run waits for it until it expires, its first timer firing at `wake_ms` (see
+    /// `WaitStarted`).
+    ApprovalRequested {
+        approval_id: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        wake_ms: Option<i64>,
+    },
     ApprovalSettled { approval_id: String, approved: bool, by: String },
     Merged { merge_sha: String, at_ms: i64 },
     IssueEventsRead { count: u64, last_seen_ms: Option<i64> },
@@ -158,6 +175,7 @@ impl Event {
                 format!("step {} failed{}", step.rsplit(':').next().unwrap_or(step), if *retryable { ", will retry" } else { "" })
             }
             Event::WaitStarted { kind, .. } => format!("waiting ({})", wait_name(*kind)),
+            Event::WaitRechecked { .. } => "still waiting".into(),
             Event::TimerScheduled { .. } => "timer set".into(),
             Event::TimerFired { .. } => "timer fired".into(),
             Event::ThreadOpened { message_id, .. } => format!("triage thread opened (message {message_id})"),

@@ -88,6 +88,10 @@ pub struct Config {
     pub ci_max_polls: u32,
     /// How long a wait for a person (triage decision, verdict) may last before the run stalls.
     pub stall_ms: u64,
+    /// Longest time a waiting run goes without a step. A long wait (an approval, a person's decision) wakes the
+    /// run at least this often until its deadline, so a decision or a kill switch that was stored but whose queue
+    /// message was lost (a crash between the two writes) still reaches the run.
+    pub recheck_ms: u64,
     pub budget_tokens: u64,
     pub budget_micros: u64,
     pub cooldown_ms: u64,
@@ -113,6 +117,7 @@ impl Default for Config {
             ci_poll_ms: 2_000,
             ci_max_polls: 30,
             stall_ms: 24 * 60 * 60 * 1000,
+            recheck_ms: 60_000,
             budget_tokens: 400_000,
             budget_micros: 2_000_000,
             cooldown_ms: 600_000,

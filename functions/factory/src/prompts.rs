@@ -42,11 +42,11 @@ fn signal_block(run: &Run) -> String {
     )
 }
 
-pub(crate) fn triage_evidence(run: &Run) -> String {
+/// The run and its signal, shared by the triage thread and the issue.
+fn signal_summary(run: &Run) -> String {
     let s = &run.signal;
     format!(
-        "**Loams factory run `{}`** (generation {})\n\nSignal from {}, severity **{}**:\n{}\n\n{}\n\n\
-         Decide in the Loams app whether the factory should attempt a fix.",
+        "**Loams factory run `{}`** (generation {})\n\nSignal from {}, severity **{}**:\n{}\n\n{}",
         run.id,
         run.generation,
         s.source,
@@ -56,8 +56,21 @@ pub(crate) fn triage_evidence(run: &Run) -> String {
     )
 }
 
+/// The triage thread: the evidence and how a person decides (unless the policy triages automatically, the run waits
+/// for that decision).
+pub(crate) fn triage_evidence(run: &Run) -> String {
+    format!(
+        "{}\n\nShould the factory attempt a fix? Decide in the Loams app, or call \
+         `loams.factory.v1.FactoryService/DecideTriage` with `run_id` `{}` and `accept` true or false (scope \
+         `runs:decide`). If observation after the merge stays inconclusive, the verdict is given the same way with \
+         `GiveVerdict` (`VERDICT_RESOLVED` or `VERDICT_REGRESSED`).",
+        signal_summary(run),
+        run.id
+    )
+}
+
 pub(crate) fn issue_description(run: &Run) -> String {
-    let mut d = triage_evidence(run);
+    let mut d = signal_summary(run);
     if let Some(url) = &run.links.thread_url {
         d.push_str(&format!("\n\nTriage thread: {url}"));
     }

@@ -156,11 +156,46 @@ pub struct Gate {
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct PendingWait {
+    /// The timer the run waits for now: the wait's first timer, then the latest re-check's.
     pub timer_id: String,
     pub kind: WaitKind,
+    /// The wait's deadline (approval expiry, stall timeout, end of the observe window, next CI poll).
     pub due_ms: i64,
     /// The worker confirmed the timer is stored; until then `next_effect` keeps asking for it.
     pub scheduled: bool,
+    /// When the current timer fires: before `due_ms` it is a re-check. `None` for a wait recorded before
+    /// re-checks existed, whose only timer is the deadline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wake_ms: Option<i64>,
+    /// Re-checks so far; numbers the re-check timers.
+    #[serde(default)]
+    pub rechecks: u32,
+}
+
+impl PendingWait {
+    fn new(timer_id: String, kind: WaitKind, due_ms: i64, wake_ms: Option<i64>) -> PendingWait {
+        PendingWait { timer_id, kind, due_ms, scheduled: false, wake_ms, rechecks: 0 }
+    }
+
+    /// When the current timer fires.
+    pub fn fires_at_ms(&self) -> i64 {
+        self.wake_ms.unwrap_or(self.due_ms).min(self.due_ms)
+    }
+
+    /// Whether the current timer is a re-check rather than the deadline.
+    pub fn is_recheck(&self) -> bool {
+        self.fires_at_ms() < self.due_ms
+    }
+
+    /// The id of the next re-check timer: the wait's first timer id with a counter. Each re-check has its own id
+    /// because the scheduler cancels a fired timer by id, which must not drop the re-check scheduled after it.
+    pub(crate) fn next_recheck_id(&self) -> String {
+        let first = match self.rechecks {
+            0 => self.timer_id.as_str(),
+            n => self.timer_id.strip_suffix(&format!(".recheck{n}")).unwrap_or(&self.timer_id),
+        };
+        format!("{first}.recheck{}", self.rechecks + 1)
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -305,9 +340,16 @@ impl Run {
                 *self = Run::opened(id, org, env, signal, owner, config, *at_ms);
             }
             Event::StepFailed { .. } => self.retries += 1,
-            Event::WaitStarted { timer_id, kind, due_ms } => {
-                self.wait =
-                    Some(PendingWait { timer_id: timer_id.clone(), kind: *kind, due_ms: *due_ms, scheduled: false });
+            Event::WaitStarted { timer_id, kind, due_ms, wake_ms } => {
+                self.wait = Some(PendingWait::new(timer_id.clone(), *kind, *due_ms, *wake_ms));
+            }
+            Event::WaitRechecked { timer_id, wake_ms } => {
+                if let Some(w) = self.wait.as_mut() {
+                    w.timer_id = timer_id.clone();
+                    w.wake_ms = Some(*wake_ms);
+                    w.rechecks += 1;
+                    w.scheduled = false;
+                }
             }
             Event::TimerScheduled { timer_id } => {
                 if let Some(w) = self.wait.as_mut().filter(|w| &w.timer_id == timer_id) {
@@ -421,7 +463,7 @@ impl Run {
             Event::GateOpened { request } => {
                 self.gate = Some(Gate { request: request.clone(), approval_id: None });
             }
-            Event::ApprovalRequested { approval_id } => {
+            Event::ApprovalRequested { approval_id, wake_ms } => {
                 if let Some(g) = self.gate.as_mut() {
                     g.approval_id = Some(approval_id.clone());
                     self.approvals.push(ApprovalRecord {
@@ -431,12 +473,12 @@ impl Run {
                         state: ApprovalState::Pending,
                         by: None,
                     });
-                    self.wait = Some(PendingWait {
-                        timer_id: format!("{}.wait", g.request.id),
-                        kind: WaitKind::Approval,
-                        due_ms: g.request.expires_at_ms,
-                        scheduled: false,
-                    });
+                    self.wait = Some(PendingWait::new(
+                        format!("{}.wait", g.request.id),
+                        WaitKind::Approval,
+                        g.request.expires_at_ms,
+                        *wake_ms,
+                    ));
                 }
             }
             Event::ApprovalSettled { approval_id, approved, by } => {
@@ -678,7 +720,7 @@ impl Run {
             return (!w.scheduled).then(|| Effect::Wait {
                 step: w.timer_id.clone(),
                 timer_id: w.timer_id.clone(),
-                due_ms: w.due_ms,
+                due_ms: w.fires_at_ms(),
             });
         }
         if let Some(g) = &self.gate {

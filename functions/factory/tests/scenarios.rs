@@ -281,10 +281,12 @@ fn triage_wait_stalls_and_rejection_ends_the_run() {
     until(&mut w, &mut world, Cursor::AwaitTriage);
     w.queue.clear();
     let run = w.run();
-    let timer_id = run.wait.clone().unwrap().timer_id;
-    assert_eq!(timer_id, format!("{}:triage:0:await_decision", run.id));
+    let wait = run.wait.clone().unwrap();
+    assert_eq!(wait.timer_id, format!("{}:triage:0:await_decision", run.id));
     assert_eq!(decide(&run, &Input::TimerFired { timer_id: "other".into() }, &w.ctx).unwrap(), vec![]);
-    w.queue.push_back(Some(Input::TimerFired { timer_id }));
+    // The stall timeout is a day away; a timer fired after it is the deadline, whichever timer it is.
+    w.ctx.now_ms = wait.due_ms;
+    w.queue.push_back(Some(Input::TimerFired { timer_id: wait.timer_id }));
     let run = w.drain(&mut world);
     assert_eq!(ended(&w), (RunState::Failed, Some(Reason::Stalled)));
     assert_eq!(run.links.issue_id, None);
@@ -890,4 +892,133 @@ fn every_attempt_is_a_whole_change_against_the_base() {
     assert!(files.iter().any(|f| f["path"] == "src/checkout.py" && f["content"] != "currency = order['currency']\n"));
     // The approval binds and shows this attempt's patch: one file.
     assert!(run.change_binding().ends_with(": src/checkout.py"), "{}", run.change_binding());
+}
+
+/// Drives the run to its merge gate with the approval stored and its first timer scheduled, the settlement's
+/// message lost (as when the API dies between storing a decision and enqueueing it).
+fn parked_at_merge_gate(ctx: loams_factory::Ctx) -> (Worker, World) {
+    let mut world = World::new();
+    let mut w = Worker::start(signal(), ctx);
+    until_run(&mut w, &mut world, |r| r.cursor == Cursor::Merge && r.gate.as_ref().is_some_and(|g| g.approval_id.is_some()));
+    w.queue.retain(|m| !matches!(m, Some(Input::ApprovalSettled { .. })));
+    let run = w.drain(&mut world);
+    assert!(run.gate.is_some() && run.next_effect().is_none(), "parked: {run:?}");
+    (w, world)
+}
+
+/// The timer the run waits on now and when it fires, as the worker schedules it.
+fn current_timer(w: &mut Worker, world: &mut World) -> (String, i64) {
+    let run = w.run();
+    if let Some(Effect::Wait { .. }) = run.next_effect() {
+        assert!(w.process(&None, world, None));
+    }
+    let run = w.run();
+    let wait = run.wait.expect("waiting");
+    assert!(wait.scheduled, "the timer is stored before the run rests");
+    let Some((Effect::Wait { due_ms, .. }, _)) = world.performed.get(&wait.timer_id) else {
+        panic!("timer {} never scheduled", wait.timer_id)
+    };
+    (wait.timer_id.clone(), *due_ms)
+}
+
+#[test]
+fn a_long_wait_is_rechecked_every_minute_until_its_deadline() {
+    let (mut w, mut world) = parked_at_merge_gate(ctx());
+    let run = w.run();
+    let gate = run.gate.clone().unwrap();
+    let wait = run.wait.clone().unwrap();
+    assert_eq!(wait.due_ms, gate.request.expires_at_ms, "the real deadline stays in the run");
+    let (first, fires) = current_timer(&mut w, &mut world);
+    assert_eq!(first, format!("{}.wait", gate.request.id));
+    assert_eq!(fires, w.ctx.now_ms + 60_000, "the first re-check is a minute away, not at the 72 h expiry");
+
+    // The re-check finds nothing new: a fresh timer a minute later, the approval still pending.
+    w.ctx.now_ms = fires;
+    let before = w.log.len();
+    assert!(w.process(&Some(Input::TimerFired { timer_id: first.clone() }), &mut world, None));
+    assert!(matches!(w.log[before], Event::WaitRechecked { .. }), "{:?}", &w.log[before..]);
+    let (second, fires) = current_timer(&mut w, &mut world);
+    assert_eq!(second, format!("{first}.recheck1"));
+    assert_eq!(fires, w.ctx.now_ms + 60_000);
+    let run = w.run();
+    assert_eq!(run.state, RunState::Waiting);
+    assert!(run.gate.is_some() && run.approvals.iter().all(|a| a.state == loams_factory::approval::ApprovalState::Pending));
+    // The fired timer is spent: firing it again changes nothing.
+    assert_eq!(decide(&run, &Input::TimerFired { timer_id: first }, &w.ctx).unwrap(), vec![]);
+
+    // Re-checks go on, each under its own id, and the last one before the deadline waits exactly until it.
+    w.ctx.now_ms = wait.due_ms - 30_000;
+    assert!(w.process(&Some(Input::TimerFired { timer_id: second }), &mut world, None));
+    let (third, fires) = current_timer(&mut w, &mut world);
+    assert_eq!(third, format!("{}.wait.recheck2", gate.request.id));
+    assert_eq!(fires, wait.due_ms, "no re-check past the deadline");
+
+    // The deadline is honoured: the approval expired, the run stops as before.
+    w.ctx.now_ms = fires;
+    w.queue.push_back(Some(Input::TimerFired { timer_id: third }));
+    w.drain(&mut world);
+    assert!(!world.merged());
+    let detail = w.log.iter().find_map(|e| match e {
+        Event::Abandoned { reason, detail, .. } => Some((*reason, detail.clone())),
+        _ => None,
+    });
+    assert_eq!(detail, Some((Reason::Stalled, "the approval expired".into())));
+}
+
+#[test]
+fn a_recheck_that_fires_after_the_deadline_is_the_deadline() {
+    let (mut w, mut world) = parked_at_merge_gate(ctx());
+    let (first, _) = current_timer(&mut w, &mut world);
+    let run = w.run();
+    w.ctx.now_ms = run.wait.clone().unwrap().due_ms + 1;
+    let ev = decide(&run, &Input::TimerFired { timer_id: first.clone() }, &w.ctx).unwrap();
+    assert_eq!(ev[0], Event::TimerFired { timer_id: first });
+    assert!(ev.iter().any(|e| matches!(e, Event::Abandoned { reason: Reason::Stalled, .. })), "{ev:?}");
+}
+
+#[test]
+fn a_settlement_learned_from_the_store_moves_a_parked_run_on() {
+    let (mut w, mut world) = parked_at_merge_gate(ctx());
+    let (first, fires) = current_timer(&mut w, &mut world);
+    let approval_id = w.run().gate.unwrap().approval_id.unwrap();
+    // The re-check's message: the worker read the decision from the store and records it before the timer.
+    w.ctx.now_ms = fires;
+    let settle = Input::ApprovalSettled { approval_id, approved: true, by: "bob".into() };
+    w.queue.push_back(Some(settle));
+    w.queue.push_back(Some(Input::TimerFired { timer_id: first }));
+    let run = w.drain(&mut world);
+    assert!(world.merged(), "merged within a re-check of the decision");
+    assert_eq!(run.state, RunState::Succeeded);
+    assert!(!w.log.iter().any(|e| matches!(e, Event::TimerFired { timer_id } if timer_id.ends_with(".wait"))));
+}
+
+#[test]
+fn a_kill_switch_reaches_a_parked_run_at_its_next_recheck() {
+    let (mut w, mut world) = parked_at_merge_gate(ctx());
+    let (first, fires) = current_timer(&mut w, &mut world);
+    // The switch is stored but the `Kill` message is lost: the re-check's decide reads it.
+    w.ctx.now_ms = fires;
+    w.ctx.kill.runs = vec![w.run().id];
+    w.queue.push_back(Some(Input::TimerFired { timer_id: first }));
+    w.drain(&mut world);
+    assert_eq!(ended(&w), (RunState::Killed, Some(Reason::Killed)));
+    assert!(!world.merged());
+}
+
+#[test]
+fn short_waits_have_no_recheck_and_the_interval_has_a_floor() {
+    // CI polls (2 s) fire at their deadline: one timer, as before.
+    let mut world = World::new();
+    let mut w = Worker::start(signal(), ctx());
+    until_run(&mut w, &mut world, |r| r.wait.as_ref().is_some_and(|x| x.kind == loams_factory::WaitKind::Ci));
+    let wait = w.run().wait.unwrap();
+    assert!(!wait.is_recheck());
+    assert_eq!(wait.fires_at_ms(), wait.due_ms);
+
+    // A zero interval would wake the run in a loop; it is held to a second.
+    let mut c = ctx();
+    c.config.recheck_ms = 0;
+    let (mut w, mut world) = parked_at_merge_gate(c);
+    let (_, fires) = current_timer(&mut w, &mut world);
+    assert_eq!(fires, w.ctx.now_ms + 1_000);
 }

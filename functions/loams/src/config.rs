@@ -59,6 +59,9 @@ pub struct Config {
     pub org: String,
     /// Environment name runs are opened in (policy decides per environment).
     pub env: String,
+    /// The person runs act for (the on-call engineer the alerts page): approvals are requested on their behalf,
+    /// so they cannot approve them themselves.
+    pub owner: String,
     /// Shared secret in the GlitchTip alert webhook URL (`/webhooks/glitchtip/<token>`). Unset: a random one is
     /// made on first start and kept in the data directory (`webhook.token`).
     pub webhook_token: Option<Secret>,
@@ -158,6 +161,7 @@ impl Default for Config {
             data_dir: PathBuf::from(".loams"),
             org: "acme".into(),
             env: "production".into(),
+            owner: "oncall".into(),
             webhook_token: None,
             model: ModelSettings::default(),
             factory: FactorySettings::default(),
@@ -229,6 +233,9 @@ impl Config {
         }
         if self.env.is_empty() {
             return invalid("env", "must not be empty");
+        }
+        if self.owner.trim().is_empty() || self.owner.len() > 200 {
+            return invalid("owner", "must name a user (1-200 characters)");
         }
         if self.webhook_token.as_ref().is_some_and(|t| t.expose().len() < MIN_WEBHOOK_TOKEN) {
             return invalid("webhook_token", "must be at least 24 characters (or unset, to generate one)");
@@ -311,6 +318,7 @@ mod tests {
     fn bad_values_name_their_setting() {
         let cases = [
             ("org = \"Acme\"", "org"),
+            ("owner = \"\"", "owner"),
             ("webhook_token = \"short-token\"", "webhook_token"),
             ("[[policy.rules]]\nagent = \"jira\"\nverdict = \"allow\"", "policy.rules"),
             ("[factory]\nmax_attempts = 0", "factory.max_attempts"),

@@ -47,6 +47,8 @@ pub struct Scenario {
     pub glitchtip_mode: Option<&'static str>,
     /// Give up after this long.
     pub deadline: Duration,
+    /// The on-call engineer's triage decision (through the API) for runs that wait for one (no auto-triage).
+    pub triage: Option<bool>,
 }
 
 impl Scenario {
@@ -68,6 +70,7 @@ impl Scenario {
             kill_at_stage: None,
             glitchtip_mode: None,
             deadline: Duration::from_secs(120),
+            triage: None,
         }
     }
 }
@@ -128,7 +131,7 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
     // cannot approve its actions themselves).
     let phone = Phone::register(&stack.api_url, &stack.token("alice", &config.org)?, "alice-phone").await?;
     let oncall = ConnectClient::new(stack.api_url.clone())
-        .with_header("authorization", format!("Bearer {}", stack.token("oncall", &config.org)?))?;
+        .with_header("authorization", format!("Bearer {}", stack.token(&config.owner, &config.org)?))?;
 
     let alert = sandbox.alert_payload();
     let hook = format!("{}/webhooks/glitchtip/{}", stack.api_url, crate::stack::webhook_token(config)?);
@@ -140,6 +143,7 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
 
     let mut seen: Vec<(String, u64)> = Vec::new();
     let mut decided = std::collections::HashSet::new();
+    let mut triaged = std::collections::HashSet::new();
     let mut killed = false;
     let mut ended_since: Option<Instant> = None;
     loop {
@@ -184,6 +188,22 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
             }
             if !is_ended(&run.state) {
                 all_ended = false;
+            }
+            if let Some(accept) = scenario.triage
+                && run.stage_state == "await_triage"
+                && triaged.insert(run.id.clone())
+            {
+                let _: factory::DecideTriageResponse = oncall
+                    .unary(
+                        &format!("{FACTORY}/DecideTriage"),
+                        &factory::DecideTriageRequest {
+                            run_id: run.id.clone(),
+                            accept,
+                            idempotency_key: format!("triage-{}", run.id),
+                        },
+                    )
+                    .await?;
+                writeln!(out, "           on-call {} triage of run {}", if accept { "accepts" } else { "rejects" }, short(&run.id))?;
             }
             if !killed && run.id == first_run && scenario.kill_at_stage.as_deref() == Some(run.stage.as_str()) {
                 let _: factory::KillRunResponse = oncall

@@ -128,7 +128,7 @@ impl Stack {
             config: factory,
             policy: config.policy.clone(),
             prices: loams_factory::Prices::default(),
-            owner: Some("oncall".into()),
+            owner: Some(config.owner.clone()),
         }));
         for _ in 0..WORKERS {
             let worker = worker.clone();

@@ -39,6 +39,31 @@ async fn demo_scenario_fixes_the_bug_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_person_accepts_triage_through_the_api_and_the_run_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut scenario = Scenario::demo(dir.path().to_path_buf());
+    // Without auto-triage the run waits in its triage thread until the on-call engineer decides.
+    scenario.config.policy.auto_triage = false;
+    scenario.triage = Some(true);
+    let (report, out) = run(scenario).await;
+    assert_eq!(report.runs.len(), 1, "{out}");
+    let run = report.first();
+    assert_eq!(run.state, "succeeded", "{out}");
+    assert_eq!(run.verdict, "resolved", "{out}");
+    assert!(out.contains("on-call accepts triage"), "{out}");
+    let triage: Vec<Value> = report.runs[0]
+        .1
+        .iter()
+        .filter(|e| e.r#type == "triage_decided")
+        .map(|e| serde_json::from_str(&e.detail_json).unwrap())
+        .collect();
+    assert_eq!(triage.len(), 1, "{out}");
+    assert_eq!((&triage[0]["accept"], &triage[0]["automatic"], &triage[0]["by"]), (&Value::Bool(true), &Value::Bool(false), &Value::from("oncall")), "{out}");
+    let s = &report.sandbox_state;
+    assert_eq!(count(s, "forgejo", "merges"), 1, "{s}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_switch_stops_the_run_and_compensates() {
     let dir = tempfile::tempdir().unwrap();
     let mut scenario = Scenario::demo(dir.path().to_path_buf());

@@ -1,12 +1,16 @@
 //! The queue worker: one message moves one run by at most one external effect.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use loams_factory::{Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, LastRunStatus, Outcome, Policy, Prices, Run, Signal};
 use loams_model::{ChatMessage, ChatModel, ChatRequest};
-use loams_platform::{Claim, Clock, Cond, Item, Page, Queue, Store, StoreError, Timers};
+use futures::stream::{FuturesUnordered, StreamExt};
+use loams_platform::limits::MAX_RECEIVE;
+use loams_platform::{Claim, Clock, Cond, Delivery, Item, Page, Queue, Store, StoreError, Timers};
 use serde_json::json;
 use tracing::{Instrument, info_span, warn};
 
@@ -29,8 +33,15 @@ const IN_PROGRESS_DELAY_MS: u64 = MODEL_LEASE_MS / 3;
 /// When an agent says a step is still in progress: it usually finishes in milliseconds; after a crash its claim
 /// lasts the agent's lease, and the retry timer keeps coming back until then.
 const AGENT_IN_PROGRESS_DELAY_MS: u64 = 2_000;
-/// Messages taken from the queue per receive and handled concurrently.
+/// Messages `run_once` takes from the queue and handles concurrently.
 const BATCH: u32 = 8;
+/// Steps `run` handles at once. Steps mostly wait on agents, the model and the store, so this is well above the
+/// core count; it is bounded so a flood of messages cannot open unbounded agent calls and store transactions.
+const MAX_IN_FLIGHT: usize = 32;
+/// Pause before polling again after the queue was empty.
+const IDLE_PAUSE: Duration = Duration::from_millis(10);
+/// Pause before polling again after a receive failed.
+const RECEIVE_FAILED_PAUSE: Duration = Duration::from_millis(200);
 
 pub struct WorkerDeps {
     pub store: Arc<dyn Store>,
@@ -119,6 +130,11 @@ impl Worker {
     pub async fn handle(&self, envelope: &Envelope) -> Result<(), WorkerError> {
         let span = info_span!("run_step", loams.run_id = %envelope.run, org = %envelope.org);
         async {
+            // Before the message's own input: the approval's deadline timer must not expire a decision that is
+            // stored but whose message was lost.
+            if let Some(settled) = self.stored_settlement(&envelope.org, &envelope.run).await? {
+                self.record(&envelope.org, &envelope.run, &settled).await?;
+            }
             let input = envelope.input.clone().unwrap_or(Input::Continue);
             let run = self.record(&envelope.org, &envelope.run, &input).await?;
             self.open_follow_up(&envelope.org, &run).await?;
@@ -140,52 +156,55 @@ impl Worker {
 
     /// Takes one batch from the queue and handles it; returns how many messages it took.
     pub async fn run_once(&self) -> Result<usize, WorkerError> {
-        let d = &self.deps;
-        let visibility = self.settings.visibility_ms;
-        let deliveries = d.queue.receive(BATCH, visibility).await?;
-        let handled = deliveries.iter().map(|delivery| async move {
-            let Ok(envelope) = serde_json::from_slice::<Envelope>(&delivery.body) else {
-                // A body that does not parse never will: drop it loudly rather than retry it forever.
-                warn!(message = %delivery.id, "dropping a queue message that is not an envelope");
-                return d.queue.ack(&delivery.receipt).await;
-            };
-            match self.handle_visible(&envelope, &delivery.receipt).await {
-                Ok(()) => d.queue.ack(&delivery.receipt).await,
-                Err(WorkerError::InProgress { step, retry_ms }) => {
-                    // Waiting out someone else's lease must not use up the message's receives (it would be
-                    // dead-lettered), so the continuation moves to the timer store and the message is done.
-                    let due = d.clock.now_ms().saturating_add(i64::try_from(retry_ms).unwrap_or(i64::MAX));
-                    let again = Envelope { org: envelope.org.clone(), run: envelope.run.clone(), input: None };
-                    // One timer per retry: the scheduler cancels a fired timer by id, which must not drop a retry
-                    // scheduled again in between.
-                    let timer = format!("retry:{step}:{due}");
-                    let scheduled = match to_json(&again) {
-                        Ok(body) => d.timers.schedule(&envelope.org, &timer, due, &body).await,
-                        Err(e) => return Err(StoreError::Invalid(e.to_string())),
-                    };
-                    match scheduled {
-                        Ok(()) => d.queue.ack(&delivery.receipt).await,
-                        Err(e) => {
-                            warn!(run = %envelope.run, error = %e, "could not schedule the retry; the message comes back");
-                            d.queue.retry_later(&delivery.receipt, RETRY_DELAY_MS).await
-                        }
-                    }
-                }
-                Err(e) if e.retryable() => {
-                    let delay = RETRY_DELAY_MS << delivery.receive_count.saturating_sub(1).min(MAX_BACKOFF_SHIFT);
-                    warn!(run = %envelope.run, error = %e, delay_ms = delay, "step will be retried");
-                    d.queue.retry_later(&delivery.receipt, delay).await
-                }
-                Err(e) => {
-                    warn!(run = %envelope.run, error = %e, "dropping a message that cannot succeed");
-                    d.queue.ack(&delivery.receipt).await
-                }
-            }
-        });
+        let deliveries = self.deps.queue.receive(BATCH, self.settings.visibility_ms).await?;
+        let handled = deliveries.iter().map(|delivery| self.deliver(delivery));
         for result in futures::future::join_all(handled).await {
             result?;
         }
         Ok(deliveries.len())
+    }
+
+    /// Handles one delivery and settles it with the queue: acked when done (or hopeless), moved to a timer while
+    /// someone else holds the step, made visible again later when it failed for a passing reason.
+    async fn deliver(&self, delivery: &Delivery) -> Result<(), StoreError> {
+        let d = &self.deps;
+        let Ok(envelope) = serde_json::from_slice::<Envelope>(&delivery.body) else {
+            // A body that does not parse never will: drop it loudly rather than retry it forever.
+            warn!(message = %delivery.id, "dropping a queue message that is not an envelope");
+            return d.queue.ack(&delivery.receipt).await;
+        };
+        match self.handle_visible(&envelope, &delivery.receipt).await {
+            Ok(()) => d.queue.ack(&delivery.receipt).await,
+            Err(WorkerError::InProgress { step, retry_ms }) => {
+                // Waiting out someone else's lease must not use up the message's receives (it would be
+                // dead-lettered), so the continuation moves to the timer store and the message is done.
+                let due = d.clock.now_ms().saturating_add(i64::try_from(retry_ms).unwrap_or(i64::MAX));
+                let again = Envelope { org: envelope.org.clone(), run: envelope.run.clone(), input: None };
+                // One timer per retry: the scheduler cancels a fired timer by id, which must not drop a retry
+                // scheduled again in between.
+                let timer = format!("retry:{step}:{due}");
+                let scheduled = match to_json(&again) {
+                    Ok(body) => d.timers.schedule(&envelope.org, &timer, due, &body).await,
+                    Err(e) => return Err(StoreError::Invalid(e.to_string())),
+                };
+                match scheduled {
+                    Ok(()) => d.queue.ack(&delivery.receipt).await,
+                    Err(e) => {
+                        warn!(run = %envelope.run, error = %e, "could not schedule the retry; the message comes back");
+                        d.queue.retry_later(&delivery.receipt, RETRY_DELAY_MS).await
+                    }
+                }
+            }
+            Err(e) if e.retryable() => {
+                let delay = RETRY_DELAY_MS << delivery.receive_count.saturating_sub(1).min(MAX_BACKOFF_SHIFT);
+                warn!(run = %envelope.run, error = %e, delay_ms = delay, "step will be retried");
+                d.queue.retry_later(&delivery.receipt, delay).await
+            }
+            Err(e) => {
+                warn!(run = %envelope.run, error = %e, "dropping a message that cannot succeed");
+                d.queue.ack(&delivery.receipt).await
+            }
+        }
     }
 
     /// Handles the message while keeping it hidden from other workers: its visibility is extended every third of
@@ -237,20 +256,60 @@ impl Worker {
         }
     }
 
-    /// Works the queue until `stop` turns true, pausing briefly whenever it is empty.
-    pub async fn run(&self, mut stop: tokio::sync::watch::Receiver<bool>) {
-        while !*stop.borrow() {
-            match self.run_once().await {
-                Ok(0) => {
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_millis(10)) => {}
-                        _ = stop.changed() => {}
+    /// Works the queue until `stop` turns true, then finishes the steps it holds. Deliveries are handled as they
+    /// arrive, up to `MAX_IN_FLIGHT` at once: a finished step frees its slot for the next message at once instead
+    /// of waiting for the slowest step of its batch. One receive is outstanding at a time, and it is never
+    /// dropped half-way (its messages would stay hidden until their visibility timeout).
+    pub async fn run(&self, stop: tokio::sync::watch::Receiver<bool>) {
+        enum Done {
+            Received(Result<Vec<Delivery>, StoreError>),
+            Handled,
+        }
+        let d = &self.deps;
+        let visibility = self.settings.visibility_ms;
+        let mut tasks: FuturesUnordered<Pin<Box<dyn Future<Output = Done> + Send + '_>>> = FuturesUnordered::new();
+        let mut in_flight = 0usize;
+        let mut receiving = false;
+        // How long the next receive waits first: nothing after a busy receive, a pause after an empty or failed one.
+        let mut pause = Duration::ZERO;
+        loop {
+            if !receiving && in_flight < MAX_IN_FLIGHT && !*stop.borrow() {
+                let room = u32::try_from(MAX_IN_FLIGHT - in_flight).unwrap_or(MAX_RECEIVE).min(MAX_RECEIVE);
+                let mut stop = stop.clone();
+                tasks.push(Box::pin(async move {
+                    if !pause.is_zero() {
+                        tokio::select! {
+                            _ = tokio::time::sleep(pause) => {}
+                            // Stopping: receive nothing more. (If the sender is gone, this branch is disabled.)
+                            Ok(()) = stop.changed() => return Done::Received(Ok(Vec::new())),
+                        }
+                    }
+                    Done::Received(d.queue.receive(room, visibility).await)
+                }));
+                receiving = true;
+            }
+            // Empty only when stopping with nothing left in flight.
+            let Some(done) = tasks.next().await else { return };
+            match done {
+                Done::Handled => in_flight -= 1,
+                Done::Received(Ok(deliveries)) => {
+                    receiving = false;
+                    pause = if deliveries.is_empty() { IDLE_PAUSE } else { Duration::ZERO };
+                    in_flight += deliveries.len();
+                    for delivery in deliveries {
+                        tasks.push(Box::pin(async move {
+                            // The message comes back after its visibility timeout; nothing else to do here.
+                            if let Err(e) = self.deliver(&delivery).await {
+                                warn!(message = %delivery.id, error = %e, "settling a queue message failed");
+                            }
+                            Done::Handled
+                        }));
                     }
                 }
-                Ok(_) => {}
-                Err(e) => {
+                Done::Received(Err(e)) => {
+                    receiving = false;
                     warn!(error = %e, "queue receive failed");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    pause = RECEIVE_FAILED_PAUSE;
                 }
             }
         }
@@ -282,6 +341,44 @@ impl Worker {
             }
         }
         Err(WorkerError::Contended(MAX_CONFLICTS))
+    }
+
+    /// The decision stored for the approval the run waits on, as the input that tells the run. The API stores a
+    /// decision and then enqueues this input; reading the store on every message of a waiting run (its re-check
+    /// timers wake it at least every `Config::recheck_ms`) means a crash between those two writes delays the run by
+    /// a re-check instead of stranding it until the approval expires.
+    async fn stored_settlement(&self, org: &str, run_id: &str) -> Result<Option<Input>, WorkerError> {
+        use loams_factory::approval::{Approval, ApprovalState};
+        let d = &self.deps;
+        // A missing run is reported by `record`, which every message goes through next.
+        let Some(row) = d.store.get_run(org, run_id).await? else { return Ok(None) };
+        let run: Run =
+            serde_json::from_slice(&row.snapshot).map_err(|e| WorkerError::Corrupt(format!("run {run_id}: {e}")))?;
+        let Some(gate) = run.gate.as_ref() else { return Ok(None) };
+        let Some(approval_id) = gate.approval_id.clone() else { return Ok(None) };
+        let Some(item) = d.store.get_item(org, "approval", &approval_id).await? else { return Ok(None) };
+        let approval: Approval = match serde_json::from_slice(&item.body) {
+            Ok(approval) => approval,
+            Err(e) => {
+                // The run still learns a decision from its queue message, or fails safe when the approval expires.
+                warn!(approval = %approval_id, error = %e, "ignoring an unreadable approval record");
+                return Ok(None);
+            }
+        };
+        // Only a decision about this gate's action counts.
+        if approval.run_id != run.id || approval.action_hash != gate.request.action_hash {
+            warn!(approval = %approval_id, "the stored approval is not about the run's gated action");
+            return Ok(None);
+        }
+        let approved = match approval.effective_state(d.clock.now_ms()) {
+            ApprovalState::Approved => true,
+            ApprovalState::Denied => false,
+            ApprovalState::Pending | ApprovalState::Expired => return Ok(None),
+        };
+        let mut by = approval.decision.map_or_else(|| "unrecorded".to_string(), |proof| proof.decided_by);
+        // The engine refuses a longer name, and a refused input would drop the whole message.
+        by.truncate(by.floor_char_boundary(loams_factory::MAX_ID));
+        Ok(Some(Input::ApprovalSettled { approval_id, approved, by }))
     }
 
     /// What an ended run asks for outside itself: a regressed run opens its successor. Checked on every message

@@ -1,15 +1,28 @@
 //! The embedded adapter: one SQLite database (a file, or `:memory:`) holding the store, the queue and the
-//! timers. Calls run on tokio's blocking pool with the one connection behind a mutex, so the async runtime never
-//! waits on disk and writes from one process are serialized without SQLite lock contention.
+//! timers. The async runtime never waits on disk.
+//!
+//! Every write goes to one writer thread that owns the writer connection, so writes from one process are
+//! serialized without SQLite lock contention. The thread commits in groups (group commit): it takes every call
+//! waiting for it (up to `MAX_GROUP`), runs each in its own savepoint inside one `BEGIN IMMEDIATE` transaction,
+//! commits once, and only then answers the callers. Each call is still all-or-nothing (a failed call rolls back to
+//! its savepoint, and a conditional write checks and writes within its savepoint), and no caller hears "done"
+//! before its write is durable; a group shares one commit and one fsync instead of one each. If the commit fails,
+//! every call of the group gets the error.
+//!
+//! Plain reads of a file database go to a small pool of read-only connections on tokio's blocking pool: under
+//! WAL they see the last committed state without waiting for the writer. An in-memory database is private to its
+//! connection, so it has no readers and its reads are calls to the writer.
 
 mod queue;
 mod store;
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::Duration;
 
 use rusqlite::{Connection, TransactionBehavior};
+use tokio::sync::oneshot;
 
 use crate::{Clock, Result, StoreError};
 
@@ -18,6 +31,13 @@ pub const DEFAULT_MAX_RECEIVES: u32 = 5;
 
 /// How long a write waits for another process holding the database lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Read connections of a file database. Reads are short; two keep both cores busy while the writer commits.
+const READERS: usize = 2;
+
+/// Most calls one writer transaction commits together. Bounds how long one group holds the write lock and how
+/// much one failed commit takes down with it.
+const MAX_GROUP: usize = 64;
 
 /// Numbered schema migrations; migration N (1-based) brings `PRAGMA user_version` from N-1 to N. Only ever
 /// append to this list: databases in the field have run the earlier entries.
@@ -30,8 +50,25 @@ pub struct Sqlite {
     max_receives: u32,
 }
 
+/// When the writer syncs to disk; see `Sqlite::open_synchronous_normal`.
+enum Synchronous {
+    Full,
+    Normal,
+}
+
+/// A call for the writer thread. It runs inside the group's transaction and returns whether it succeeded, and
+/// how to answer its caller once the group's commit is known (`Some` error when the commit failed).
+type Job = Box<dyn FnOnce(&mut Connection) -> (bool, Reply) + Send>;
+type Reply = Box<dyn FnOnce(Option<StoreError>) + Send>;
+
 struct Inner {
-    conn: Mutex<Connection>,
+    /// Calls for the writer thread, which also serves reads when there are no readers. The thread ends when
+    /// this (the last sender) is dropped.
+    jobs: mpsc::Sender<Job>,
+    /// Read-only connections (`query_only`); empty for an in-memory database.
+    readers: Vec<Mutex<Connection>>,
+    /// Where the next read starts looking for a free reader.
+    next_reader: AtomicUsize,
     clock: Arc<dyn Clock>,
 }
 
@@ -39,14 +76,26 @@ impl Sqlite {
     /// Opens (creating if needed) the database file at `path` and brings its schema up to date. Blocking:
     /// meant for start-up.
     pub fn open(path: impl AsRef<Path>, clock: Arc<dyn Clock>) -> Result<Self> {
+        let path = path.as_ref();
         let conn = Connection::open(path).map_err(db)?;
-        Self::init(conn, clock)
+        Self::init(conn, Some(path), clock, Synchronous::Full)
     }
 
     /// A private in-memory database (gone when the last clone is dropped).
     pub fn memory(clock: Arc<dyn Clock>) -> Result<Self> {
         let conn = Connection::open_in_memory().map_err(db)?;
-        Self::init(conn, clock)
+        Self::init(conn, None, clock, Synchronous::Full)
+    }
+
+    /// Like `open`, but commits with `synchronous=NORMAL` instead of the default FULL: under WAL the writer then
+    /// syncs only at checkpoints, not on every commit. A commit still survives the process crashing (it is in the
+    /// WAL file the moment the call returns), but the last commits before a power loss or kernel crash may be
+    /// lost, and with them an ack, an appended event or an idempotency result the exactly-once reasoning counts
+    /// on. Opt in only where the host's storage makes that acceptable. Blocking: meant for start-up.
+    pub fn open_synchronous_normal(path: impl AsRef<Path>, clock: Arc<dyn Clock>) -> Result<Self> {
+        let path = path.as_ref();
+        let conn = Connection::open(path).map_err(db)?;
+        Self::init(conn, Some(path), clock, Synchronous::Normal)
     }
 
     /// Sets after how many receives a message goes to the dead letters (0 counts as 1: a message is always
@@ -58,45 +107,180 @@ impl Sqlite {
         }
     }
 
-    fn init(mut conn: Connection, clock: Arc<dyn Clock>) -> Result<Self> {
+    fn init(mut conn: Connection, path: Option<&Path>, clock: Arc<dyn Clock>, sync: Synchronous) -> Result<Self> {
         conn.busy_timeout(BUSY_TIMEOUT).map_err(db)?;
-        // WAL lets readers in other processes (a CLI inspecting the file) run beside the writer. An in-memory
-        // database answers "memory" and keeps working without it.
-        conn.pragma_update_and_check(None, "journal_mode", "wal", |row| row.get::<_, String>(0))
+        // WAL lets readers (ours, and other processes such as a CLI inspecting the file) run beside the writer. An
+        // in-memory database answers "memory" and keeps working without it.
+        let journal = conn
+            .pragma_update_and_check(None, "journal_mode", "wal", |row| row.get::<_, String>(0))
             .map_err(db)?;
-        // FULL: a committed event or ack survives power loss, which the exactly-once reasoning relies on.
-        conn.pragma_update(None, "synchronous", "FULL")
+        // FULL (the default): a committed event or ack survives power loss, which the exactly-once reasoning
+        // relies on.
+        let sync = match sync {
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
+        };
+        conn.pragma_update(None, "synchronous", sync)
             .map_err(db)?;
         migrate(&mut conn)?;
+        // Only a file in WAL mode has readers: without WAL a reader would block on (and block) the writer, and a
+        // ":memory:" path or URI opened again would be a different, empty database.
+        let readers = match path {
+            Some(path) if journal.eq_ignore_ascii_case("wal") => {
+                (0..READERS).map(|_| open_reader(path)).collect::<Result<Vec<_>>>()?
+            }
+            _ => Vec::new(),
+        };
+        let (jobs, queue) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("loams-sqlite-writer".into())
+            .spawn(move || write_groups(conn, queue))
+            .map_err(|e| StoreError::Backend(format!("starting the database writer: {e}")))?;
         Ok(Self {
             inner: Arc::new(Inner {
-                conn: Mutex::new(conn),
+                jobs,
+                readers,
+                next_reader: AtomicUsize::new(0),
                 clock,
             }),
             max_receives: DEFAULT_MAX_RECEIVES,
         })
     }
 
-    /// Runs `f` with the connection on the blocking pool.
+    /// Runs `f` on the writer thread, inside a group transaction, and answers once that group is committed.
+    /// Every write, and every read that a write depends on, goes through here.
     async fn with_conn<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&mut Connection, &Inner) -> Result<T> + Send + 'static,
     {
+        let (answer, answered) = oneshot::channel();
+        let inner = Arc::clone(&self.inner);
+        let job: Job = Box::new(move |conn| {
+            let result = f(conn, &inner);
+            let ok = result.is_ok();
+            let reply: Reply = Box::new(move |commit_failed| {
+                // The caller may have given up waiting (its future was dropped); nothing to tell it then.
+                let _ = answer.send(match commit_failed {
+                    Some(e) => Err(e),
+                    None => result,
+                });
+            });
+            (ok, reply)
+        });
+        self.inner
+            .jobs
+            .send(job)
+            .map_err(|_| StoreError::Backend("the database writer has stopped".into()))?;
+        // Dropped unanswered when the call panicked or its group could not begin or keep its savepoint; the
+        // writer goes on with the other calls.
+        answered
+            .await
+            .map_err(|_| StoreError::Backend("a database call failed without an answer".into()))?
+    }
+
+    /// Runs the read-only `f` on a reader connection (the writer when there are none). A reader sees every
+    /// commit that returned before `f` started, so a caller reads its own writes.
+    async fn with_reader<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection, &Inner) -> Result<T> + Send + 'static,
+    {
+        if self.inner.readers.is_empty() {
+            return self.with_conn(move |conn, inner| f(conn, inner)).await;
+        }
         let inner = Arc::clone(&self.inner);
         tokio::task::spawn_blocking(move || {
-            // A panic while holding the lock can only have happened inside a rusqlite call or our closure; an
-            // open transaction is rolled back when it is dropped during unwinding, so the connection is
-            // consistent and the poison flag carries no information worth failing every later call for.
-            let mut conn = inner
-                .conn
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            f(&mut conn, &inner)
+            let conn = inner.reader();
+            f(&conn, &inner)
         })
         .await
         .map_err(|e| StoreError::Backend(format!("database task failed: {e}")))?
     }
+}
+
+impl Inner {
+    /// A free reader if there is one, else waits for the next in turn. Only called with readers present.
+    fn reader(&self) -> MutexGuard<'_, Connection> {
+        let n = self.readers.len();
+        let start = self.next_reader.fetch_add(1, Ordering::Relaxed) % n;
+        for i in 0..n {
+            if let Ok(conn) = self.readers[(start + i) % n].try_lock() {
+                return conn;
+            }
+        }
+        relock(self.readers[start].lock())
+    }
+}
+
+/// The writer thread: runs the calls it is sent in groups of up to `MAX_GROUP`, one transaction and one commit
+/// per group, until every sender is gone.
+fn write_groups(mut conn: Connection, queue: mpsc::Receiver<Job>) {
+    while let Ok(first) = queue.recv() {
+        let mut group = vec![first];
+        while group.len() < MAX_GROUP {
+            match queue.try_recv() {
+                Ok(job) => group.push(job),
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
+            // Nothing ran: dropping the calls tells each caller it failed. The next group tries again.
+            tracing::warn!(error = %e, calls = group.len(), "database writer could not begin a transaction");
+            continue;
+        }
+        let mut replies = Vec::with_capacity(group.len());
+        for job in group {
+            // A panicking call is rolled back to its savepoint and its caller hears an error (its reply is
+            // dropped); the rest of the group goes on.
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                conn.execute_batch("SAVEPOINT call")?;
+                let (ok, reply) = job(&mut conn);
+                if ok {
+                    conn.execute_batch("RELEASE call")?;
+                } else {
+                    conn.execute_batch("ROLLBACK TO call; RELEASE call")?;
+                }
+                Ok::<_, rusqlite::Error>((ok, reply))
+            }));
+            match run {
+                Ok(Ok((_, reply))) => replies.push(reply),
+                // The caller hears an error. If only the RELEASE failed, its write may still commit: as with any
+                // I/O error the outcome is unknown to it, and its retry is checked again like any other call.
+                Ok(Err(e)) => tracing::warn!(error = %e, "database savepoint failed"),
+                Err(_) => {
+                    tracing::warn!("a database call panicked; rolled back");
+                    let _ = conn.execute_batch("ROLLBACK TO call; RELEASE call");
+                }
+            }
+        }
+        let committed = conn.execute_batch("COMMIT").map_err(db);
+        if committed.is_err() {
+            // A failed COMMIT may leave the transaction open; end it so the next group starts clean.
+            let _ = conn.execute_batch("ROLLBACK");
+        }
+        for reply in replies {
+            reply(committed.as_ref().err().cloned());
+        }
+    }
+}
+
+/// A panic while holding a connection's lock can only have happened inside a rusqlite call or our closure; an open
+/// transaction is rolled back when it is dropped during unwinding, so the connection is consistent and the poison
+/// flag carries no information worth failing every later call for.
+fn relock<'a>(
+    lock: std::sync::LockResult<MutexGuard<'a, Connection>>,
+) -> MutexGuard<'a, Connection> {
+    lock.unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A read connection to the (already migrated, WAL) file at `path`. `query_only` makes any write through it an
+/// error, so a write routed here by mistake fails loudly instead of bypassing the writer's serialization.
+fn open_reader(path: &Path) -> Result<Mutex<Connection>> {
+    let conn = Connection::open(path).map_err(db)?;
+    conn.busy_timeout(BUSY_TIMEOUT).map_err(db)?;
+    conn.pragma_update(None, "query_only", true).map_err(db)?;
+    Ok(Mutex::new(conn))
 }
 
 /// Applies the migrations the database has not seen. Each runs in its own write transaction that re-reads the
@@ -140,4 +324,112 @@ fn to_i64(what: &str, v: u64) -> Result<i64> {
 
 fn to_u64(what: &str, v: i64) -> Result<u64> {
     u64::try_from(v).map_err(|_| StoreError::Backend(format!("stored {what} {v} is negative")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ManualClock, Store};
+
+    fn file_db(dir: &tempfile::TempDir) -> Sqlite {
+        Sqlite::open(dir.path().join("loams.db"), Arc::new(ManualClock::new(1_000))).expect("open a temp file")
+    }
+
+    #[tokio::test]
+    async fn reads_of_a_file_do_not_wait_for_the_writer() {
+        let dir = tempfile::TempDir::new().expect("temp dir");
+        let db = file_db(&dir);
+        assert_eq!(db.inner.readers.len(), READERS);
+        assert!(db.create_run("o", "r", "running", b"{}", b"e", 1).await.expect("create"));
+        // With the writer held (as during a slow commit), a read still answers, and sees the committed run.
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let writer = db.clone();
+        let holder = tokio::spawn(async move {
+            writer
+                .with_conn(move |_, _| {
+                    held_tx.send(()).map_err(|e| StoreError::Backend(e.to_string()))?;
+                    // Returns when the test sends or drops its end.
+                    let _ = release_rx.recv();
+                    Ok(())
+                })
+                .await
+        });
+        tokio::task::spawn_blocking(move || held_rx.recv()).await.expect("join").expect("writer taken");
+        let read = tokio::time::timeout(Duration::from_secs(5), db.get_run("o", "r")).await;
+        drop(release_tx);
+        holder.await.expect("holder task").expect("holder call");
+        let row = read.expect("the read waited for the writer").expect("get_run").expect("the run");
+        assert_eq!(row.version, 1);
+    }
+
+    #[tokio::test]
+    async fn readers_refuse_writes() {
+        let dir = tempfile::TempDir::new().expect("temp dir");
+        let db = file_db(&dir);
+        let reader = db.inner.reader();
+        let err = reader.execute("DELETE FROM runs", []).expect_err("a reader wrote");
+        assert!(err.to_string().contains("readonly"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn memory_keeps_one_connection() {
+        let db = Sqlite::memory(Arc::new(ManualClock::new(1_000))).expect("memory");
+        assert!(db.inner.readers.is_empty());
+        assert!(db.create_run("o", "r", "running", b"{}", b"e", 1).await.expect("create"));
+        assert!(db.get_run("o", "r").await.expect("get_run").is_some());
+    }
+
+    async fn synchronous(db: &Sqlite) -> i64 {
+        db.with_conn(|conn, _| conn.pragma_query_value(None, "synchronous", |r| r.get(0)).map_err(db_err))
+            .await
+            .expect("pragma")
+    }
+
+    fn db_err(e: rusqlite::Error) -> StoreError {
+        db(e)
+    }
+
+    #[tokio::test]
+    async fn synchronous_is_full_unless_relaxed() {
+        let dir = tempfile::TempDir::new().expect("temp dir");
+        assert_eq!(synchronous(&file_db(&dir)).await, 2, "FULL");
+        let clock = Arc::new(ManualClock::new(1_000));
+        let db = Sqlite::open_synchronous_normal(dir.path().join("loams.db"), clock).expect("open relaxed");
+        assert_eq!(synchronous(&db).await, 1, "NORMAL");
+    }
+
+    #[tokio::test]
+    async fn concurrent_writes_commit_in_groups_and_each_stays_conditional() {
+        let dir = tempfile::TempDir::new().expect("temp dir");
+        let db = file_db(&dir);
+        assert!(db.create_run("o", "r", "running", b"{}", b"e", 1).await.expect("create"));
+        // 20 appends race for version 1: exactly one wins, even when they share a group transaction, and the
+        // losers' savepoints leave nothing behind.
+        let appends = (0..20).map(|i| {
+            let db = db.clone();
+            tokio::spawn(async move { db.append("o", "r", 1, "running", b"{}", &[format!("{i}").into_bytes()], 2).await })
+        });
+        let mut won = 0;
+        for append in futures_join(appends).await {
+            match append {
+                Ok(v) => {
+                    assert_eq!(v, 2);
+                    won += 1;
+                }
+                Err(StoreError::Conflict) => {}
+                Err(e) => panic!("unexpected {e}"),
+            }
+        }
+        assert_eq!(won, 1);
+        assert_eq!(db.events("o", "r", 0, 100).await.expect("events").len(), 2);
+    }
+
+    async fn futures_join<T>(handles: impl Iterator<Item = tokio::task::JoinHandle<T>>) -> Vec<T> {
+        let mut out = Vec::new();
+        for h in handles {
+            out.push(h.await.expect("task"));
+        }
+        out
+    }
 }

@@ -1,7 +1,7 @@
 use std::collections::HashSet;
 
 use async_trait::async_trait;
-use rusqlite::{TransactionBehavior, params};
+use rusqlite::params;
 
 use super::{Sqlite, db};
 use crate::limits::{
@@ -38,7 +38,7 @@ impl Queue for Sqlite {
         let max_receives = i64::from(self.max_receives);
         self.with_conn(move |conn, inner| {
             let now = inner.clock.now_ms();
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(db)?;
+            let tx = conn.savepoint().map_err(db)?;
             let mut out = Vec::new();
             // Messages delivered by this call; with a zero visibility timeout they are visible again at once and
             // must not be picked up (or dead-lettered) a second time within the same batch.
@@ -129,7 +129,7 @@ impl Queue for Sqlite {
 
     async fn dead_letters(&self, limit: u32) -> Result<Vec<Delivery>> {
         let limit = i64::from(limits::count("dead letter limit", limit, MAX_PAGE)?);
-        self.with_conn(move |conn, _| {
+        self.with_reader(move |conn, _| {
             let mut stmt = conn
                 .prepare("SELECT id, body, receive_count FROM dead_letters ORDER BY dead_ms, id LIMIT ?1")
                 .map_err(db)?;
@@ -183,7 +183,7 @@ impl Timers for Sqlite {
 
     async fn due(&self, now_ms: i64, limit: u32) -> Result<Vec<Timer>> {
         let limit = i64::from(limits::count("timer limit", limit, MAX_PAGE)?);
-        self.with_conn(move |conn, _| {
+        self.with_reader(move |conn, _| {
             let mut stmt = conn
                 .prepare(
                     "SELECT org, id, due_ms, payload FROM timers WHERE due_ms <= ?1

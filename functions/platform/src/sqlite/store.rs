@@ -1,5 +1,5 @@
 use async_trait::async_trait;
-use rusqlite::{OptionalExtension, TransactionBehavior, params};
+use rusqlite::{OptionalExtension, params};
 
 use super::{Sqlite, db, to_i64, to_u64};
 use crate::limits::{
@@ -93,8 +93,7 @@ impl Store for Sqlite {
             first_event.to_vec(),
         );
         self.with_conn(move |conn, _| {
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
+            let tx = conn.savepoint()
                 .map_err(db)?;
             let inserted = tx
                 .execute(
@@ -160,7 +159,7 @@ impl Store for Sqlite {
             events.to_vec(),
         );
         self.with_conn(move |conn, _| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(db)?;
+            let tx = conn.savepoint().map_err(db)?;
             let current: Option<i64> = tx
                 .query_row("SELECT version FROM runs WHERE org = ?1 AND id = ?2", params![org, id], |r| r.get(0))
                 .optional()
@@ -192,7 +191,7 @@ impl Store for Sqlite {
         limits::org(org)?;
         limits::key("run id", id)?;
         let (org, id) = (org.to_owned(), id.to_owned());
-        self.with_conn(move |conn, _| {
+        self.with_reader(move |conn, _| {
             conn.query_row(
                 &format!("SELECT {RUN_COLUMNS} FROM runs WHERE org = ?1 AND id = ?2"),
                 params![org, id],
@@ -220,7 +219,7 @@ impl Store for Sqlite {
         };
         let first = page.cursor.is_none();
         let (org, state) = (org.to_owned(), state.map(str::to_owned));
-        self.with_conn(move |conn, _| {
+        self.with_reader(move |conn, _| {
             let sql = format!(
                 "SELECT {RUN_COLUMNS} FROM runs
                  WHERE org = ?1 AND (?2 IS NULL OR state = ?2)
@@ -265,7 +264,7 @@ impl Store for Sqlite {
         let limit = i64::from(limits::count("event limit", limit, MAX_PAGE)?);
         let after = to_i64("after_seq", after_seq)?;
         let (org, id) = (org.to_owned(), id.to_owned());
-        self.with_conn(move |conn, _| {
+        self.with_reader(move |conn, _| {
             let mut stmt = conn
                 .prepare("SELECT seq, body FROM events WHERE org = ?1 AND run = ?2 AND seq > ?3 ORDER BY seq LIMIT ?4")
                 .map_err(db)?;
@@ -287,7 +286,7 @@ impl Store for Sqlite {
         limits::name("kind", kind)?;
         limits::key("item id", id)?;
         let (org, kind, id) = (org.to_owned(), kind.to_owned(), id.to_owned());
-        self.with_conn(move |conn, inner| {
+        self.with_reader(move |conn, inner| {
             let now = inner.clock.now_ms();
             conn.query_row(
                 &format!(
@@ -320,7 +319,7 @@ impl Store for Sqlite {
         let item = item.clone();
         self.with_conn(move |conn, inner| {
             let now = inner.clock.now_ms();
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(db)?;
+            let tx = conn.savepoint().map_err(db)?;
             // An expired row counts as absent: it is invisible to reads, so it must not block a fresh put either.
             let current: Option<i64> = tx
                 .query_row(
@@ -392,7 +391,7 @@ impl Store for Sqlite {
             index.map(str::to_owned),
             page.cursor.clone(),
         );
-        self.with_conn(move |conn, inner| {
+        self.with_reader(move |conn, inner| {
             let now = inner.clock.now_ms();
             let sql = format!(
                 "SELECT {ITEM_COLUMNS} FROM items
@@ -421,7 +420,7 @@ impl Store for Sqlite {
         let lease_until = now_ms.saturating_add(lease);
         let (org, key) = (org.to_owned(), key.to_owned());
         self.with_conn(move |conn, _| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(db)?;
+            let tx = conn.savepoint().map_err(db)?;
             let current: Option<(String, Option<Vec<u8>>, i64)> = tx
                 .query_row(
                     "SELECT status, result, lease_until_ms FROM idempotency WHERE org = ?1 AND key = ?2",
