@@ -60,7 +60,7 @@ fn signal_summary(run: &Run) -> String {
 /// for that decision).
 pub(crate) fn triage_evidence(run: &Run) -> String {
     format!(
-        "{}\n\nShould the factory attempt a fix? Decide in the Loams app, or call \
+        "{}\n\nShould the factory attempt a fix? Decide through the Loams API: call \
          `loams.factory.v1.FactoryService/DecideTriage` with `run_id` `{}` and `accept` true or false (scope \
          `runs:decide`). If observation after the merge stays inconclusive, the verdict is given the same way with \
          `GiveVerdict` (`VERDICT_RESOLVED` or `VERDICT_REGRESSED`).",

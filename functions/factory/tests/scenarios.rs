@@ -1018,6 +1018,8 @@ fn short_waits_have_no_recheck_and_the_interval_has_a_floor() {
     // A zero interval would wake the run in a loop; it is held to a second.
     let mut c = ctx();
     c.config.recheck_ms = 0;
+    // CI polls a second apart need no re-check either (the simulator fires CI timers on a frozen clock).
+    c.config.ci_poll_ms = 1_000;
     let (mut w, mut world) = parked_at_merge_gate(c);
     let (_, fires) = current_timer(&mut w, &mut world);
     assert_eq!(fires, w.ctx.now_ms + 1_000);

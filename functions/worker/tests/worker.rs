@@ -400,3 +400,61 @@ async fn a_step_performed_again_after_a_crash_reuses_its_message_id() {
     assert_eq!(h.agents.answered.lock().unwrap().len(), 1, "one call performed once, answered twice");
     assert_eq!(h.run(&id).await.links.thread_message_id, Some(1));
 }
+
+#[tokio::test]
+async fn a_decision_stored_without_its_message_reaches_the_run_at_the_next_recheck() {
+    use loams_factory::approval::{Approval, ApprovalState, DecisionProof};
+    use loams_platform::{Cond, Timers};
+
+    let h = Harness::new(FakeAgents::default(), 2);
+    let id = h.worker.open(ORG, signal("fp-9")).await.unwrap().run_id;
+    // Run until the merge approval is stored and the run rests on its timer.
+    let mut parked = None;
+    for _ in 0..100 {
+        let run = h.run(&id).await;
+        if let Some(w) = run.wait.as_ref().filter(|w| w.scheduled && w.kind == loams_factory::WaitKind::Approval) {
+            parked = Some(w.clone());
+            break;
+        }
+        h.worker.run_once().await.unwrap();
+        h.scheduler.fire_due().await.unwrap();
+    }
+    let wait = parked.expect("the run never waited on its approval");
+    let rests_at = h.clock.now_ms();
+    while h.worker.run_once().await.unwrap() > 0 {}
+    let stored = h.db.due(rests_at + 60_000, 10).await.unwrap();
+    assert!(
+        stored.iter().any(|t| t.id == wait.timer_id && t.due_ms == rests_at + 60_000),
+        "a re-check a minute away, not the 72 h expiry: {stored:?}"
+    );
+
+    // A person approves; the API stores the decision and dies before enqueueing the settlement.
+    let approval_id = h.run(&id).await.gate.and_then(|g| g.approval_id).unwrap();
+    let item = h.db.get_item(ORG, "approval", &approval_id).await.unwrap().unwrap();
+    let mut approval: Approval = serde_json::from_slice(&item.body).unwrap();
+    approval.state = ApprovalState::Approved;
+    approval.decision = Some(DecisionProof {
+        device_id: "dev-1".into(),
+        signature: vec![1],
+        challenge: vec![2],
+        decided_at_ms: rests_at,
+        decided_by: "alice".into(),
+    });
+    let settled = loams_platform::Item { body: serde_json::to_vec(&approval).unwrap(), index: None, ..item.clone() };
+    h.db.put_item(&settled, Cond::Version(item.version)).await.unwrap();
+    assert_eq!(h.worker.run_once().await.unwrap(), 0, "no message tells the run");
+    assert!(h.run(&id).await.gate.is_some());
+
+    // The re-check fires a minute later: the worker reads the decision and the run merges.
+    h.clock.advance(60_000);
+    assert_eq!(h.scheduler.fire_due().await.unwrap(), 1);
+    for _ in 0..20 {
+        h.worker.run_once().await.unwrap();
+    }
+    assert!(h.agents.answered.lock().unwrap().values().any(|(s, _)| s == "forgejo.merge"), "the run did not merge");
+    let run = h.run(&id).await;
+    assert!(run.links.deploy_ref.is_some());
+    let record = run.approvals.iter().find(|a| a.id == approval.id).unwrap();
+    assert_eq!((record.state, record.by.as_deref()), (ApprovalState::Approved, Some("alice")));
+    assert!(h.clock.now_ms() - rests_at <= 60_000, "learned within one re-check");
+}
