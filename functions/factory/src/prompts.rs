@@ -170,7 +170,7 @@ pub(crate) fn finish_text(run: &Run) -> String {
     let Some(ending) = &run.ending else {
         return String::new();
     };
-    let mut t = match (ending.state, ending.reason) {
+    let mut t = match (ending.announced.unwrap_or(ending.state), ending.reason) {
         (RunState::Succeeded, _) => format!(
             "Run `{}` succeeded: the fix is merged ({}) and no new errors were seen.",
             run.id,

@@ -224,6 +224,11 @@ pub struct Ending {
     pub state: RunState,
     pub reason: Option<Reason>,
     pub detail: String,
+    /// The state the ending was announced with. A kill arriving while the run is already ending turns `state` into
+    /// killed, but the closing comment and post keep the text they started with: a step performed before the kill
+    /// was recorded must be the very same effect when it is performed again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub announced: Option<RunState>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -625,7 +630,7 @@ impl Run {
     }
 
     fn start_finish(&mut self, state: RunState, reason: Option<Reason>, detail: String, steps: Vec<FinishStep>) {
-        self.ending = Some(Ending { state, reason, detail });
+        self.ending = Some(Ending { state, reason, detail, announced: Some(state) });
         self.finish = steps;
         self.cursor = Cursor::Finishing;
         self.gate = None;
