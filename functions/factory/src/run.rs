@@ -32,6 +32,13 @@ impl RunState {
         }
     }
 
+    /// The state a stored name (`as_str`) stands for; the store indexes runs by that name.
+    pub fn parse(name: &str) -> Option<RunState> {
+        [RunState::Open, RunState::Waiting, RunState::Succeeded, RunState::Failed, RunState::Killed]
+            .into_iter()
+            .find(|s| s.as_str() == name)
+    }
+
     pub fn is_terminal(self) -> bool {
         matches!(self, RunState::Succeeded | RunState::Failed | RunState::Killed)
     }
@@ -933,4 +940,17 @@ pub(crate) fn gated_action(run: &Run, call: &Effect) -> Option<ApprovalAction> {
         _ => None,
     };
     Some(ApprovalAction { agent: agent.clone(), skill: skill.clone(), args: args.clone(), target_commit })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RunState;
+
+    #[test]
+    fn state_names_round_trip() {
+        for s in [RunState::Open, RunState::Waiting, RunState::Succeeded, RunState::Failed, RunState::Killed] {
+            assert_eq!(RunState::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(RunState::parse("paused"), None);
+    }
 }

@@ -287,7 +287,7 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
 }
 
 fn is_ended(state: &str) -> bool {
-    matches!(state, "succeeded" | "failed" | "killed")
+    loams_factory::RunState::parse(state).is_some_and(loams_factory::RunState::is_terminal)
 }
 
 fn short(run: &str) -> &str {

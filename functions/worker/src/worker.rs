@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use loams_factory::{Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, LastRunStatus, Outcome, Policy, Prices, Run, Signal};
+use loams_factory::{Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, LastRunStatus, Outcome, Policy, Prices, Run, RunState, Signal};
 use loams_model::{ChatMessage, ChatModel, ChatRequest};
 use futures::stream::{FuturesUnordered, StreamExt};
 use loams_platform::limits::MAX_RECEIVE;
@@ -93,7 +93,7 @@ impl Worker {
             // The cooldown counts from the end of the fingerprint's last run, and a repeat of the alert while it
             // runs belongs to it: the engine needs to know which.
             ctx.last_run_status = match d.store.get_run(org, &last.run_id).await? {
-                Some(row) if matches!(row.state.as_str(), "succeeded" | "failed" | "killed") => {
+                Some(row) if RunState::parse(&row.state).is_some_and(RunState::is_terminal) => {
                     LastRunStatus::Ended { at_ms: row.updated_ms }
                 }
                 Some(_) => LastRunStatus::Open,
@@ -103,7 +103,7 @@ impl Worker {
         let (run, opened) = loams_factory::open(signal.clone(), &ctx).map_err(|e| WorkerError::OpenRefused(e.to_string()))?;
         let created = d
             .store
-            .create_run(org, &run.id, state_name(&run), &to_json(&run)?, &logged(&opened, &run, now)?, now)
+            .create_run(org, &run.id, run.state.as_str(), &to_json(&run)?, &logged(&opened, &run, now)?, now)
             .await?;
         // Also when the run existed but its record is missing (a crash between the two writes): without it a later
         // alert would map onto the ended run and open nothing.
@@ -334,7 +334,7 @@ impl Worker {
                 run.apply(event);
                 bodies.push(logged(event, &run, now)?);
             }
-            match d.store.append(org, run_id, row.version, state_name(&run), &to_json(&run)?, &bodies, now).await {
+            match d.store.append(org, run_id, row.version, run.state.as_str(), &to_json(&run)?, &bodies, now).await {
                 Ok(_) => return Ok(run),
                 Err(StoreError::Conflict) => continue,
                 Err(e) => return Err(e.into()),
@@ -534,10 +534,6 @@ impl Worker {
 fn fingerprint_key(fingerprint: &str) -> String {
     let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, fingerprint.as_bytes());
     digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn state_name(run: &Run) -> &'static str {
-    run.state.as_str()
 }
 
 /// The stored form of an event: the event itself plus when it was recorded, the stage it left the run in and a
