@@ -8,6 +8,8 @@
 //! `conformance` holds the behaviour every adapter must show; the SQLite adapter runs it in `tests/`, the
 //! DynamoDB/SQS adapters are meant to run the same functions.
 
+#[cfg(feature = "aws")]
+pub mod aws;
 pub mod clock;
 pub mod conformance;
 mod counting;
