@@ -1,0 +1,285 @@
+//! Approvals: the pending list (cached), the server-rendered approval, and a decision signed with the device key
+//! over the canonical decision bytes of `loams-proto`.
+
+use std::sync::Arc;
+
+use loams_proto::approvals::v1 as pa;
+
+use crate::client::{Inner, TaskHandle, check_id, idempotency_key, now_ms};
+use crate::error::{Error, Result};
+use crate::signer;
+use crate::types::{Approval, ApprovalState, Decision};
+
+const SERVICE: &str = "/loams.approvals.v1.ApprovalService/";
+const LIST_PAGE: u32 = 100;
+const LIST_PAGES: usize = 10;
+/// Cached approvals still shown as pending but no longer listed are re-read one by one, at most this many per
+/// refresh (they were decided elsewhere or expired).
+const RECHECK: usize = 50;
+const MAX_CONFIRMATION: usize = 256;
+/// The server accepts a challenge of at most this size; a larger one is not the server's.
+const MAX_CHALLENGE: usize = 1024;
+
+/// What a pending-approvals watch delivers: the cached list first, then changes as the server confirms them.
+// Plain owned records cross the FFI as they are; an update is delivered rarely, so its size does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug, PartialEq)]
+pub enum ApprovalUpdate {
+    /// The cached pending approvals, delivered before `watch_pending` returns.
+    Snapshot {
+        approvals: Vec<Approval>,
+    },
+    /// A pending approval new to the list.
+    Added {
+        approval: Approval,
+    },
+    /// An approval that is no longer pending (decided here or elsewhere, expired, or gone).
+    Removed {
+        approval_id: String,
+    },
+    Connection {
+        connected: bool,
+        detail: String,
+    },
+}
+
+pub trait ApprovalListener: Send + Sync {
+    fn on_update(&self, update: ApprovalUpdate);
+}
+
+pub struct Approvals {
+    inner: Arc<Inner>,
+}
+
+impl Approvals {
+    pub(crate) fn new(inner: Arc<Inner>) -> Approvals {
+        Approvals { inner }
+    }
+
+    /// Pending approvals as last confirmed (works offline; `confirmed_at_ms` says how fresh).
+    pub fn cached_pending(&self, limit: u32) -> Result<Vec<Approval>> {
+        self.inner
+            .cache
+            .approvals(Some(ApprovalState::Pending), limit)
+    }
+
+    pub fn cached(&self, approval_id: &str) -> Result<Option<Approval>> {
+        self.inner.cache.approval(approval_id)
+    }
+
+    /// Reads the pending approvals from the server into the cache and returns them.
+    pub async fn refresh_pending(&self) -> Result<Vec<Approval>> {
+        let mut listed = Vec::new();
+        let mut token = String::new();
+        for _ in 0..LIST_PAGES {
+            let req = pa::ListApprovalsRequest {
+                page_size: LIST_PAGE,
+                page_token: token,
+                state: pa::ApprovalState::Pending as i32,
+            };
+            let resp: pa::ListApprovalsResponse = self
+                .inner
+                .unary(&format!("{SERVICE}ListApprovals"), &req)
+                .await?;
+            self.inner.cache.put_approvals(&resp.approvals, now_ms())?;
+            listed.extend(resp.approvals.into_iter().map(|a| a.id));
+            if resp.next_page_token.is_empty() {
+                break;
+            }
+            token = resp.next_page_token;
+        }
+        let stale: Vec<String> = self
+            .inner
+            .cache
+            .approvals(Some(ApprovalState::Pending), u32::MAX)?
+            .into_iter()
+            .map(|a| a.id)
+            .filter(|id| !listed.contains(id))
+            .take(RECHECK)
+            .collect();
+        for id in stale {
+            match self.get(&id).await {
+                Ok(_) => {}
+                // Gone on the server (or never visible to this user): it must not linger as pending here.
+                Err(Error::NotFound(_)) => self.inner.cache.delete_approval(&id)?,
+                Err(e) => return Err(e),
+            }
+        }
+        self.cached_pending(u32::try_from(listed.len()).unwrap_or(u32::MAX))
+    }
+
+    /// Delivers the cached pending approvals before returning, then what is added and removed, refreshing every
+    /// `poll_interval` (the API has no approvals stream; a push from the server is the prompt to look sooner, by
+    /// calling `refresh_pending`). Runs until cancelled.
+    pub async fn watch_pending(&self, listener: Arc<dyn ApprovalListener>) -> Result<TaskHandle> {
+        let cached = self.cached_pending(u32::MAX)?;
+        let mut shown: Vec<String> = cached.iter().map(|a| a.id.clone()).collect();
+        listener.on_update(ApprovalUpdate::Snapshot { approvals: cached });
+        let this = Approvals {
+            inner: self.inner.clone(),
+        };
+        Ok(TaskHandle::new(tokio::spawn(async move {
+            let mut connected: Option<bool> = None;
+            loop {
+                let result = if this.inner.network_available() {
+                    this.refresh_pending().await
+                } else {
+                    Err(Error::Offline("no network connection".into()))
+                };
+                let ok = result.is_ok();
+                match result {
+                    Ok(pending) => {
+                        if connected != Some(true) {
+                            listener.on_update(ApprovalUpdate::Connection {
+                                connected: true,
+                                detail: "polling".into(),
+                            });
+                        }
+                        for gone in shown
+                            .iter()
+                            .filter(|id| !pending.iter().any(|a| &&a.id == id))
+                        {
+                            listener.on_update(ApprovalUpdate::Removed {
+                                approval_id: gone.clone(),
+                            });
+                        }
+                        for new in pending.iter().filter(|a| !shown.contains(&a.id)) {
+                            listener.on_update(ApprovalUpdate::Added {
+                                approval: new.clone(),
+                            });
+                        }
+                        shown = pending.into_iter().map(|a| a.id).collect();
+                    }
+                    Err(e) if connected != Some(false) => {
+                        listener.on_update(ApprovalUpdate::Connection {
+                            connected: false,
+                            detail: e.to_string(),
+                        });
+                    }
+                    Err(_) => {}
+                }
+                connected = Some(ok);
+                let pause = if ok {
+                    this.inner.config.poll_interval
+                } else {
+                    this.inner.config.reconnect_delay
+                };
+                tokio::time::sleep(pause).await;
+            }
+        })))
+    }
+
+    /// The approval as the server renders it now (summary, risk, confirmation phrase), cached.
+    pub async fn get(&self, approval_id: &str) -> Result<Approval> {
+        check_id("approval_id", approval_id)?;
+        let approval = self.fetch(approval_id).await?;
+        Ok(Approval::from_proto(approval, now_ms()))
+    }
+
+    async fn fetch(&self, approval_id: &str) -> Result<pa::Approval> {
+        let req = pa::GetApprovalRequest {
+            approval_id: approval_id.to_owned(),
+        };
+        let resp: pa::GetApprovalResponse = self
+            .inner
+            .unary(&format!("{SERVICE}GetApproval"), &req)
+            .await?;
+        let approval = resp
+            .approval
+            .ok_or_else(|| Error::Server("GetApproval returned no approval".into()))?;
+        if approval.id != approval_id {
+            return Err(Error::Server(format!(
+                "asked for approval {approval_id}, got {}",
+                approval.id
+            )));
+        }
+        self.inner
+            .cache
+            .put_approvals(std::slice::from_ref(&approval), now_ms())?;
+        Ok(approval)
+    }
+
+    /// Decides an approval with this device's key: reads the approval as the server renders it now, checks the
+    /// typed confirmation of a destructive approve, gets a fresh single-use challenge, signs the canonical decision
+    /// bytes and sends the decision. Nothing is queued: offline, it fails at once and the cache is unchanged.
+    pub async fn decide(
+        &self,
+        approval_id: &str,
+        decision: Decision,
+        typed_confirmation: Option<String>,
+    ) -> Result<Approval> {
+        check_id("approval_id", approval_id)?;
+        let typed = typed_confirmation.unwrap_or_default();
+        if typed.len() > MAX_CONFIRMATION {
+            return Err(Error::InvalidInput(format!(
+                "the confirmation is longer than {MAX_CONFIRMATION} bytes"
+            )));
+        }
+        let device = self.inner.cache.device()?.ok_or(Error::NotRegistered)?;
+        if device.revoked_at_ms != 0 {
+            return Err(Error::NotRegistered);
+        }
+
+        // Signed over what the server holds now, never over a cached copy: the hash names the exact action.
+        let approval = self.fetch(approval_id).await?;
+        let state = ApprovalState::from_proto(approval.state);
+        if state != ApprovalState::Pending {
+            return Err(Error::Rejected(format!(
+                "the approval is no longer pending ({state:?})"
+            )));
+        }
+        // The server checks this too; checking first spares a challenge and tells the person what to type.
+        if decision == Decision::Approve
+            && !approval.confirmation_phrase.is_empty()
+            && typed != approval.confirmation_phrase
+        {
+            return Err(Error::ConfirmationMismatch {
+                phrase: approval.confirmation_phrase,
+            });
+        }
+
+        let req = pa::GetChallengeRequest {
+            approval_id: approval_id.to_owned(),
+            device_id: device.device_id.clone(),
+        };
+        let challenge: pa::GetChallengeResponse = self
+            .inner
+            .unary(&format!("{SERVICE}GetChallenge"), &req)
+            .await?;
+        if challenge.challenge.is_empty() || challenge.challenge.len() > MAX_CHALLENGE {
+            return Err(Error::Server("the server sent no usable challenge".into()));
+        }
+        let decided_at_ms = now_ms();
+        let bytes = loams_proto::canonical_decision_bytes(
+            approval_id,
+            &approval.action_hash,
+            decision.to_proto(),
+            &device.device_id,
+            &challenge.challenge,
+            decided_at_ms,
+        );
+        let signature = self.inner.signer.sign(bytes.clone()).await?;
+        // Against the registered key: a platform key that changed since registration is caught here.
+        signer::verify(&device.public_key, &bytes, &signature)?;
+
+        let req = pa::DecideRequest {
+            approval_id: approval_id.to_owned(),
+            decision: decision.to_proto() as i32,
+            device_id: device.device_id,
+            challenge: challenge.challenge,
+            decided_at_ms,
+            signature,
+            typed_confirmation: typed,
+            idempotency_key: idempotency_key("decide")?,
+        };
+        let resp: pa::DecideResponse = self.inner.unary(&format!("{SERVICE}Decide"), &req).await?;
+        let decided = resp
+            .approval
+            .ok_or_else(|| Error::Server("Decide returned no approval".into()))?;
+        let at = now_ms();
+        self.inner
+            .cache
+            .put_approvals(std::slice::from_ref(&decided), at)?;
+        Ok(Approval::from_proto(decided, at))
+    }
+}

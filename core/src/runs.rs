@@ -1,0 +1,363 @@
+//! Runs and their timelines: list and read (cached), kill, and watch (snapshot from the cache, then the server's
+//! changes from the stored cursor, over the WatchRun stream or by polling).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use loams_proto::connect::Code;
+use loams_proto::factory::v1 as pf;
+use pf::watch_run_response::Item as WatchItem;
+
+use crate::cache::timeline_stream;
+use crate::client::{Inner, SyncMode, TaskHandle, check_id, idempotency_key, now_ms};
+use crate::error::{Error, Result};
+use crate::types::{Run, TimelineEvent};
+
+const SERVICE: &str = "/loams.factory.v1.FactoryService/";
+/// Runs per ListRuns page, and pages read by one refresh (the newest 1,000 runs).
+const LIST_PAGE: u32 = 100;
+const LIST_PAGES: usize = 10;
+/// Events per GetTimeline page (the server's maximum), and pages per poll before yielding to the listener.
+const TIMELINE_PAGE: u32 = 200;
+const TIMELINE_PAGES: usize = 50;
+/// Events delivered in a watch's first snapshot.
+const SNAPSHOT_EVENTS: u32 = 10_000;
+/// The server keeps at most this much of a kill reason.
+const MAX_REASON: usize = 500;
+
+/// What a watch delivers: first one `Snapshot` (from the cache, possibly empty), then changes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunUpdate {
+    /// What the cache holds, delivered before `watch` returns. `run` is `None` for a run never synced.
+    Snapshot {
+        run: Option<Run>,
+        events: Vec<TimelineEvent>,
+    },
+    /// The server's current view of the run (state, stage, links, budget).
+    Run { run: Run },
+    /// Events new to this installation, oldest first.
+    Events { events: Vec<TimelineEvent> },
+    /// A heartbeat: nothing changed, and the server confirmed that at `at_ms`.
+    Confirmed { at_ms: i64 },
+    /// The connection changed: `connected` false means offline (cached data stays readable); `detail` says why.
+    Connection { connected: bool, detail: String },
+    /// The run has ended and its whole timeline is stored: the watch stops.
+    Finished,
+}
+
+/// Receives a watch's updates, on a tokio worker thread (the UI hops to its main thread).
+pub trait RunListener: Send + Sync {
+    fn on_update(&self, update: RunUpdate);
+}
+
+/// The outcome of one poll step: the run as the server has it, and the events that were new to the cache.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunSync {
+    pub run: Run,
+    pub new_events: Vec<TimelineEvent>,
+}
+
+pub struct Runs {
+    inner: Arc<Inner>,
+}
+
+impl Runs {
+    pub(crate) fn new(inner: Arc<Inner>) -> Runs {
+        Runs { inner }
+    }
+
+    /// The cached runs, newest first, with the time each was last confirmed.
+    pub fn cached(&self, limit: u32) -> Result<Vec<Run>> {
+        self.inner.cache.runs(limit)
+    }
+
+    pub fn cached_run(&self, run_id: &str) -> Result<Option<Run>> {
+        self.inner.cache.run(run_id)
+    }
+
+    /// The cached timeline after `after_seq`, oldest first.
+    pub fn cached_timeline(
+        &self,
+        run_id: &str,
+        after_seq: u64,
+        limit: u32,
+    ) -> Result<Vec<TimelineEvent>> {
+        self.inner.cache.events(run_id, after_seq, limit)
+    }
+
+    /// Reads the newest runs from the server into the cache and returns them.
+    pub async fn refresh(&self) -> Result<Vec<Run>> {
+        let mut token = String::new();
+        let mut count = 0usize;
+        for _ in 0..LIST_PAGES {
+            let req = pf::ListRunsRequest {
+                page_size: LIST_PAGE,
+                page_token: token,
+                state: String::new(),
+            };
+            let resp: pf::ListRunsResponse = self
+                .inner
+                .unary(&format!("{SERVICE}ListRuns"), &req)
+                .await?;
+            self.inner.cache.put_runs(&resp.runs, now_ms())?;
+            count += resp.runs.len();
+            if resp.next_page_token.is_empty() {
+                break;
+            }
+            token = resp.next_page_token;
+        }
+        self.inner
+            .cache
+            .runs(u32::try_from(count).unwrap_or(u32::MAX))
+    }
+
+    /// One sync step without a stream: the run, then its timeline from the stored cursor. Returns the run and the
+    /// events new to the cache.
+    pub async fn sync(&self, run_id: &str) -> Result<RunSync> {
+        check_id("run_id", run_id)?;
+        let (run, new_events, _) = poll_once(&self.inner, run_id).await?;
+        Ok(RunSync { run, new_events })
+    }
+
+    /// Stops the run at its next step. The server authorises this with the bearer token's `runs:kill` scope; it
+    /// does not ask for a device signature (KillRunRequest has no challenge or signature field), so no step-up is
+    /// possible from here. Fails at once when offline; the cache changes only with the server's answer.
+    pub async fn kill(&self, run_id: &str, reason: &str) -> Result<Run> {
+        check_id("run_id", run_id)?;
+        if reason.len() > MAX_REASON {
+            return Err(Error::InvalidInput(format!(
+                "the reason is longer than {MAX_REASON} bytes"
+            )));
+        }
+        let req = pf::KillRunRequest {
+            run_id: run_id.to_owned(),
+            reason: reason.to_owned(),
+            idempotency_key: idempotency_key("kill")?,
+        };
+        let resp: pf::KillRunResponse =
+            self.inner.unary(&format!("{SERVICE}KillRun"), &req).await?;
+        let run = resp
+            .run
+            .ok_or_else(|| Error::Server("KillRun returned no run".into()))?;
+        self.inner
+            .cache
+            .put_runs(std::slice::from_ref(&run), now_ms())?;
+        Ok(Run::from_proto(run, now_ms()))
+    }
+
+    /// Delivers the cached snapshot to `listener` before returning, then follows the run from the stored cursor
+    /// until it has finished, or the handle is cancelled or dropped. Connection losses are reported and retried;
+    /// nothing is lost or repeated across them, nor across a restart of the app.
+    pub async fn watch(&self, run_id: &str, listener: Arc<dyn RunListener>) -> Result<TaskHandle> {
+        check_id("run_id", run_id)?;
+        let run = self.inner.cache.run(run_id)?;
+        let events = self.inner.cache.events(run_id, 0, SNAPSHOT_EVENTS)?;
+        listener.on_update(RunUpdate::Snapshot { run, events });
+        let inner = self.inner.clone();
+        let run_id = run_id.to_owned();
+        Ok(TaskHandle::new(tokio::spawn(follow(
+            inner, run_id, listener,
+        ))))
+    }
+}
+
+/// How one stream connection ended.
+enum StreamEnd {
+    /// The run is finished and everything up to its end is stored.
+    Finished,
+    /// The server closed a still-running run's stream (its lifetime cap): reconnect from the cursor.
+    Closed,
+    /// The server or a proxy cannot stream: poll instead.
+    Unsupported,
+}
+
+async fn follow(inner: Arc<Inner>, run_id: String, listener: Arc<dyn RunListener>) {
+    let mut mode = inner.config.sync_mode;
+    // Only transitions are reported, so a flapping network does not flood the UI.
+    let mut connected: Option<bool> = None;
+    let mut report = |ok: bool, detail: String| {
+        if connected != Some(ok) {
+            connected = Some(ok);
+            listener.on_update(RunUpdate::Connection {
+                connected: ok,
+                detail,
+            });
+        }
+    };
+    loop {
+        if !inner.network_available() {
+            report(false, "no network connection".into());
+            tokio::time::sleep(inner.config.reconnect_delay).await;
+            continue;
+        }
+        let outcome = match mode {
+            SyncMode::Stream => stream_once(&inner, &run_id, &*listener, &mut report).await,
+            SyncMode::Poll => match poll_once(&inner, &run_id).await {
+                Ok((run, events, finished)) => {
+                    report(true, "polling".into());
+                    listener.on_update(RunUpdate::Run { run });
+                    if !events.is_empty() {
+                        listener.on_update(RunUpdate::Events { events });
+                    }
+                    if finished {
+                        Ok(StreamEnd::Finished)
+                    } else {
+                        Ok(StreamEnd::Closed)
+                    }
+                }
+                Err(e) => Err(e),
+            },
+        };
+        match outcome {
+            Ok(StreamEnd::Finished) => {
+                listener.on_update(RunUpdate::Finished);
+                return;
+            }
+            Ok(StreamEnd::Closed) if mode == SyncMode::Poll => {
+                tokio::time::sleep(inner.config.poll_interval).await
+            }
+            // A pause even after a clean close, so a proxy that cuts every stream at once cannot make this spin.
+            Ok(StreamEnd::Closed) => tokio::time::sleep(inner.config.reconnect_delay).await,
+            Ok(StreamEnd::Unsupported) => {
+                mode = SyncMode::Poll;
+                report(true, "streaming unavailable; polling".into());
+            }
+            Err(
+                e @ (Error::NotFound(_) | Error::PermissionDenied(_) | Error::Unauthenticated(_)),
+            ) => {
+                // Retrying cannot help; the screen shows the cache and the reason.
+                report(false, e.to_string());
+                return;
+            }
+            Err(e) => {
+                report(false, e.to_string());
+                tokio::time::sleep(inner.config.reconnect_delay).await;
+            }
+        }
+    }
+}
+
+async fn stream_once(
+    inner: &Inner,
+    run_id: &str,
+    listener: &dyn RunListener,
+    report: &mut impl FnMut(bool, String),
+) -> Result<StreamEnd> {
+    let after_seq = inner.cache.cursor(&timeline_stream(run_id))?;
+    let req = pf::WatchRunRequest {
+        run_id: run_id.to_owned(),
+        after_seq,
+    };
+    let mut stream = inner
+        .server_stream::<_, pf::WatchRunResponse>(&format!("{SERVICE}WatchRun"), &req)
+        .await?;
+    let mut finished_at_start = false;
+    let mut last_run_read = Instant::now();
+    while let Some(item) = stream.recv().await {
+        let item = match item {
+            Ok(item) => item,
+            Err(e) if e.code == Code::Unimplemented => return Ok(StreamEnd::Unsupported),
+            Err(e) => return Err(e.into()),
+        };
+        report(true, "live".into());
+        match item.item {
+            Some(WatchItem::Snapshot(run)) => {
+                finished_at_start = run_finished(&run);
+                let run = store_run(inner, run)?;
+                last_run_read = Instant::now();
+                listener.on_update(RunUpdate::Run { run });
+            }
+            Some(WatchItem::Event(event)) => {
+                let fresh =
+                    inner
+                        .cache
+                        .append_events(run_id, std::slice::from_ref(&event), now_ms())?;
+                if !fresh.is_empty() {
+                    listener.on_update(RunUpdate::Events { events: fresh });
+                }
+                // The stream carries events, not the run's new state; re-read it now and then so the stage and
+                // state on screen follow the timeline.
+                if last_run_read.elapsed() >= inner.config.poll_interval {
+                    last_run_read = Instant::now();
+                    if let Ok(run) = get_run(inner, run_id).await {
+                        listener.on_update(RunUpdate::Run { run });
+                    }
+                }
+            }
+            Some(WatchItem::Heartbeat(_)) => {
+                let at_ms = now_ms();
+                inner.cache.confirm_run(run_id, at_ms)?;
+                listener.on_update(RunUpdate::Confirmed { at_ms });
+            }
+            None => {}
+        }
+    }
+    // The server ends a stream early only for a finished run whose events are all sent; a run that was finished
+    // when this stream began is therefore complete. Otherwise the next stream's snapshot tells.
+    Ok(if finished_at_start {
+        StreamEnd::Finished
+    } else {
+        StreamEnd::Closed
+    })
+}
+
+fn run_finished(run: &pf::Run) -> bool {
+    Run::from_proto(run.clone(), 0).is_finished()
+}
+
+fn store_run(inner: &Inner, run: pf::Run) -> Result<Run> {
+    let id = run.id.clone();
+    inner.cache.put_runs(&[run], now_ms())?;
+    inner
+        .cache
+        .run(&id)?
+        .ok_or_else(|| Error::Cache(format!("run {id} vanished from the cache")))
+}
+
+async fn get_run(inner: &Inner, run_id: &str) -> Result<Run> {
+    let req = pf::GetRunRequest {
+        run_id: run_id.to_owned(),
+    };
+    let resp: pf::GetRunResponse = inner.unary(&format!("{SERVICE}GetRun"), &req).await?;
+    let run = resp
+        .run
+        .ok_or_else(|| Error::Server("GetRun returned no run".into()))?;
+    if run.id != run_id {
+        return Err(Error::Server(format!(
+            "asked for run {run_id}, got {}",
+            run.id
+        )));
+    }
+    store_run(inner, run)
+}
+
+/// The run, then its timeline from the cursor: returns the run, the new events, and whether the run has
+/// finished with its whole timeline stored.
+async fn poll_once(inner: &Inner, run_id: &str) -> Result<(Run, Vec<TimelineEvent>, bool)> {
+    // The run first: a run seen finished here has all its events in the pages read after.
+    let run = get_run(inner, run_id).await?;
+    let mut fresh = Vec::new();
+    let mut complete = false;
+    for _ in 0..TIMELINE_PAGES {
+        let after_seq = inner.cache.cursor(&timeline_stream(run_id))?;
+        let req = pf::GetTimelineRequest {
+            run_id: run_id.to_owned(),
+            after_seq,
+            page_size: TIMELINE_PAGE,
+        };
+        let resp: pf::GetTimelineResponse =
+            inner.unary(&format!("{SERVICE}GetTimeline"), &req).await?;
+        if resp.events.iter().any(|e| e.seq <= after_seq) {
+            return Err(Error::Server(
+                "GetTimeline returned events before the cursor".into(),
+            ));
+        }
+        fresh.extend(inner.cache.append_events(run_id, &resp.events, now_ms())?);
+        if !resp.has_more || resp.events.is_empty() {
+            complete = true;
+            break;
+        }
+    }
+    let finished = run.is_finished() && complete;
+    Ok((run, fresh, finished))
+}
