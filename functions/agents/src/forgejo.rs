@@ -30,8 +30,6 @@ const MAX_BODY: usize = 65_536;
 const MAX_LABELS: usize = 10;
 /// CI log handed to the model for the next attempt; longer logs are cut at the end.
 const MAX_LOG_BYTES: usize = 64 * 1024;
-/// Open PRs scanned when looking for the branch's PR (50 per page).
-const MAX_PR_PAGES: usize = 20;
 const DRAFT_PREFIX: &str = "WIP: ";
 /// Colour of labels we have to create (Forgejo requires one).
 const LABEL_COLOR: &str = "#e4e669";
@@ -309,24 +307,16 @@ impl ForgejoClient {
         Ok(r.commit.sha)
     }
 
-    /// The open PR from `head` into `base`, if any, from `GET /pulls?state=open` (pages of 50).
+    /// The open PR from `head` into `base`, if any: `GET /pulls/{base}/{head}` answers the newest PR between the
+    /// two branches whatever its state (404 when there is none), so one request finds it however many PRs the
+    /// repository has.
     pub async fn open_pr_for(&self, base: &str, head: &str) -> Result<Option<PullRequest>, AgentError> {
-        for page in 1..=MAX_PR_PAGES {
-            let page = page.to_string();
-            let rb = self
-                .http
-                .request(Method::GET, self.repo_url(&["pulls"]))
-                .query(&[("state", "open"), ("limit", "50"), ("page", page.as_str())]);
-            let pulls: Vec<PullRequest> = self.http.json(rb).await?;
-            let last = pulls.len() < 50;
-            if let Some(pr) = pulls.into_iter().find(|p| p.head.name == head && p.base.name == base && p.state == "open") {
-                return Ok(Some(pr));
-            }
-            if last {
-                break;
-            }
+        let reply = self.http.send(self.http.request(Method::GET, self.repo_url(&["pulls", base, head]))).await?;
+        if reply.status == 404 {
+            return Ok(None);
         }
-        Ok(None)
+        let pr: PullRequest = self.http.decode(&self.http.ok(reply)?.body)?;
+        Ok(Some(pr).filter(|pr| pr.state == "open" && pr.head.name == head && pr.base.name == base))
     }
 
     /// `POST /pulls`; `None` on 409 (a PR for these branches exists).

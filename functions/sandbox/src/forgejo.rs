@@ -180,6 +180,12 @@ pub(crate) fn router() -> Router<Arc<Shared>> {
             &format!("{base}/pulls/{{index}}/merge"),
             get(is_merged).post(merge_pull),
         )
+        // Forgejo's `/pulls/{base}/{head}`; the path parameter shares the name `index` with the routes above
+        // because the router allows one name per position, and `head` may hold slashes (`factory/<run>`).
+        .route(
+            &format!("{base}/pulls/{{index}}/{{*head}}"),
+            get(get_pull_by_base_head),
+        )
         .route(
             &format!("{base}/commits/{{reference}}/status"),
             get(combined_status),
@@ -995,6 +1001,22 @@ async fn get_pull(
     let st = shared.lock();
     match find_pull(&st.forgejo, &index) {
         Some(i) => Json(pull_json(&shared, &st.forgejo, &st.forgejo.pulls[i])).into_response(),
+        None => not_found(),
+    }
+}
+
+/// The newest PR from `head` into `base`, whatever its state, as Forgejo answers `repoGetPullRequestByBaseHead`.
+async fn get_pull_by_base_head(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((owner, repo, base, head)): Path<(String, String, String, String)>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &owner, &repo) {
+        return r;
+    }
+    let st = shared.lock();
+    match st.forgejo.pulls.iter().rev().find(|p| p.base == base && p.head == head) {
+        Some(pull) => Json(pull_json(&shared, &st.forgejo, pull)).into_response(),
         None => not_found(),
     }
 }

@@ -525,6 +525,11 @@ async fn forgejo_ci_pr_merge_and_production() {
     assert_eq!(s, 409);
     let (s, open) = f.get("/pulls?state=open").await;
     assert_eq!((s, open.as_array().map(Vec::len)), (200, Some(1)));
+    // By base and head: the head branch holds a slash; an unknown pair is 404.
+    let (s, by_branches) = f.get("/pulls/main/loams/r-1").await;
+    assert_eq!((s, by_branches["number"].as_u64()), (200, Some(number)));
+    let (s, _) = f.get("/pulls/main/loams/r-2").await;
+    assert_eq!(s, 404);
     let (s, _) = f.get(&format!("/pulls/{number}/merge")).await;
     assert_eq!(s, 404);
 

@@ -1,4 +1,5 @@
-//! The queue worker: one message moves one run by at most one external effect.
+//! The queue worker: one message moves one run through its next steps, one external effect per step, each recorded
+//! before the next is made.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -33,6 +34,9 @@ const IN_PROGRESS_DELAY_MS: u64 = MODEL_LEASE_MS / 3;
 /// When an agent says a step is still in progress: it usually finishes in milliseconds; after a crash its claim
 /// lasts the agent's lease, and the retry timer keeps coming back until then.
 const AGENT_IN_PROGRESS_DELAY_MS: u64 = 2_000;
+/// Steps one queue message carries a run through before the rest goes back on the queue: a bound on how long one
+/// run holds a worker slot while others wait.
+const STEPS_PER_MESSAGE: usize = 16;
 /// Messages `run_once` takes from the queue and handles concurrently.
 const BATCH: u32 = 8;
 /// Steps `run` handles at once. Steps mostly wait on agents, the model and the store, so this is well above the
@@ -42,6 +46,12 @@ const MAX_IN_FLIGHT: usize = 32;
 const IDLE_PAUSE: Duration = Duration::from_millis(10);
 /// Pause before polling again after a receive failed.
 const RECEIVE_FAILED_PAUSE: Duration = Duration::from_millis(200);
+
+/// A run and the version of its last recorded event.
+struct Current {
+    run: Run,
+    version: u64,
+}
 
 pub struct WorkerDeps {
     pub store: Arc<dyn Store>,
@@ -128,25 +138,50 @@ impl Worker {
 
     /// Handles one queue message: records its input, performs the next effect, records the outcome.
     pub async fn handle(&self, envelope: &Envelope) -> Result<(), WorkerError> {
+        self.handle_received(envelope, 1).await
+    }
+
+    /// [`Worker::handle`] for a message the queue has delivered `receive_count` times. A message that came back
+    /// (its worker crashed or failed mid-way) moves its run by one step and hands the rest to a fresh message:
+    /// the queue dead-letters a message by its receives, and those must count failures of one step, not every
+    /// crash along a run that made progress in between.
+    pub async fn handle_received(&self, envelope: &Envelope, receive_count: u32) -> Result<(), WorkerError> {
+        self.handle_steps(envelope, if receive_count > 1 { 1 } else { STEPS_PER_MESSAGE }).await
+    }
+
+    /// Moves the run by at most `steps` steps; if it could go further, a fresh message carries on.
+    pub async fn handle_steps(&self, envelope: &Envelope, steps: usize) -> Result<(), WorkerError> {
         let span = info_span!("run_step", loams.run_id = %envelope.run, org = %envelope.org);
         async {
+            let (org, run_id) = (envelope.org.as_str(), envelope.run.as_str());
+            let mut current = self.load(org, run_id).await?;
             // Before the message's own input: the approval's deadline timer must not expire a decision that is
             // stored but whose message was lost.
-            if let Some(settled) = self.stored_settlement(&envelope.org, &envelope.run).await? {
-                self.record(&envelope.org, &envelope.run, &settled).await?;
+            if let Some(settled) = self.stored_settlement(&current.run).await? {
+                current = self.record(org, run_id, &settled, current).await?;
             }
-            let input = envelope.input.clone().unwrap_or(Input::Continue);
-            let run = self.record(&envelope.org, &envelope.run, &input).await?;
-            self.open_follow_up(&envelope.org, &run).await?;
-            let Some(effect) = run.next_effect() else { return Ok(()) };
-            let outcome = self.perform(&run, &effect).await?;
-            let step = effect.step().to_string();
-            self.cross(Boundary::AfterEffect, &step);
-            let run = self.record(&envelope.org, &envelope.run, &Input::Completed { step: step.clone(), outcome }).await?;
-            self.open_follow_up(&envelope.org, &run).await?;
-            self.cross(Boundary::AfterRecord, &step);
-            if run.next_effect().is_some() {
-                self.enqueue(&envelope.org, &envelope.run, None, 0).await?;
+            let mut input = envelope.input.clone().unwrap_or(Input::Continue);
+            // One message carries the run through consecutive steps while they need no waiting, each effect
+            // recorded before the next is made, so a crash anywhere resumes from the last record. Going back
+            // through the queue between steps would cost a send, a receive and an ack per step and decide
+            // nothing more.
+            for _ in 0..steps {
+                // The guards (kill switches, budget) see the latest world before every effect.
+                current = self.record(org, run_id, &input, current).await?;
+                self.open_follow_up(org, &current.run).await?;
+                let Some(effect) = current.run.next_effect() else { return Ok(()) };
+                let outcome = self.perform(&current.run, &effect).await?;
+                let step = effect.step().to_string();
+                self.cross(Boundary::AfterEffect, &step);
+                current = self.record(org, run_id, &Input::Completed { step: step.clone(), outcome }, current).await?;
+                self.open_follow_up(org, &current.run).await?;
+                self.cross(Boundary::AfterRecord, &step);
+                input = Input::Continue;
+            }
+            // This message's share is used up: the rest of the run goes behind the other runs' messages, in a
+            // message of its own.
+            if current.run.next_effect().is_some() {
+                self.enqueue(org, run_id, None, 0).await?;
             }
             Ok(())
         }
@@ -173,7 +208,7 @@ impl Worker {
             warn!(message = %delivery.id, "dropping a queue message that is not an envelope");
             return d.queue.ack(&delivery.receipt).await;
         };
-        match self.handle_visible(&envelope, &delivery.receipt).await {
+        match self.handle_visible(&envelope, delivery).await {
             Ok(()) => d.queue.ack(&delivery.receipt).await,
             Err(WorkerError::InProgress { step, retry_ms }) => {
                 // Waiting out someone else's lease must not use up the message's receives (it would be
@@ -210,14 +245,14 @@ impl Worker {
     /// Handles the message while keeping it hidden from other workers: its visibility is extended every third of
     /// the timeout, so an effect slower than the timeout (a model call may take minutes) is not performed twice
     /// side by side, while the message of a crashed worker still comes back soon.
-    async fn handle_visible(&self, envelope: &Envelope, receipt: &str) -> Result<(), WorkerError> {
+    async fn handle_visible(&self, envelope: &Envelope, delivery: &Delivery) -> Result<(), WorkerError> {
         let visibility = self.settings.visibility_ms;
         let key = format!("{}/{}", envelope.org, envelope.run);
         let work = async {
             let lock = self.run_lock(&key);
             let result = {
                 let _held = lock.lock().await;
-                self.handle(envelope).await
+                self.handle_received(envelope, delivery.receive_count).await
             };
             drop(lock);
             self.forget_run_lock(&key);
@@ -228,7 +263,7 @@ impl Worker {
             tokio::select! {
                 result = &mut work => return result,
                 _ = tokio::time::sleep(Duration::from_millis(visibility / 3)) => {
-                    if let Err(e) = self.deps.queue.retry_later(receipt, visibility).await {
+                    if let Err(e) = self.deps.queue.retry_later(&delivery.receipt, visibility).await {
                         warn!(run = %envelope.run, error = %e, "extending the message visibility failed");
                     }
                 }
@@ -315,27 +350,37 @@ impl Worker {
         }
     }
 
-    /// Feeds `input` to the engine and appends what it decides, retrying on a concurrent append. Returns the run
-    /// as recorded.
-    async fn record(&self, org: &str, run_id: &str, input: &Input) -> Result<Run, WorkerError> {
+    /// The run as stored, with the version its next append must name.
+    async fn load(&self, org: &str, run_id: &str) -> Result<Current, WorkerError> {
+        let row = self.deps.store.get_run(org, run_id).await?.ok_or_else(|| WorkerError::RunNotFound(run_id.into()))?;
+        let run =
+            serde_json::from_slice(&row.snapshot).map_err(|e| WorkerError::Corrupt(format!("run {run_id}: {e}")))?;
+        Ok(Current { run, version: row.version })
+    }
+
+    /// Feeds `input` to the engine and appends what it decides to `current` (the run as this worker last recorded
+    /// or read it), reading the run again after a concurrent append. Returns the run as recorded.
+    async fn record(&self, org: &str, run_id: &str, input: &Input, mut current: Current) -> Result<Current, WorkerError> {
         let d = &self.deps;
-        for _ in 0..MAX_CONFLICTS {
-            let row = d.store.get_run(org, run_id).await?.ok_or_else(|| WorkerError::RunNotFound(run_id.into()))?;
-            let mut run: Run =
-                serde_json::from_slice(&row.snapshot).map_err(|e| WorkerError::Corrupt(format!("run {run_id}: {e}")))?;
+        for attempt in 0..MAX_CONFLICTS {
+            if attempt > 0 {
+                current = self.load(org, run_id).await?;
+            }
             let now = d.clock.now_ms();
             let ctx = self.ctx(org, now).await?;
-            let events = loams_factory::decide(&run, input, &ctx).map_err(|e| WorkerError::Corrupt(e.to_string()))?;
+            let events =
+                loams_factory::decide(&current.run, input, &ctx).map_err(|e| WorkerError::Corrupt(e.to_string()))?;
             if events.is_empty() {
-                return Ok(run);
+                return Ok(current);
             }
             let mut bodies = Vec::with_capacity(events.len());
             for event in &events {
-                run.apply(event);
-                bodies.push(logged(event, &run, now)?);
+                current.run.apply(event);
+                bodies.push(logged(event, &current.run, now)?);
             }
-            match d.store.append(org, run_id, row.version, run.state.as_str(), &to_json(&run)?, &bodies, now).await {
-                Ok(_) => return Ok(run),
+            let snapshot = to_json(&current.run)?;
+            match d.store.append(org, run_id, current.version, current.run.state.as_str(), &snapshot, &bodies, now).await {
+                Ok(version) => return Ok(Current { version, ..current }),
                 Err(StoreError::Conflict) => continue,
                 Err(e) => return Err(e.into()),
             }
@@ -347,16 +392,12 @@ impl Worker {
     /// decision and then enqueues this input; reading the store on every message of a waiting run (its re-check
     /// timers wake it at least every `Config::recheck_ms`) means a crash between those two writes delays the run by
     /// a re-check instead of stranding it until the approval expires.
-    async fn stored_settlement(&self, org: &str, run_id: &str) -> Result<Option<Input>, WorkerError> {
+    async fn stored_settlement(&self, run: &Run) -> Result<Option<Input>, WorkerError> {
         use loams_factory::approval::{Approval, ApprovalState};
         let d = &self.deps;
-        // A missing run is reported by `record`, which every message goes through next.
-        let Some(row) = d.store.get_run(org, run_id).await? else { return Ok(None) };
-        let run: Run =
-            serde_json::from_slice(&row.snapshot).map_err(|e| WorkerError::Corrupt(format!("run {run_id}: {e}")))?;
         let Some(gate) = run.gate.as_ref() else { return Ok(None) };
         let Some(approval_id) = gate.approval_id.clone() else { return Ok(None) };
-        let Some(item) = d.store.get_item(org, "approval", &approval_id).await? else { return Ok(None) };
+        let Some(item) = d.store.get_item(&run.org, "approval", &approval_id).await? else { return Ok(None) };
         let approval: Approval = match serde_json::from_slice(&item.body) {
             Ok(approval) => approval,
             Err(e) => {

@@ -258,7 +258,7 @@ async fn until_fix(h: &Harness, id: &str) -> String {
         if let Some(loams_factory::Effect::Model { step, .. }) = run.next_effect() {
             return step;
         }
-        h.worker.handle(&Envelope { org: ORG.into(), run: id.into(), input: None }).await.unwrap();
+        h.worker.handle_steps(&Envelope { org: ORG.into(), run: id.into(), input: None }, 1).await.unwrap();
     }
     panic!("the run never reached its fix");
 }
@@ -292,10 +292,16 @@ async fn a_model_call_claimed_elsewhere_is_retried_later_and_a_finished_one_reus
     h.clock.advance(61_000);
     assert_eq!(h.scheduler.fire_due().await.unwrap(), 1);
     assert_eq!(h.worker.run_once().await.unwrap(), 1);
-    assert!(h.model.paid.lock().unwrap().is_empty(), "paid twice for {step}");
-    let run = h.run(&id).await;
-    assert_eq!(run.budget.tokens, 10, "the reused answer is the one recorded");
-    assert!(run.patch.iter().any(|f| f.path == "src/checkout.py"));
+    // The message carries the run on past the fix (to the reviews, which are paid): the fix itself is not.
+    assert!(!h.model.paid.lock().unwrap().iter().any(|p| p == "fix"), "paid twice for {step}");
+    let answered: Vec<Value> = h.db.events(ORG, &id, 0, 500).await.unwrap().iter()
+        .map(|e| serde_json::from_slice::<Value>(&e.body).unwrap())
+        .filter(|e| e["type"] == "model_answered" && e["step"] == step.as_str())
+        .collect();
+    assert_eq!(answered.len(), 1, "{answered:?}");
+    assert_eq!((answered[0]["input_tokens"].as_u64(), answered[0]["output_tokens"].as_u64()), (Some(7), Some(3)),
+        "the reused answer is the one recorded");
+    assert!(h.run(&id).await.patch.iter().any(|f| f.path == "src/checkout.py"));
 }
 
 #[tokio::test]
@@ -395,7 +401,8 @@ async fn a_step_performed_again_after_a_crash_reuses_its_message_id() {
     // A crash after the effect and before the record: the agent answered, the run does not know.
     let agent_reply = h.agents.call("zulip", &step, "open_thread", json!({}), None).await;
     assert!(matches!(agent_reply, AgentReply::Done(_)));
-    h.worker.handle(&Envelope { org: ORG.into(), run: id.clone(), input: None }).await.unwrap();
+    // The message comes back after the crash.
+    h.worker.handle_received(&Envelope { org: ORG.into(), run: id.clone(), input: None }, 2).await.unwrap();
     assert_eq!(h.agents.calls_of(&step), 2, "the redo used another message id");
     assert_eq!(h.agents.answered.lock().unwrap().len(), 1, "one call performed once, answered twice");
     assert_eq!(h.run(&id).await.links.thread_message_id, Some(1));
@@ -457,4 +464,29 @@ async fn a_decision_stored_without_its_message_reaches_the_run_at_the_next_reche
     let record = run.approvals.iter().find(|a| a.id == approval.id).unwrap();
     assert_eq!((record.state, record.by.as_deref()), (ApprovalState::Approved, Some("alice")));
     assert!(h.clock.now_ms() - rests_at <= 60_000, "learned within one re-check");
+}
+
+#[tokio::test]
+async fn a_first_delivery_carries_the_run_through_several_steps_a_redelivered_one_through_one() {
+    let h = Harness::new(FakeAgents::default(), 2);
+    let id = h.worker.open(ORG, signal("fp-chain")).await.unwrap().run_id;
+    for d in h.db.receive(10, 1_000).await.unwrap() {
+        h.db.ack(&d.receipt).await.unwrap();
+    }
+    let envelope = Envelope { org: ORG.into(), run: id.clone(), input: None };
+    let total = |h: &Harness| h.agents.calls.lock().unwrap().values().sum::<u32>();
+
+    // Came back after a crash: one step, then a fresh message (receive count 1) for the rest.
+    h.worker.handle_received(&envelope, 2).await.unwrap();
+    assert_eq!(total(&h), 1);
+    let fresh = h.db.receive(10, 1_000).await.unwrap();
+    assert_eq!(fresh.iter().map(|d| d.receive_count).collect::<Vec<_>>(), [1]);
+    h.db.ack(&fresh[0].receipt).await.unwrap();
+
+    // A first delivery goes on until the run has to wait, each step recorded before the next.
+    let version = h.version(&id).await;
+    h.worker.handle_received(&envelope, 1).await.unwrap();
+    let calls = total(&h) - 1;
+    assert!(calls >= 2, "{:?}", h.agents.calls.lock().unwrap());
+    assert!(h.version(&id).await - version >= u64::from(calls), "every effect has its record");
 }

@@ -34,6 +34,9 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Read connections of a file database. Reads are short; two keep both cores busy while the writer commits.
 const READERS: usize = 2;
+/// Prepared statements kept per connection: more than the store and queue use (about 30, counting the list
+/// queries built per filter), because parsing SQL again on every call cost about a seventh of a run's CPU.
+const STATEMENT_CACHE: usize = 64;
 
 /// Most calls one writer transaction commits together. Bounds how long one group holds the write lock and how
 /// much one failed commit takes down with it.
@@ -109,6 +112,7 @@ impl Sqlite {
 
     fn init(mut conn: Connection, path: Option<&Path>, clock: Arc<dyn Clock>, sync: Synchronous) -> Result<Self> {
         conn.busy_timeout(BUSY_TIMEOUT).map_err(db)?;
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         // WAL lets readers (ours, and other processes such as a CLI inspecting the file) run beside the writer. An
         // in-memory database answers "memory" and keeps working without it.
         let journal = conn
@@ -279,6 +283,7 @@ fn relock<'a>(
 fn open_reader(path: &Path) -> Result<Mutex<Connection>> {
     let conn = Connection::open(path).map_err(db)?;
     conn.busy_timeout(BUSY_TIMEOUT).map_err(db)?;
+    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     conn.pragma_update(None, "query_only", true).map_err(db)?;
     Ok(Mutex::new(conn))
 }

@@ -22,9 +22,7 @@ impl Queue for Sqlite {
         let body = body.to_vec();
         self.with_conn(move |conn, inner| {
             let now = inner.clock.now_ms();
-            conn.execute(
-                "INSERT INTO queue (body, visible_at_ms, sent_ms) VALUES (?1, ?2, ?3)",
-                params![body, now.saturating_add(delay), now],
+            conn.prepare_cached("INSERT INTO queue (body, visible_at_ms, sent_ms) VALUES (?1, ?2, ?3)").map_err(db)?.execute(params![body, now.saturating_add(delay), now],
             )
             .map_err(db)?;
             Ok(())
@@ -49,7 +47,7 @@ impl Queue for Sqlite {
                 let want = i64::try_from(max - out.len() + taken.len()).unwrap_or(i64::MAX);
                 let candidates: Vec<(i64, Vec<u8>, i64)> = {
                     let mut stmt = tx
-                        .prepare(
+                        .prepare_cached(
                             "SELECT id, body, receive_count FROM queue WHERE visible_at_ms <= ?1
                              ORDER BY visible_at_ms, id LIMIT ?2",
                         )
@@ -70,21 +68,17 @@ impl Queue for Sqlite {
                         break;
                     }
                     if count >= max_receives {
-                        tx.execute(
-                            "INSERT INTO dead_letters (id, body, receive_count, dead_ms) VALUES (?1, ?2, ?3, ?4)",
-                            params![id, body, count, now],
+                        tx.prepare_cached("INSERT INTO dead_letters (id, body, receive_count, dead_ms) VALUES (?1, ?2, ?3, ?4)").map_err(db)?.execute(params![id, body, count, now],
                         )
                         .map_err(db)?;
-                        tx.execute("DELETE FROM queue WHERE id = ?1", params![id]).map_err(db)?;
+                        tx.prepare_cached("DELETE FROM queue WHERE id = ?1").map_err(db)?.execute(params![id]).map_err(db)?;
                         tracing::warn!(message = id, receives = count, "queue message dead-lettered");
                         continue;
                     }
                     let count = count + 1;
                     // The receipt names this receive: it goes stale when the count moves on.
                     let receipt = format!("{id}.{count}");
-                    tx.execute(
-                        "UPDATE queue SET visible_at_ms = ?2, receive_count = ?3, receipt = ?4 WHERE id = ?1",
-                        params![id, now.saturating_add(visibility), count, receipt],
+                    tx.prepare_cached("UPDATE queue SET visible_at_ms = ?2, receive_count = ?3, receipt = ?4 WHERE id = ?1").map_err(db)?.execute(params![id, now.saturating_add(visibility), count, receipt],
                     )
                     .map_err(db)?;
                     taken.insert(id);
@@ -104,7 +98,7 @@ impl Queue for Sqlite {
         limits::token("receipt", receipt)?;
         let receipt = receipt.to_owned();
         self.with_conn(move |conn, _| {
-            conn.execute("DELETE FROM queue WHERE receipt = ?1", params![receipt])
+            conn.prepare_cached("DELETE FROM queue WHERE receipt = ?1").map_err(db)?.execute(params![receipt])
                 .map_err(db)?;
             Ok(())
         })
@@ -117,9 +111,7 @@ impl Queue for Sqlite {
         let receipt = receipt.to_owned();
         self.with_conn(move |conn, inner| {
             let now = inner.clock.now_ms();
-            conn.execute(
-                "UPDATE queue SET visible_at_ms = ?2 WHERE receipt = ?1",
-                params![receipt, now.saturating_add(delay)],
+            conn.prepare_cached("UPDATE queue SET visible_at_ms = ?2 WHERE receipt = ?1").map_err(db)?.execute(params![receipt, now.saturating_add(delay)],
             )
             .map_err(db)?;
             Ok(())
@@ -131,7 +123,7 @@ impl Queue for Sqlite {
         let limit = i64::from(limits::count("dead letter limit", limit, MAX_PAGE)?);
         self.with_reader(move |conn, _| {
             let mut stmt = conn
-                .prepare("SELECT id, body, receive_count FROM dead_letters ORDER BY dead_ms, id LIMIT ?1")
+                .prepare_cached("SELECT id, body, receive_count FROM dead_letters ORDER BY dead_ms, id LIMIT ?1")
                 .map_err(db)?;
             let rows = stmt
                 .query_map(params![limit], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?, r.get::<_, i64>(2)?)))
@@ -155,10 +147,8 @@ impl Timers for Sqlite {
         limits::body("timer payload", payload, MAX_BODY)?;
         let (org, id, payload) = (org.to_owned(), id.to_owned(), payload.to_vec());
         self.with_conn(move |conn, _| {
-            conn.execute(
-                "INSERT INTO timers (org, id, due_ms, payload) VALUES (?1, ?2, ?3, ?4)
-                 ON CONFLICT (org, id) DO UPDATE SET due_ms = excluded.due_ms, payload = excluded.payload",
-                params![org, id, due_ms, payload],
+            conn.prepare_cached("INSERT INTO timers (org, id, due_ms, payload) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (org, id) DO UPDATE SET due_ms = excluded.due_ms, payload = excluded.payload").map_err(db)?.execute(params![org, id, due_ms, payload],
             )
             .map_err(db)?;
             Ok(())
@@ -171,9 +161,7 @@ impl Timers for Sqlite {
         limits::key("timer id", id)?;
         let (org, id) = (org.to_owned(), id.to_owned());
         self.with_conn(move |conn, _| {
-            conn.execute(
-                "DELETE FROM timers WHERE org = ?1 AND id = ?2",
-                params![org, id],
+            conn.prepare_cached("DELETE FROM timers WHERE org = ?1 AND id = ?2").map_err(db)?.execute(params![org, id],
             )
             .map_err(db)?;
             Ok(())
@@ -185,7 +173,7 @@ impl Timers for Sqlite {
         let limit = i64::from(limits::count("timer limit", limit, MAX_PAGE)?);
         self.with_reader(move |conn, _| {
             let mut stmt = conn
-                .prepare(
+                .prepare_cached(
                     "SELECT org, id, due_ms, payload FROM timers WHERE due_ms <= ?1
                      ORDER BY due_ms, org, id LIMIT ?2",
                 )

@@ -96,18 +96,14 @@ impl Store for Sqlite {
             let tx = conn.savepoint()
                 .map_err(db)?;
             let inserted = tx
-                .execute(
-                    "INSERT INTO runs (org, id, version, state, snapshot, created_ms, updated_ms)
-                     VALUES (?1, ?2, 1, ?3, ?4, ?5, ?5) ON CONFLICT (org, id) DO NOTHING",
-                    params![org, id, state, snapshot, now_ms],
+                .prepare_cached("INSERT INTO runs (org, id, version, state, snapshot, created_ms, updated_ms)
+                     VALUES (?1, ?2, 1, ?3, ?4, ?5, ?5) ON CONFLICT (org, id) DO NOTHING").map_err(db)?.execute(params![org, id, state, snapshot, now_ms],
                 )
                 .map_err(db)?;
             if inserted == 0 {
                 return Ok(false);
             }
-            tx.execute(
-                "INSERT INTO events (org, run, seq, body) VALUES (?1, ?2, 1, ?3)",
-                params![org, id, event],
+            tx.prepare_cached("INSERT INTO events (org, run, seq, body) VALUES (?1, ?2, 1, ?3)").map_err(db)?.execute(params![org, id, event],
             )
             .map_err(db)?;
             tx.commit().map_err(db)?;
@@ -161,7 +157,7 @@ impl Store for Sqlite {
         self.with_conn(move |conn, _| {
             let tx = conn.savepoint().map_err(db)?;
             let current: Option<i64> = tx
-                .query_row("SELECT version FROM runs WHERE org = ?1 AND id = ?2", params![org, id], |r| r.get(0))
+                .prepare_cached("SELECT version FROM runs WHERE org = ?1 AND id = ?2").map_err(db)?.query_row(params![org, id], |r| r.get(0))
                 .optional()
                 .map_err(db)?;
             match current {
@@ -171,14 +167,12 @@ impl Store for Sqlite {
             }
             {
                 let mut insert =
-                    tx.prepare("INSERT INTO events (org, run, seq, body) VALUES (?1, ?2, ?3, ?4)").map_err(db)?;
+                    tx.prepare_cached("INSERT INTO events (org, run, seq, body) VALUES (?1, ?2, ?3, ?4)").map_err(db)?;
                 for (seq, body) in (expected + 1..).zip(&events) {
                     insert.execute(params![org, id, seq, body]).map_err(db)?;
                 }
             }
-            tx.execute(
-                "UPDATE runs SET version = ?3, state = ?4, snapshot = ?5, updated_ms = ?6 WHERE org = ?1 AND id = ?2",
-                params![org, id, new_version, state, snapshot, now_ms],
+            tx.prepare_cached("UPDATE runs SET version = ?3, state = ?4, snapshot = ?5, updated_ms = ?6 WHERE org = ?1 AND id = ?2").map_err(db)?.execute(params![org, id, new_version, state, snapshot, now_ms],
             )
             .map_err(db)?;
             tx.commit().map_err(db)?;
@@ -226,7 +220,7 @@ impl Store for Sqlite {
                    AND (?5 OR created_ms < ?3 OR (created_ms = ?3 AND id < ?4))
                  ORDER BY created_ms DESC, id DESC LIMIT ?6"
             );
-            let mut stmt = conn.prepare(&sql).map_err(db)?;
+            let mut stmt = conn.prepare_cached(&sql).map_err(db)?;
             let rows = stmt
                 .query_map(
                     params![org, state, after_ms, after_id, first, limit + 1],
@@ -266,7 +260,7 @@ impl Store for Sqlite {
         let (org, id) = (org.to_owned(), id.to_owned());
         self.with_reader(move |conn, _| {
             let mut stmt = conn
-                .prepare("SELECT seq, body FROM events WHERE org = ?1 AND run = ?2 AND seq > ?3 ORDER BY seq LIMIT ?4")
+                .prepare_cached("SELECT seq, body FROM events WHERE org = ?1 AND run = ?2 AND seq > ?3 ORDER BY seq LIMIT ?4")
                 .map_err(db)?;
             let rows = stmt
                 .query_map(params![org, id, after, limit], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Vec<u8>>(1)?)))
@@ -322,10 +316,8 @@ impl Store for Sqlite {
             let tx = conn.savepoint().map_err(db)?;
             // An expired row counts as absent: it is invisible to reads, so it must not block a fresh put either.
             let current: Option<i64> = tx
-                .query_row(
-                    "SELECT version FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3
-                     AND (expires_ms IS NULL OR expires_ms > ?4)",
-                    params![item.org, item.kind, item.id, now],
+                .prepare_cached("SELECT version FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3
+                     AND (expires_ms IS NULL OR expires_ms > ?4)").map_err(db)?.query_row(params![item.org, item.kind, item.id, now],
                     |r| r.get(0),
                 )
                 .optional()
@@ -341,12 +333,10 @@ impl Store for Sqlite {
             let version = current.map_or(Ok(1), |v| {
                 v.checked_add(1).ok_or_else(|| StoreError::Backend("item version overflow".into()))
             })?;
-            tx.execute(
-                "INSERT INTO items (org, kind, id, version, idx, body, expires_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+            tx.prepare_cached("INSERT INTO items (org, kind, id, version, idx, body, expires_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
                  ON CONFLICT (org, kind, id) DO UPDATE SET
                    version = excluded.version, idx = excluded.idx, body = excluded.body,
-                   expires_ms = excluded.expires_ms",
-                params![item.org, item.kind, item.id, version, item.index, item.body, item.expires_ms],
+                   expires_ms = excluded.expires_ms").map_err(db)?.execute(params![item.org, item.kind, item.id, version, item.index, item.body, item.expires_ms],
             )
             .map_err(db)?;
             tx.commit().map_err(db)?;
@@ -361,9 +351,7 @@ impl Store for Sqlite {
         limits::key("item id", id)?;
         let (org, kind, id) = (org.to_owned(), kind.to_owned(), id.to_owned());
         self.with_conn(move |conn, _| {
-            conn.execute(
-                "DELETE FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3",
-                params![org, kind, id],
+            conn.prepare_cached("DELETE FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3").map_err(db)?.execute(params![org, kind, id],
             )
             .map_err(db)?;
             Ok(())
@@ -399,7 +387,7 @@ impl Store for Sqlite {
                    AND (expires_ms IS NULL OR expires_ms > ?5)
                  ORDER BY id LIMIT ?6"
             );
-            let mut stmt = conn.prepare(&sql).map_err(db)?;
+            let mut stmt = conn.prepare_cached(&sql).map_err(db)?;
             let rows = stmt
                 .query_map(params![org, kind, index, after, now, limit + 1], item_row)
                 .map_err(db)?
@@ -422,9 +410,7 @@ impl Store for Sqlite {
         self.with_conn(move |conn, _| {
             let tx = conn.savepoint().map_err(db)?;
             let current: Option<(String, Option<Vec<u8>>, i64)> = tx
-                .query_row(
-                    "SELECT status, result, lease_until_ms FROM idempotency WHERE org = ?1 AND key = ?2",
-                    params![org, key],
+                .prepare_cached("SELECT status, result, lease_until_ms FROM idempotency WHERE org = ?1 AND key = ?2").map_err(db)?.query_row(params![org, key],
                     |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
                 )
                 .optional()
@@ -435,13 +421,11 @@ impl Store for Sqlite {
                 // Unknown, or the previous holder's lease ran out (it crashed or stalled): take over.
                 _ => {}
             }
-            tx.execute(
-                "INSERT INTO idempotency (org, key, status, result, lease_until_ms, updated_ms)
+            tx.prepare_cached("INSERT INTO idempotency (org, key, status, result, lease_until_ms, updated_ms)
                  VALUES (?1, ?2, 'in_progress', NULL, ?3, ?4)
                  ON CONFLICT (org, key) DO UPDATE SET
                    status = 'in_progress', result = NULL, lease_until_ms = excluded.lease_until_ms,
-                   updated_ms = excluded.updated_ms",
-                params![org, key, lease_until, now_ms],
+                   updated_ms = excluded.updated_ms").map_err(db)?.execute(params![org, key, lease_until, now_ms],
             )
             .map_err(db)?;
             tx.commit().map_err(db)?;
@@ -456,13 +440,11 @@ impl Store for Sqlite {
         limits::body("idempotency result", result, MAX_BODY)?;
         let (org, key, result) = (org.to_owned(), key.to_owned(), result.to_vec());
         self.with_conn(move |conn, _| {
-            conn.execute(
-                "INSERT INTO idempotency (org, key, status, result, lease_until_ms, updated_ms)
+            conn.prepare_cached("INSERT INTO idempotency (org, key, status, result, lease_until_ms, updated_ms)
                  VALUES (?1, ?2, 'done', ?3, 0, ?4)
                  ON CONFLICT (org, key) DO UPDATE SET
                    status = 'done', result = excluded.result, updated_ms = excluded.updated_ms
-                 WHERE idempotency.status <> 'done'",
-                params![org, key, result, now_ms],
+                 WHERE idempotency.status <> 'done'").map_err(db)?.execute(params![org, key, result, now_ms],
             )
             .map_err(db)?;
             Ok(())
@@ -475,9 +457,7 @@ impl Store for Sqlite {
         limits::key("idempotency key", key)?;
         let (org, key) = (org.to_owned(), key.to_owned());
         self.with_conn(move |conn, _| {
-            conn.execute(
-                "DELETE FROM idempotency WHERE org = ?1 AND key = ?2 AND status = 'in_progress'",
-                params![org, key],
+            conn.prepare_cached("DELETE FROM idempotency WHERE org = ?1 AND key = ?2 AND status = 'in_progress'").map_err(db)?.execute(params![org, key],
             )
             .map_err(db)?;
             Ok(())
