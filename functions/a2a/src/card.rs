@@ -3,6 +3,7 @@
 
 use a2a::{
     AgentCapabilities, AgentCard, AgentCardSignature, AgentInterface, AgentProvider, AgentSkill,
+    HttpAuthSecurityScheme, SecurityScheme, TRANSPORT_PROTOCOL_HTTP_JSON,
     TRANSPORT_PROTOCOL_JSONRPC,
 };
 use aws_lc_rs::rand::SystemRandom;
@@ -274,19 +275,32 @@ pub fn verify_card(card: &AgentCard, jwks: &Jwks) -> Result<(), CardError> {
     })
 }
 
-/// The unsigned card for an agent served at `base_url` (its JSON-RPC endpoint).
+/// The name of the bearer-token scheme on the card.
+pub const BEARER_SCHEME: &str = "bearer";
+
+/// The unsigned card for an agent served at `base_url`: JSON-RPC (preferred) and HTTP+JSON both at
+/// that URL, streaming, push notifications and the extended card offered, every call behind a
+/// bearer JWT.
 pub fn build_card(spec: &AgentSpec, base_url: &str) -> AgentCard {
     let modes: Vec<String> = MODES.iter().map(|m| (*m).to_string()).collect();
+    let bearer = SecurityScheme::HttpAuth(HttpAuthSecurityScheme {
+        scheme: "Bearer".into(),
+        description: Some("a JWT whose audience is this agent's URL".into()),
+        bearer_format: Some("JWT".into()),
+    });
     AgentCard {
         name: spec.name.clone(),
         description: spec.description.clone(),
         version: spec.version.clone(),
-        supported_interfaces: vec![AgentInterface::new(base_url, TRANSPORT_PROTOCOL_JSONRPC)],
+        supported_interfaces: vec![
+            AgentInterface::new(base_url, TRANSPORT_PROTOCOL_JSONRPC),
+            AgentInterface::new(base_url, TRANSPORT_PROTOCOL_HTTP_JSON),
+        ],
         capabilities: AgentCapabilities {
-            streaming: Some(false),
-            push_notifications: Some(false),
+            streaming: Some(true),
+            push_notifications: Some(true),
             extensions: None,
-            extended_agent_card: None,
+            extended_agent_card: Some(true),
         },
         default_input_modes: modes.clone(),
         default_output_modes: modes,
@@ -319,8 +333,8 @@ pub fn build_card(spec: &AgentSpec, base_url: &str) -> AgentCard {
         }),
         documentation_url: None,
         icon_url: None,
-        security_schemes: None,
-        security_requirements: None,
+        security_schemes: Some([(BEARER_SCHEME.to_string(), bearer)].into()),
+        security_requirements: Some(vec![[(BEARER_SCHEME.to_string(), Vec::new())].into()]),
         signatures: None,
     }
 }
@@ -407,7 +421,9 @@ mod tests {
         assert!(!text.contains("description\":\"\""), "{text}");
         assert!(!text.contains("iconUrl"), "{text}");
         assert!(
-            text.starts_with(r#"{"capabilities":{"pushNotifications":false,"streaming":false}"#),
+            text.starts_with(
+                r#"{"capabilities":{"extendedAgentCard":true,"pushNotifications":true,"streaming":true}"#
+            ),
             "{text}"
         );
         let signed = CardSigner::generate().unwrap().sign(&card).unwrap();

@@ -1,35 +1,67 @@
-//! A2A client for skill calls: verifies the agent's signed card once, then sends each call as a
-//! JSON-RPC `SendMessage` whose message id is the caller's step id.
+//! A2A 1.0 client over either binding: verifies the agent's signed card once, then speaks JSON-RPC
+//! or HTTP+JSON to the interface the card names. [`A2aClient::call`] is the skill call of the
+//! factory (message id = step id); the other methods are the plain protocol operations, with SSE
+//! streams for SendStreamingMessage and SubscribeToTask and [`A2aClient::follow`] to wait for a
+//! task across dropped streams.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use a2a::{
-    AgentCard, JsonRpcId, JsonRpcRequest, JsonRpcResponse, Message, Part, PartContent, Role,
-    SendMessageRequest, SendMessageResponse, TRANSPORT_PROTOCOL_JSONRPC, Task, TaskState, methods,
+    AgentCard, CancelTaskRequest, GetTaskRequest, JsonRpcId, JsonRpcRequest, JsonRpcResponse,
+    ListTasksRequest, ListTasksResponse, Message, Part, PartContent, Role, SendMessageRequest,
+    SendMessageResponse, StreamResponse, SubscribeToTaskRequest, TRANSPORT_PROTOCOL_HTTP_JSON,
+    TRANSPORT_PROTOCOL_JSONRPC, Task, TaskState, error_code, methods,
 };
 use serde_json::{Value, json};
 
 use crate::auth::TokenSource;
 use crate::card::{CARD_PATH, CardError, Jwks, verify_card};
-use crate::server::APPROVAL_ID_KEY;
+use crate::server::{A2A_JSON, APPROVAL_ID_KEY};
 
 /// Largest agent card accepted.
 const MAX_CARD_BYTES: usize = 64 * 1024;
+/// Most subscriptions [`A2aClient::follow`] opens for one task before giving up.
+const MAX_RESUBSCRIBES: u32 = 20;
+
+/// Which A2A protocol binding the client speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Binding {
+    #[default]
+    JsonRpc,
+    HttpJson,
+}
+
+impl Binding {
+    /// The card's `protocolBinding` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Binding::JsonRpc => TRANSPORT_PROTOCOL_JSONRPC,
+            Binding::HttpJson => TRANSPORT_PROTOCOL_HTTP_JSON,
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
-    /// Whole-request timeout of each HTTP call (card fetch or skill call).
+    /// Whole-request timeout of each unary HTTP call (card fetch, send, get, list, cancel).
     pub timeout: Duration,
-    /// Largest JSON-RPC response accepted.
+    /// Longest a stream may stay open; [`A2aClient::follow`] subscribes again after it.
+    pub stream_timeout: Duration,
+    /// Largest response (or single stream event) accepted.
     pub max_response_bytes: usize,
+    /// The binding to use; the card must offer it.
+    pub binding: Binding,
 }
 
 impl Default for ClientOptions {
     fn default() -> Self {
         ClientOptions {
             timeout: Duration::from_secs(60),
+            stream_timeout: Duration::from_secs(10 * 60),
             max_response_bytes: 2 * 1024 * 1024,
+            binding: Binding::JsonRpc,
         }
     }
 }
@@ -40,13 +72,14 @@ pub enum CallError {
     /// same message id.
     #[error("transport: {0}")]
     Transport(String),
-    /// The agent answered with an HTTP error instead of JSON-RPC.
+    /// The agent answered with an HTTP error that carries no A2A error.
     #[error("HTTP status {0}")]
     Http(u16),
     /// The agent's card is missing, unsigned, badly signed or unusable.
     #[error("agent card: {0}")]
     Card(#[from] CardError),
-    /// The agent rejected the request (JSON-RPC error).
+    /// The agent rejected the request with an A2A error (JSON-RPC code; HTTP+JSON errors are mapped
+    /// to the same codes through their ErrorInfo reason).
     #[error("A2A error {code}: {message}")]
     Protocol { code: i32, message: String },
     /// The response was not a valid A2A answer.
@@ -58,6 +91,17 @@ pub enum CallError {
     /// Another delivery of the same message id is still running; ask again later.
     #[error("task {0} is still in progress")]
     InProgress(String),
+    /// The task stopped to wait for the caller (`TASK_STATE_INPUT_REQUIRED` or
+    /// `TASK_STATE_AUTH_REQUIRED`); `message` is the agent's request.
+    #[error("task {task_id} needs {}: {message}", if *.needs_auth { "authorization" } else { "input" })]
+    Interrupted {
+        task_id: String,
+        needs_auth: bool,
+        message: String,
+    },
+    /// The agent's card does not offer this (a binding, streaming, the extended card).
+    #[error("not offered by the agent: {0}")]
+    Unsupported(String),
     /// No bearer token could be had for the agent; nothing was sent.
     #[error("credentials: {0}")]
     Token(String),
@@ -71,9 +115,12 @@ impl CallError {
             // over the network fails transiently.
             CallError::Transport(_) | CallError::InProgress(_) | CallError::Token(_) => true,
             CallError::Http(status) => *status >= 500 || *status == 408 || *status == 429,
-            CallError::Protocol { code, .. } => *code == a2a::error_code::INTERNAL_ERROR,
+            CallError::Protocol { code, .. } => *code == error_code::INTERNAL_ERROR,
             CallError::Skill { retryable, .. } => *retryable,
-            CallError::Card(_) | CallError::InvalidResponse(_) => false,
+            CallError::Card(_)
+            | CallError::InvalidResponse(_)
+            | CallError::Interrupted { .. }
+            | CallError::Unsupported(_) => false,
         }
     }
 }
@@ -82,22 +129,56 @@ fn transport(e: reqwest::Error) -> CallError {
     CallError::Transport(e.to_string())
 }
 
+fn invalid(e: impl std::fmt::Display) -> CallError {
+    CallError::InvalidResponse(e.to_string())
+}
+
 #[derive(Clone)]
 pub struct A2aClient {
     http: reqwest::Client,
     card: AgentCard,
+    trusted: Jwks,
     endpoint: String,
-    max_response_bytes: usize,
+    tenant: Option<String>,
+    binding: Binding,
+    options: ClientOptions,
     tokens: Option<Arc<dyn TokenSource>>,
+    next_id: Arc<AtomicI64>,
 }
 
 impl std::fmt::Debug for A2aClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("A2aClient")
             .field("endpoint", &self.endpoint)
+            .field("binding", &self.binding)
             .field("authenticated", &self.tokens.is_some())
             .finish_non_exhaustive()
     }
+}
+
+/// One operation in the terms of both bindings.
+struct Op {
+    method: &'static str,
+    params: Value,
+    http: reqwest::Method,
+    /// Path below the interface URL (and tenant), already escaped.
+    path: String,
+    query: Vec<(&'static str, String)>,
+    /// Whether the HTTP+JSON request carries `params` as its body.
+    body: bool,
+}
+
+/// Escapes a path segment (RFC 3986 unreserved characters stay).
+fn escape(segment: &str) -> String {
+    segment
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 impl A2aClient {
@@ -107,6 +188,7 @@ impl A2aClient {
         Self::with_options(base_url, trusted, ClientOptions::default()).await
     }
 
+    /// As [`A2aClient::new`], with the binding and limits of `options`.
     pub async fn with_options(
         base_url: &str,
         trusted: &Jwks,
@@ -127,36 +209,44 @@ impl A2aClient {
         let card: AgentCard = serde_json::from_slice(&bytes)
             .map_err(|e| CallError::Card(CardError::Malformed(e.to_string())))?;
         verify_card(&card, trusted)?;
-        let endpoint = card
+        let binding = options.binding;
+        let interface = card
             .supported_interfaces
             .iter()
-            .find(|i| {
-                i.protocol_binding == TRANSPORT_PROTOCOL_JSONRPC
-                    && i.protocol_version == a2a::VERSION
-            })
-            .map(|i| i.url.clone())
+            .find(|i| i.protocol_binding == binding.name() && i.protocol_version == a2a::VERSION)
             .ok_or_else(|| {
-                CallError::Card(CardError::Malformed("no JSON-RPC 1.0 interface".into()))
+                CallError::Card(CardError::Malformed(format!(
+                    "no {} 1.0 interface",
+                    binding.name()
+                )))
             })?;
         Ok(A2aClient {
+            endpoint: interface.url.trim_end_matches('/').to_string(),
+            tenant: interface.tenant.clone().filter(|t| !t.is_empty()),
             http,
             card,
-            endpoint,
-            max_response_bytes: options.max_response_bytes,
+            trusted: trusted.clone(),
+            binding,
+            options,
             tokens: None,
+            next_id: Arc::new(AtomicI64::new(1)),
         })
     }
 
     /// Sends `Authorization: Bearer <token>` on every call, the token asked of `tokens` for this
-    /// agent's JSON-RPC interface URL (the audience the agent checks).
+    /// agent's interface URL (the audience the agent checks).
     pub fn with_tokens(mut self, tokens: Arc<dyn TokenSource>) -> Self {
         self.tokens = Some(tokens);
         self
     }
 
-    /// The JSON-RPC interface URL taken from the verified card.
+    /// The interface URL taken from the verified card.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
+    }
+
+    pub fn binding(&self) -> Binding {
+        self.binding
     }
 
     /// The verified card.
@@ -165,8 +255,8 @@ impl A2aClient {
     }
 
     /// Runs `skill` with `args` under `message_id` (the step id): repeats with the same id return
-    /// the first outcome instead of running the skill again. A gated call names its settled approval in the
-    /// message metadata (`approval_id`), for the agent to check against the call.
+    /// the first outcome instead of running the skill again. A gated call names its settled
+    /// approval in the message metadata (`approval_id`), for the agent to check against the call.
     pub async fn call(
         &self,
         message_id: &str,
@@ -184,24 +274,263 @@ impl A2aClient {
             extensions: None,
             reference_task_ids: None,
         };
-        let params = SendMessageRequest {
+        let request = SendMessageRequest {
             message,
             configuration: None,
             metadata: None,
             tenant: None,
         };
-        let params =
-            serde_json::to_value(&params).map_err(|e| CallError::InvalidResponse(e.to_string()))?;
-        let request = JsonRpcRequest::new(
-            JsonRpcId::String(message_id.to_string()),
-            methods::SEND_MESSAGE,
-            Some(params),
-        );
-        let mut req = self
-            .http
-            .post(&self.endpoint)
-            .header(a2a::SVC_PARAM_VERSION, a2a::VERSION)
-            .json(&request);
+        match self.send(request).await? {
+            SendMessageResponse::Task(task) => task_outcome(task),
+            SendMessageResponse::Message(_) => Err(CallError::InvalidResponse(
+                "expected a task, got a message".into(),
+            )),
+        }
+    }
+
+    /// SendMessage: blocks until the task settles unless the request's configuration asks for
+    /// `returnImmediately`.
+    pub async fn send(
+        &self,
+        mut request: SendMessageRequest,
+    ) -> Result<SendMessageResponse, CallError> {
+        request.tenant = request.tenant.or_else(|| self.tenant.clone());
+        // The message id names the request, so a response to another request cannot pass for it.
+        let id = JsonRpcId::String(request.message.message_id.clone());
+        let op = Op {
+            method: methods::SEND_MESSAGE,
+            params: serde_json::to_value(&request).map_err(invalid)?,
+            http: reqwest::Method::POST,
+            path: "/message:send".into(),
+            query: Vec::new(),
+            body: true,
+        };
+        let value = self.unary(id, op).await?;
+        serde_json::from_value(value).map_err(invalid)
+    }
+
+    /// SendStreamingMessage: the task (or message), then its updates until it settles.
+    pub async fn send_streaming(
+        &self,
+        mut request: SendMessageRequest,
+    ) -> Result<EventStream, CallError> {
+        self.require_streaming()?;
+        request.tenant = request.tenant.or_else(|| self.tenant.clone());
+        let op = Op {
+            method: methods::SEND_STREAMING_MESSAGE,
+            params: serde_json::to_value(&request).map_err(invalid)?,
+            http: reqwest::Method::POST,
+            path: "/message:stream".into(),
+            query: Vec::new(),
+            body: true,
+        };
+        self.stream(op).await
+    }
+
+    /// GetTask, with at most `history_length` history messages if given.
+    pub async fn get_task(&self, id: &str, history_length: Option<i32>) -> Result<Task, CallError> {
+        let request = GetTaskRequest {
+            id: id.to_string(),
+            history_length,
+            tenant: self.tenant.clone(),
+        };
+        let op = Op {
+            method: methods::GET_TASK,
+            params: serde_json::to_value(&request).map_err(invalid)?,
+            http: reqwest::Method::GET,
+            path: format!("/tasks/{}", escape(id)),
+            query: history_length
+                .map(|n| vec![("historyLength", n.to_string())])
+                .unwrap_or_default(),
+            body: false,
+        };
+        let value = self.unary(self.fresh_id(), op).await?;
+        serde_json::from_value(value).map_err(invalid)
+    }
+
+    /// ListTasks: one page of the caller's tasks.
+    pub async fn list_tasks(
+        &self,
+        mut request: ListTasksRequest,
+    ) -> Result<ListTasksResponse, CallError> {
+        request.tenant = request.tenant.or_else(|| self.tenant.clone());
+        let mut query = Vec::new();
+        if let Some(c) = &request.context_id {
+            query.push(("contextId", c.clone()));
+        }
+        if let Some(s) = &request.status {
+            let name = serde_json::to_value(s).map_err(invalid)?;
+            query.push(("status", name.as_str().unwrap_or_default().to_string()));
+        }
+        if let Some(n) = request.page_size {
+            query.push(("pageSize", n.to_string()));
+        }
+        if let Some(t) = &request.page_token {
+            query.push(("pageToken", t.clone()));
+        }
+        if let Some(n) = request.history_length {
+            query.push(("historyLength", n.to_string()));
+        }
+        if let Some(t) = request.status_timestamp_after {
+            query.push((
+                "statusTimestampAfter",
+                t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            ));
+        }
+        if let Some(b) = request.include_artifacts {
+            query.push(("includeArtifacts", b.to_string()));
+        }
+        let op = Op {
+            method: methods::LIST_TASKS,
+            params: serde_json::to_value(&request).map_err(invalid)?,
+            http: reqwest::Method::GET,
+            path: "/tasks".into(),
+            query,
+            body: false,
+        };
+        let value = self.unary(self.fresh_id(), op).await?;
+        serde_json::from_value(value).map_err(invalid)
+    }
+
+    /// CancelTask: the canceled task, or `Protocol { code: -32002 }` when it cannot be canceled.
+    pub async fn cancel_task(&self, id: &str) -> Result<Task, CallError> {
+        let request = CancelTaskRequest {
+            id: id.to_string(),
+            metadata: None,
+            tenant: self.tenant.clone(),
+        };
+        let op = Op {
+            method: methods::CANCEL_TASK,
+            params: serde_json::to_value(&request).map_err(invalid)?,
+            http: reqwest::Method::POST,
+            path: format!("/tasks/{}:cancel", escape(id)),
+            query: Vec::new(),
+            body: false,
+        };
+        let value = self.unary(self.fresh_id(), op).await?;
+        serde_json::from_value(value).map_err(invalid)
+    }
+
+    /// SubscribeToTask: the task as it is now, then its updates until it settles.
+    pub async fn subscribe(&self, id: &str) -> Result<EventStream, CallError> {
+        self.require_streaming()?;
+        let request = SubscribeToTaskRequest {
+            id: id.to_string(),
+            tenant: self.tenant.clone(),
+        };
+        let op = Op {
+            method: methods::SUBSCRIBE_TO_TASK,
+            params: serde_json::to_value(&request).map_err(invalid)?,
+            // The proto maps SubscribeToTask to GET (the spec prose says POST; servers take both).
+            http: reqwest::Method::GET,
+            path: format!("/tasks/{}:subscribe", escape(id)),
+            query: Vec::new(),
+            body: false,
+        };
+        self.stream(op).await
+    }
+
+    /// Waits until task `id` settles (terminal, input-required or auth-required) and returns it,
+    /// subscribing again whenever a stream drops (after a timeout, a restart of the agent, a
+    /// network cut). A task that settled meanwhile is read with GetTask.
+    pub async fn follow(&self, id: &str) -> Result<Task, CallError> {
+        let mut last_error = None;
+        for _ in 0..MAX_RESUBSCRIBES {
+            let mut stream = match self.subscribe(id).await {
+                Ok(stream) => stream,
+                // Subscribing to a terminal task is refused: it is done, read it.
+                Err(CallError::Protocol { code, .. })
+                    if code == error_code::UNSUPPORTED_OPERATION =>
+                {
+                    return self.get_task(id, None).await;
+                }
+                Err(e) if e.retryable() => {
+                    last_error = Some(e);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let mut task: Option<Task> = None;
+            loop {
+                match stream.next().await {
+                    Some(Ok(event)) => {
+                        apply(&mut task, event);
+                        if let Some(done) = task.take_if(|t| settled(&t.status.state)) {
+                            return Ok(done);
+                        }
+                    }
+                    Some(Err(e)) if e.retryable() => {
+                        last_error = Some(e);
+                        break;
+                    }
+                    Some(Err(e)) => return Err(e),
+                    // Closed before the task settled: subscribe again.
+                    None => break,
+                }
+            }
+        }
+        Err(last_error.unwrap_or_else(|| {
+            CallError::Transport(format!(
+                "task {id} did not settle within {MAX_RESUBSCRIBES} subscriptions"
+            ))
+        }))
+    }
+
+    /// GetExtendedAgentCard: the card as this caller sees it, verified like the public one.
+    pub async fn extended_card(&self) -> Result<AgentCard, CallError> {
+        if self.card.capabilities.extended_agent_card != Some(true) {
+            return Err(CallError::Unsupported("the extended agent card".into()));
+        }
+        let op = Op {
+            method: methods::GET_EXTENDED_AGENT_CARD,
+            params: json!({}),
+            http: reqwest::Method::GET,
+            path: "/extendedAgentCard".into(),
+            query: Vec::new(),
+            body: false,
+        };
+        let value = self.unary(self.fresh_id(), op).await?;
+        let card: AgentCard = serde_json::from_value(value).map_err(invalid)?;
+        verify_card(&card, &self.trusted)?;
+        Ok(card)
+    }
+
+    fn require_streaming(&self) -> Result<(), CallError> {
+        if self.card.capabilities.streaming == Some(true) {
+            Ok(())
+        } else {
+            Err(CallError::Unsupported("streaming".into()))
+        }
+    }
+
+    fn fresh_id(&self) -> JsonRpcId {
+        JsonRpcId::Number(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// The HTTP request of `op` on this client's binding, with version and credentials.
+    async fn build(&self, id: &JsonRpcId, op: Op) -> Result<reqwest::RequestBuilder, CallError> {
+        let req = match self.binding {
+            Binding::JsonRpc => {
+                let request = JsonRpcRequest::new(id.clone(), op.method, Some(op.params));
+                self.http.post(&self.endpoint).json(&request)
+            }
+            Binding::HttpJson => {
+                let tenant = self
+                    .tenant
+                    .as_deref()
+                    .map(|t| format!("/{}", escape(t)))
+                    .unwrap_or_default();
+                let url = format!("{}{tenant}{}", self.endpoint, op.path);
+                let mut req = self.http.request(op.http, url).query(&op.query);
+                if op.body {
+                    req = req
+                        .header(reqwest::header::CONTENT_TYPE, A2A_JSON)
+                        .body(op.params.to_string());
+                }
+                req
+            }
+        };
+        let mut req = req.header(a2a::SVC_PARAM_VERSION, a2a::VERSION);
         if let Some(tokens) = &self.tokens {
             let token = tokens
                 .token(&self.endpoint)
@@ -209,41 +538,247 @@ impl A2aClient {
                 .map_err(|e| CallError::Token(e.to_string()))?;
             req = req.bearer_auth(token);
         }
-        let resp = req.send().await.map_err(transport)?;
-        if !resp.status().is_success() {
-            return Err(CallError::Http(resp.status().as_u16()));
+        Ok(req)
+    }
+
+    async fn unary(&self, id: JsonRpcId, op: Op) -> Result<Value, CallError> {
+        let resp = self.build(&id, op).await?.send().await.map_err(transport)?;
+        let status = resp.status();
+        match self.binding {
+            Binding::JsonRpc => {
+                if !status.is_success() {
+                    return Err(CallError::Http(status.as_u16()));
+                }
+                let bytes = read_limited(resp, self.options.max_response_bytes).await?;
+                let rpc: JsonRpcResponse = serde_json::from_slice(&bytes).map_err(invalid)?;
+                rpc_result(rpc, &id)
+            }
+            Binding::HttpJson => {
+                let bytes = read_limited(resp, self.options.max_response_bytes).await?;
+                if !status.is_success() {
+                    return Err(rest_error(status.as_u16(), &bytes));
+                }
+                serde_json::from_slice(&bytes).map_err(invalid)
+            }
         }
-        let bytes = read_limited(resp, self.max_response_bytes).await?;
-        let rpc: JsonRpcResponse = serde_json::from_slice(&bytes)
-            .map_err(|e| CallError::InvalidResponse(e.to_string()))?;
-        if let Some(err) = rpc.error {
-            return Err(CallError::Protocol {
-                code: err.code,
-                message: err.message,
+    }
+
+    async fn stream(&self, op: Op) -> Result<EventStream, CallError> {
+        let id = self.fresh_id();
+        let resp = self
+            .build(&id, op)
+            .await?
+            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .timeout(self.options.stream_timeout)
+            .send()
+            .await
+            .map_err(transport)?;
+        let status = resp.status();
+        let is_sse = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if !is_sse {
+            // Errors before the stream starts come as an ordinary response.
+            let bytes = read_limited(resp, self.options.max_response_bytes).await?;
+            return Err(match self.binding {
+                Binding::JsonRpc if status.is_success() => {
+                    let rpc: JsonRpcResponse = serde_json::from_slice(&bytes).map_err(invalid)?;
+                    match rpc_result(rpc, &id) {
+                        Err(e) => e,
+                        Ok(_) => invalid("expected an event stream"),
+                    }
+                }
+                Binding::JsonRpc => CallError::Http(status.as_u16()),
+                Binding::HttpJson if status.is_success() => invalid("expected an event stream"),
+                Binding::HttpJson => rest_error(status.as_u16(), &bytes),
             });
         }
-        // A success for some other request would be someone else's outcome.
-        if rpc.id != JsonRpcId::String(message_id.to_string()) {
-            return Err(CallError::InvalidResponse(
-                "response id does not match the request".into(),
-            ));
+        Ok(EventStream {
+            resp,
+            buf: Vec::new(),
+            binding: self.binding,
+            id,
+            max_event_bytes: self.options.max_response_bytes,
+            done: false,
+        })
+    }
+}
+
+/// The outcome of a JSON-RPC response to request `id`.
+fn rpc_result(rpc: JsonRpcResponse, id: &JsonRpcId) -> Result<Value, CallError> {
+    if let Some(err) = rpc.error {
+        return Err(CallError::Protocol {
+            code: err.code,
+            message: err.message,
+        });
+    }
+    // A success for some other request would be someone else's outcome.
+    if &rpc.id != id {
+        return Err(invalid("response id does not match the request"));
+    }
+    rpc.result
+        .ok_or_else(|| invalid("neither result nor error"))
+}
+
+/// The error of an HTTP+JSON error response: the A2A error its ErrorInfo names, else the status.
+fn rest_error(status: u16, body: &[u8]) -> CallError {
+    let Ok(value) = serde_json::from_slice::<Value>(body) else {
+        return CallError::Http(status);
+    };
+    rest_error_value(&value).unwrap_or(CallError::Http(status))
+}
+
+fn rest_error_value(value: &Value) -> Option<CallError> {
+    let error = value.get("error")?;
+    let message = error.get("message").and_then(Value::as_str).unwrap_or("");
+    let code = error
+        .get("details")?
+        .as_array()?
+        .iter()
+        .filter(|d| d.get("@type").and_then(Value::as_str) == Some(a2a::ERROR_INFO_TYPE))
+        .find_map(|d| a2a::reason_to_error_code(d.get("reason")?.as_str()?))?;
+    Some(CallError::Protocol {
+        code,
+        message: message.to_string(),
+    })
+}
+
+fn settled(state: &TaskState) -> bool {
+    state.is_terminal() || matches!(state, TaskState::InputRequired | TaskState::AuthRequired)
+}
+
+/// Folds a stream event into the task it describes.
+fn apply(task: &mut Option<Task>, event: StreamResponse) {
+    match event {
+        StreamResponse::Task(t) => *task = Some(t),
+        StreamResponse::StatusUpdate(u) => {
+            if let Some(t) = task {
+                t.status = u.status;
+            }
         }
-        let result = rpc
-            .result
-            .ok_or_else(|| CallError::InvalidResponse("neither result nor error".into()))?;
-        match serde_json::from_value(result)
-            .map_err(|e| CallError::InvalidResponse(e.to_string()))?
-        {
-            SendMessageResponse::Task(task) => task_outcome(task),
-            SendMessageResponse::Message(_) => Err(CallError::InvalidResponse(
-                "expected a task, got a message".into(),
-            )),
+        StreamResponse::ArtifactUpdate(u) => {
+            if let Some(t) = task {
+                let artifacts = t.artifacts.get_or_insert_with(Vec::new);
+                match artifacts
+                    .iter_mut()
+                    .find(|a| a.artifact_id == u.artifact.artifact_id)
+                {
+                    Some(a) if u.append == Some(true) => a.parts.extend(u.artifact.parts),
+                    Some(a) => *a = u.artifact,
+                    None => artifacts.push(u.artifact),
+                }
+            }
         }
+        StreamResponse::Message(_) => {}
+    }
+}
+
+/// The events of an SSE response (SendStreamingMessage, SubscribeToTask), in order.
+pub struct EventStream {
+    resp: reqwest::Response,
+    buf: Vec<u8>,
+    binding: Binding,
+    id: JsonRpcId,
+    max_event_bytes: usize,
+    done: bool,
+}
+
+impl std::fmt::Debug for EventStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventStream")
+            .field("binding", &self.binding)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EventStream {
+    /// The next event; `None` once the server closed the stream. An error event ends the stream.
+    pub async fn next(&mut self) -> Option<Result<StreamResponse, CallError>> {
+        if self.done {
+            return None;
+        }
+        loop {
+            if let Some(data) = self.take_event() {
+                let Some(data) = data else { continue };
+                let event = self.decode(&data);
+                if event.is_err() {
+                    self.done = true;
+                }
+                return Some(event);
+            }
+            if self.buf.len() > self.max_event_bytes {
+                self.done = true;
+                return Some(Err(invalid(format!(
+                    "stream event larger than {} bytes",
+                    self.max_event_bytes
+                ))));
+            }
+            match self.resp.chunk().await {
+                Ok(Some(chunk)) => self.buf.extend_from_slice(&chunk),
+                Ok(None) => {
+                    self.done = true;
+                    return None;
+                }
+                Err(e) => {
+                    self.done = true;
+                    return Some(Err(transport(e)));
+                }
+            }
+        }
+    }
+
+    /// Removes one complete event (up to a blank line, LF or CRLF) from the buffer: `Some(None)`
+    /// for an event without data (a keep-alive comment), `None` if no event is complete yet.
+    fn take_event(&mut self) -> Option<Option<String>> {
+        let text = &self.buf;
+        let (end, sep) = [&b"\r\n\r\n"[..], b"\n\n", b"\r\r"]
+            .iter()
+            .filter_map(|sep| {
+                text.windows(sep.len())
+                    .position(|w| w == *sep)
+                    .map(|p| (p, sep.len()))
+            })
+            .min()?;
+        let block = String::from_utf8_lossy(&text[..end]).into_owned();
+        self.buf.drain(..end + sep);
+        let data: Vec<&str> = block
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.strip_prefix(' ').unwrap_or(d))
+            .collect();
+        Some((!data.is_empty()).then(|| data.join("\n")))
+    }
+
+    fn decode(&self, data: &str) -> Result<StreamResponse, CallError> {
+        let value: Value = serde_json::from_str(data).map_err(invalid)?;
+        let value = match self.binding {
+            Binding::JsonRpc => {
+                let rpc: JsonRpcResponse = serde_json::from_value(value).map_err(invalid)?;
+                rpc_result(rpc, &self.id)?
+            }
+            Binding::HttpJson => {
+                if let Some(e) = rest_error_value(&value) {
+                    return Err(e);
+                }
+                value
+            }
+        };
+        serde_json::from_value(value).map_err(invalid)
     }
 }
 
 /// The skill's output from a finished task, per the Skills contract.
 fn task_outcome(task: Task) -> Result<Value, CallError> {
+    let status_text = |task: &Task, default: &str| {
+        task.status
+            .message
+            .as_ref()
+            .and_then(|m| m.parts.iter().find_map(|p| p.as_text()))
+            .unwrap_or(default)
+            .to_string()
+    };
     match task.status.state {
         TaskState::Completed => {
             let artifact = task.artifacts.into_iter().flatten().next();
@@ -259,12 +794,8 @@ fn task_outcome(task: Task) -> Result<Value, CallError> {
             })
         }
         TaskState::Failed | TaskState::Rejected | TaskState::Canceled => {
+            let message = status_text(&task, "the skill failed");
             let parts = task.status.message.map(|m| m.parts).unwrap_or_default();
-            let message = parts
-                .iter()
-                .find_map(|p| p.as_text())
-                .unwrap_or("the skill failed")
-                .to_string();
             let retryable = parts.iter().find_map(|p| match &p.content {
                 PartContent::Data(v) => v.get("retryable").and_then(Value::as_bool),
                 _ => None,
@@ -274,10 +805,13 @@ fn task_outcome(task: Task) -> Result<Value, CallError> {
                 retryable: retryable.unwrap_or(false),
             })
         }
+        TaskState::InputRequired | TaskState::AuthRequired => Err(CallError::Interrupted {
+            message: status_text(&task, ""),
+            needs_auth: task.status.state == TaskState::AuthRequired,
+            task_id: task.id,
+        }),
         TaskState::Submitted | TaskState::Working => Err(CallError::InProgress(task.id)),
-        other => Err(CallError::InvalidResponse(format!(
-            "unexpected task state {other:?}"
-        ))),
+        TaskState::Unspecified => Err(CallError::InvalidResponse("task state unspecified".into())),
     }
 }
 
@@ -298,4 +832,51 @@ async fn read_limited(mut resp: reqwest::Response, max: usize) -> Result<Vec<u8>
         body.extend_from_slice(&chunk);
     }
     Ok(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_segments_are_escaped() {
+        assert_eq!(escape("r-1:fix:2/x y"), "r-1%3Afix%3A2%2Fx%20y");
+    }
+
+    #[test]
+    fn rest_errors_map_to_a2a_codes_by_reason() {
+        let body = json!({"error": {"code": 404, "status": "NOT_FOUND", "message": "no task",
+            "details": [{"@type": a2a::ERROR_INFO_TYPE, "reason": "TASK_NOT_FOUND", "domain": "a2a-protocol.org"}]}});
+        match rest_error(404, body.to_string().as_bytes()) {
+            CallError::Protocol { code, message } => {
+                assert_eq!(
+                    (code, message.as_str()),
+                    (error_code::TASK_NOT_FOUND, "no task")
+                );
+            }
+            other => panic!("{other}"),
+        }
+        assert!(matches!(rest_error(401, b"{}"), CallError::Http(401)));
+        assert!(matches!(rest_error(502, b"<html>"), CallError::Http(502)));
+    }
+
+    #[test]
+    fn stream_updates_fold_into_the_task() {
+        let base: Task = serde_json::from_value(json!({"id": "t", "contextId": "c",
+            "status": {"state": "TASK_STATE_WORKING"}}))
+        .unwrap();
+        let mut task = Some(base);
+        let artifact = json!({"artifactUpdate": {"taskId": "t", "contextId": "c",
+            "artifact": {"artifactId": "a", "parts": [{"text": "x"}]}}});
+        apply(&mut task, serde_json::from_value(artifact.clone()).unwrap());
+        let mut appended = artifact;
+        appended["artifactUpdate"]["append"] = json!(true);
+        apply(&mut task, serde_json::from_value(appended).unwrap());
+        let done = json!({"statusUpdate": {"taskId": "t", "contextId": "c",
+            "status": {"state": "TASK_STATE_COMPLETED"}}});
+        apply(&mut task, serde_json::from_value(done).unwrap());
+        let task = task.unwrap();
+        assert_eq!(task.status.state, TaskState::Completed);
+        assert_eq!(task.artifacts.unwrap()[0].parts.len(), 2);
+    }
 }

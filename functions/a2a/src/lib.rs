@@ -1,25 +1,39 @@
-//! loams-a2a: a thin A2A 1.0 slice on the official `a2a-lf` types for Loams' agents.
+//! loams-a2a: A2A 1.0 on the official `a2a-lf` types for Loams' agents.
 //!
-//! - [`router`] serves an agent's signed card and JSON-RPC `SendMessage` / `GetTask` / `CancelTask`,
-//!   running each skill call once per message id (tasks live in the platform `Store`). Calls need a
-//!   bearer token the host's [`CallerAuth`] accepts; destructive skills need an approval the host's
+//! - [`router`] / [`router_with`] serve an agent: its signed card (with Cache-Control and ETag),
+//!   the JSON-RPC binding at the base URL and the HTTP+JSON binding under it (also
+//!   tenant-prefixed), every RPC of A2A 1.0: SendMessage (blocking or `returnImmediately`),
+//!   SendStreamingMessage and SubscribeToTask over SSE, GetTask, ListTasks, CancelTask, the four
+//!   push-notification config RPCs with webhook delivery, GetExtendedAgentCard. Each skill call
+//!   runs once per message id; tasks, claims and push configs live in the platform `Store`, so a
+//!   restarted process (or another one) serves tasks it did not start. Calls need a bearer token
+//!   the host's [`CallerAuth`] accepts; destructive skills need an approval the host's
 //!   [`ApprovalGate`] admits.
 //! - [`CardSigner`] / [`verify_card`] sign and check cards (detached ES256 JWS over RFC 8785 JCS).
-//! - [`A2aClient`] verifies a card against trusted keys and calls skills.
+//! - [`A2aClient`] verifies a card against trusted keys and speaks either binding: skill calls,
+//!   the protocol operations, streams ([`EventStream`]) and [`A2aClient::follow`], which
+//!   resubscribes after a dropped stream.
 
 mod auth;
 mod card;
 mod client;
+mod push;
 mod server;
 mod skills;
+mod tasks;
 
 pub use auth::{
     ApprovalGate, AuthError, CallerAuth, GateError, Guards, MAX_BEARER_BYTES, Principal,
     TokenError, TokenSource,
 };
 pub use card::{
-    CARD_PATH, CardError, CardSigner, Jwk, Jwks, build_card, canonical_payload, verify_card,
+    BEARER_SCHEME, CARD_PATH, CardError, CardSigner, Jwk, Jwks, build_card, canonical_payload,
+    verify_card,
 };
-pub use client::{A2aClient, CallError, ClientOptions};
-pub use server::{APPROVAL_ID_KEY, MAX_MESSAGE_ID, MAX_REQUEST_BYTES, TASK_KIND, router};
+pub use client::{A2aClient, Binding, CallError, ClientOptions, EventStream};
+pub use push::{PUSH_KIND, PushOptions};
+pub use server::{
+    A2A_JSON, APPROVAL_ID_KEY, CALLER_LIMITS_EXTENSION, MAX_MESSAGE_ID, MAX_REQUEST_BYTES,
+    ServerOptions, TASK_KIND, router, router_with,
+};
 pub use skills::{AgentSpec, Risk, SkillError, SkillSpec, Skills};

@@ -1,81 +1,106 @@
-//! The A2A 1.0 server: the signed card and a JSON-RPC endpoint (`SendMessage`, `GetTask`,
-//! `CancelTask`) whose tasks live in the platform `Store`, deduplicated on the message id.
+//! The A2A 1.0 server: the signed card, the JSON-RPC binding at the base URL and the HTTP+JSON
+//! binding under it (also tenant-prefixed), with SSE streams for SendStreamingMessage and
+//! SubscribeToTask. The operations themselves live in [`crate::tasks`] and keep every task in the
+//! platform `Store`.
 //!
-//! Every JSON-RPC call needs a bearer token the host's [`CallerAuth`] accepts for this agent's URL
-//! (the card stays public). A task is bound to the call that created it (skill and canonical args)
-//! and to its caller: a reused message id with another call is refused, and only the creator may
-//! read or cancel the task. A destructive skill runs only when the host's [`ApprovalGate`] admits
-//! the approval named in the message metadata (`approval_id`).
+//! Every call needs a bearer token the host's [`CallerAuth`] accepts for this agent's URL (the card
+//! stays public). A task is bound to the call that created it (skill and canonical args) and to
+//! its caller: a reused message id with another call is refused, and only the creator may read,
+//! list, follow or cancel the task. A destructive skill runs only when the host's
+//! [`ApprovalGate`](crate::ApprovalGate) admits the approval named in the message metadata
+//! (`approval_id`).
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use a2a::{
-    A2AError, Artifact, CancelTaskRequest, GetTaskRequest, JsonRpcId, JsonRpcResponse, Message,
-    PartContent, Role, SendMessageRequest, SendMessageResponse, Task, TaskState, TaskStatus,
-    error_code, methods,
+    A2AError, AgentExtension, CancelTaskRequest, DeleteTaskPushNotificationConfigRequest,
+    GetTaskPushNotificationConfigRequest, GetTaskRequest, JsonRpcId, JsonRpcResponse,
+    ListTaskPushNotificationConfigsRequest, ListTasksRequest, SendMessageRequest,
+    SendMessageResponse, StreamResponse, SubscribeToTaskRequest, TaskPushNotificationConfig,
+    TaskState, error_code, error_reason, methods,
 };
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use loams_platform::{Claim, Cond, Item, Store, StoreError, limits};
-use serde::{Deserialize, Serialize};
+use futures::StreamExt;
 use serde_json::{Value, json};
+use tokio::sync::mpsc;
 
-use crate::auth::{
-    ApprovalGate, AuthError, CallerAuth, GateError, Guards, MAX_BEARER_BYTES, Principal,
-};
+use crate::auth::{AuthError, Guards, MAX_BEARER_BYTES, Principal};
 use crate::card::{CARD_PATH, CardSigner, build_card};
-use crate::skills::{Risk, SkillError, Skills};
+use crate::push::{self, PushOptions};
+use crate::skills::{Risk, Skills};
+use crate::tasks::{self, Agent, Begun, EventTx};
+use loams_platform::Store;
 
-/// Largest JSON-RPC request body; a skill call is a few KiB, this leaves room for file contents.
+/// Largest request body; a skill call is a few KiB, this leaves room for file contents.
 pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;
 /// Longest message id (= task id). Store keys are at most `limits::MAX_KEY`; the agent name and the
 /// kind prefix must still fit.
 pub const MAX_MESSAGE_ID: usize = 256;
 /// Item kind of stored tasks (docs/contracts.md).
 pub const TASK_KIND: &str = "a2a_task";
-/// How long a claimed message id stays "in progress" if the process dies mid-skill; after that a
-/// repeat runs the skill again (skills are create-if-absent, so a second run is safe).
-const CLAIM_LEASE_MS: u64 = 5 * 60 * 1000;
-/// Longest skill run, safely inside the lease (store writes after the skill still need time).
-const SKILL_TIMEOUT: Duration = Duration::from_secs(4 * 60);
+/// Message metadata key naming the settled approval of a gated call.
+pub const APPROVAL_ID_KEY: &str = "approval_id";
+/// The extension on the extended card that tells an authenticated caller its limits.
+pub const CALLER_LIMITS_EXTENSION: &str = "https://loams.dev/a2a/extensions/caller-limits/v1";
+/// Content type of HTTP+JSON bodies (A2A 1.0.1 §11).
+pub const A2A_JSON: &str = "application/a2a+json";
+
 const CARD_MAX_AGE: &str = "max-age=300";
 /// Missing `A2A-Version` means 0.3 (A2A §3.6).
 const IMPLICIT_VERSION: &str = "0.3";
-/// Message metadata key naming the settled approval of a gated call.
-pub const APPROVAL_ID_KEY: &str = "approval_id";
+/// Events buffered per stream before the producer waits for the client.
+const STREAM_BUFFER: usize = 16;
+/// Longest query string of an HTTP+JSON request.
+const MAX_QUERY_BYTES: usize = 4096;
 
-struct Agent {
-    skills: Arc<dyn Skills>,
-    store: Arc<dyn Store>,
-    org: String,
-    name: String,
-    /// The card's skills and their risk: the risk decides whether a call needs an approval.
-    risks: HashMap<String, Risk>,
-    /// This agent's interface URL, the audience its callers' tokens must name.
-    audience: String,
-    auth: Arc<dyn CallerAuth>,
-    gate: Arc<dyn ApprovalGate>,
-    /// The signed card, rendered once; `Err` keeps the reason signing failed so the card endpoint
-    /// reports it instead of serving an unsigned card.
-    card: Result<CardDoc, String>,
+/// Tuning of the server. The defaults suit production; tests shorten them.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// How long a claimed message id stays "in progress" if the process dies mid-skill; after that a
+    /// repeat runs the skill again (skills are create-if-absent, so a second run is safe) and the
+    /// task may be canceled. A skill is cut off at four fifths of it, so store writes after the
+    /// skill still fit in the lease.
+    pub claim_lease: Duration,
+    /// How often a subscription re-reads its task from the store.
+    pub poll_interval: Duration,
+    /// Longest a single subscription stream stays open; the client subscribes again after it.
+    pub max_follow: Duration,
+    /// Delivery of push notifications.
+    pub push: PushOptions,
 }
 
-struct CardDoc {
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            claim_lease: Duration::from_secs(5 * 60),
+            poll_interval: Duration::from_millis(250),
+            max_follow: Duration::from_secs(6 * 60),
+            push: PushOptions::default(),
+        }
+    }
+}
+
+impl ServerOptions {
+    pub(crate) fn skill_timeout(&self) -> Duration {
+        self.claim_lease * 4 / 5
+    }
+}
+
+pub(crate) struct CardDoc {
     json: Bytes,
     etag: HeaderValue,
     last_modified: HeaderValue,
 }
 
-/// The agent's HTTP surface: `GET /.well-known/agent-card.json` and JSON-RPC at `POST /`.
-/// `base_url` is where this router is reachable (it becomes the card's JSON-RPC interface URL and
-/// the audience callers' tokens must name); `guards` authenticate callers and gate destructive
-/// skills.
+/// The agent's HTTP surface with default [`ServerOptions`]; see [`router_with`].
 pub fn router(
     skills: Arc<dyn Skills>,
     store: Arc<dyn Store>,
@@ -84,13 +109,47 @@ pub fn router(
     base_url: String,
     guards: Guards,
 ) -> Router {
+    router_with(
+        skills,
+        store,
+        org,
+        signer,
+        base_url,
+        guards,
+        ServerOptions::default(),
+    )
+}
+
+/// The agent's HTTP surface: `GET /.well-known/agent-card.json`, JSON-RPC at `POST /` and the
+/// HTTP+JSON routes (`/message:send`, `/message:stream`, `/tasks`, `/tasks/{id}`,
+/// `/tasks/{id}:cancel`, `/tasks/{id}:subscribe`, `/extendedAgentCard`, each also under
+/// `/tasks/{id}/pushNotificationConfigs[/{configId}]`, each also under `/{tenant}/` where the
+/// tenant is the org), all with or without a trailing slash. `base_url` is
+/// where this router is reachable (the card's interface URL of both bindings and the audience
+/// callers' tokens must name); `guards` authenticate callers and gate destructive skills.
+pub fn router_with(
+    skills: Arc<dyn Skills>,
+    store: Arc<dyn Store>,
+    org: String,
+    signer: CardSigner,
+    base_url: String,
+    guards: Guards,
+    options: ServerOptions,
+) -> Router {
     let spec = skills.card();
     let audience = base_url.trim_end_matches('/').to_string();
-    let card = render_card(&signer, &spec, &audience);
-    if let Err(e) = &card {
+    let card = build_card(&spec, &audience);
+    let card_doc = render_card(&signer, &card);
+    if let Err(e) = &card_doc {
         tracing::error!(agent = %spec.name, error = %e, "agent card could not be signed");
     }
+    let push_client = push::sender(&options.push).unwrap_or_else(|e| {
+        // Building a client fails only without a usable TLS backend; webhooks then fail per call.
+        tracing::error!(error = %e, "push notification client");
+        reqwest::Client::new()
+    });
     let agent = Agent {
+        push_client,
         risks: spec.skills.iter().map(|s| (s.id.clone(), s.risk)).collect(),
         name: spec.name,
         skills,
@@ -100,22 +159,18 @@ pub fn router(
         auth: guards.auth,
         gate: guards.gate,
         card,
+        signer,
+        card_doc,
+        options,
     };
     Router::new()
-        .route(CARD_PATH, get(serve_card))
-        .route("/", post(serve_rpc))
+        .fallback(serve)
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BYTES))
         .with_state(Arc::new(agent))
 }
 
-fn render_card(
-    signer: &CardSigner,
-    spec: &crate::skills::AgentSpec,
-    base_url: &str,
-) -> Result<CardDoc, String> {
-    let signed = signer
-        .sign(&build_card(spec, base_url))
-        .map_err(|e| e.to_string())?;
+fn render_card(signer: &CardSigner, card: &a2a::AgentCard) -> Result<CardDoc, String> {
+    let signed = signer.sign(card).map_err(|e| e.to_string())?;
     let json = serde_json::to_vec(&signed).map_err(|e| e.to_string())?;
     let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, &json);
     let hex: String = digest.as_ref()[..16]
@@ -134,8 +189,8 @@ fn render_card(
     })
 }
 
-async fn serve_card(State(agent): State<Arc<Agent>>, headers: HeaderMap) -> Response {
-    let doc = match &agent.card {
+fn serve_card(agent: &Agent, headers: &HeaderMap) -> Response {
+    let doc = match &agent.card_doc {
         Ok(doc) => doc,
         Err(_) => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     };
@@ -166,63 +221,6 @@ async fn serve_card(State(agent): State<Arc<Agent>>, headers: HeaderMap) -> Resp
     (StatusCode::OK, cache, content_type, doc.json.clone()).into_response()
 }
 
-/// A JSON-RPC failure before or during dispatch, answered with the request's id.
-struct RpcFailure(A2AError);
-
-impl From<A2AError> for RpcFailure {
-    fn from(e: A2AError) -> Self {
-        RpcFailure(e)
-    }
-}
-
-fn store_failure(e: StoreError) -> RpcFailure {
-    tracing::error!(error = %e, "a2a task store");
-    // The message is generic on purpose: backend details are not the caller's business.
-    RpcFailure(A2AError::internal("task store unavailable"))
-}
-
-fn rpc_response(resp: JsonRpcResponse) -> Response {
-    rpc_response_with(StatusCode::OK, resp)
-}
-
-fn rpc_response_with(status: StatusCode, resp: JsonRpcResponse) -> Response {
-    match serde_json::to_vec(&resp) {
-        Ok(body) => (status, [(header::CONTENT_TYPE, "application/json")], body).into_response(),
-        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
-    }
-}
-
-/// A refused or undecidable authentication, answered before anything runs. A2A 1.0 has no
-/// JSON-RPC code for it, so the body carries `-32600` (invalid request: the request lacks valid
-/// credentials) and the HTTP status says what happened: 401 with a Bearer challenge (RFC 6750),
-/// or 503 when the verifier could not decide (the client may retry).
-fn auth_failure(id: JsonRpcId, e: &AuthError) -> Response {
-    let (status, message) = match e {
-        AuthError::Missing | AuthError::Invalid => (
-            StatusCode::UNAUTHORIZED,
-            format!("authentication required: {e}"),
-        ),
-        AuthError::Unavailable(why) => {
-            tracing::error!(error = %why, "a2a caller authentication unavailable");
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "caller authentication is unavailable".to_string(),
-            )
-        }
-    };
-    let err = if status == StatusCode::UNAUTHORIZED {
-        A2AError::invalid_request(message)
-    } else {
-        A2AError::internal(message)
-    };
-    let mut resp = rpc_response_with(status, JsonRpcResponse::error(id, err.to_jsonrpc_error()));
-    if status == StatusCode::UNAUTHORIZED {
-        resp.headers_mut()
-            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    }
-    resp
-}
-
 /// The caller of this request, or why there is none. The token is taken from
 /// `Authorization: Bearer <jwt>` only; a token of another organisation is as good as none.
 async fn authenticate(agent: &Agent, headers: &HeaderMap) -> Result<Principal, AuthError> {
@@ -248,37 +246,397 @@ async fn authenticate(agent: &Agent, headers: &HeaderMap) -> Result<Principal, A
     Ok(principal)
 }
 
-async fn serve_rpc(
+/// The HTTP status of a refused or undecidable authentication: 401 with a Bearer challenge
+/// (RFC 6750), or 503 when the verifier could not decide (the client may retry).
+fn auth_status(e: &AuthError) -> (StatusCode, String) {
+    match e {
+        AuthError::Missing | AuthError::Invalid => (
+            StatusCode::UNAUTHORIZED,
+            format!("authentication required: {e}"),
+        ),
+        AuthError::Unavailable(why) => {
+            tracing::error!(error = %why, "a2a caller authentication unavailable");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "caller authentication is unavailable".to_string(),
+            )
+        }
+    }
+}
+
+fn with_challenge(mut resp: Response, status: StatusCode) -> Response {
+    if status == StatusCode::UNAUTHORIZED {
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    resp
+}
+
+fn check_version(headers: &HeaderMap, query: Option<&str>) -> Result<(), A2AError> {
+    let from_header = headers
+        .get(a2a::SVC_PARAM_VERSION)
+        .map(|v| v.to_str().unwrap_or("").trim().to_string());
+    let from_query = || {
+        query_pairs(query?)
+            .find_map(|(k, v)| (k == a2a::SVC_PARAM_VERSION).then(|| v.trim().to_string()))
+    };
+    let version = from_header.or_else(from_query).filter(|v| !v.is_empty());
+    let version = version.as_deref().unwrap_or(IMPLICIT_VERSION);
+    if version == a2a::VERSION {
+        Ok(())
+    } else {
+        let shown: String = version.chars().take(16).collect();
+        Err(A2AError::new(
+            error_code::VERSION_NOT_SUPPORTED,
+            format!("A2A version '{shown}' is not supported"),
+        ))
+    }
+}
+
+/// Bodies are JSON: `application/json` (JSON-RPC, and what many HTTP+JSON clients send) or
+/// `application/a2a+json`. A request without a Content-Type is read as JSON.
+fn check_content_type(headers: &HeaderMap) -> Result<(), A2AError> {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return Ok(());
+    };
+    let essence = value
+        .to_str()
+        .unwrap_or("")
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    if essence == "application/json" || essence == A2A_JSON {
+        Ok(())
+    } else {
+        Err(A2AError::new(
+            error_code::CONTENT_TYPE_NOT_SUPPORTED,
+            "the request body must be application/json or application/a2a+json",
+        ))
+    }
+}
+
+/// This agent serves one tenant, its org: a request naming another is refused.
+fn check_tenant(agent: &Agent, tenant: Option<&str>) -> Result<(), A2AError> {
+    match tenant {
+        None | Some("") => Ok(()),
+        Some(t) if t == agent.org => Ok(()),
+        Some(_) => Err(A2AError::invalid_params("unknown tenant")),
+    }
+}
+
+/// `key=value` pairs of a query string, percent-decoded; undecodable pairs are skipped.
+fn query_pairs(query: &str) -> impl Iterator<Item = (String, String)> + '_ {
+    query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .filter_map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            Some((percent_decode(k, true)?, percent_decode(v, true)?))
+        })
+}
+
+/// RFC 3986 percent-decoding (and `+` as space in queries); `None` for bad escapes or non-UTF-8.
+fn percent_decode(s: &str, plus_is_space: bool) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let hex = bytes.get(i + 1..i + 3)?;
+                let hex = std::str::from_utf8(hex).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' if plus_is_space => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// One A2A operation, whichever binding carried it.
+enum Call {
+    Send(SendMessageRequest),
+    Stream(SendMessageRequest),
+    Get(GetTaskRequest),
+    List(ListTasksRequest),
+    Cancel(CancelTaskRequest),
+    Subscribe(SubscribeToTaskRequest),
+    ExtendedCard,
+    CreatePush(TaskPushNotificationConfig),
+    GetPush(GetTaskPushNotificationConfigRequest),
+    ListPush(ListTaskPushNotificationConfigsRequest),
+    DeletePush(DeleteTaskPushNotificationConfigRequest),
+}
+
+enum Reply {
+    Value(Value),
+    Events(mpsc::Receiver<Result<StreamResponse, A2AError>>),
+}
+
+fn to_value<T: serde::Serialize>(v: &T) -> Result<Value, A2AError> {
+    serde_json::to_value(v).map_err(|e| A2AError::internal(format!("serialising the result: {e}")))
+}
+
+async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<Reply, A2AError> {
+    let value = match call {
+        Call::Send(req) => {
+            check_tenant(agent, req.tenant.as_deref())?;
+            let config = req.configuration.as_ref();
+            let history = tasks::history_length(config.and_then(|c| c.history_length))?;
+            let immediately = config.and_then(|c| c.return_immediately) == Some(true);
+            let push = config.and_then(|c| c.task_push_notification_config.clone());
+            let task = match tasks::begin(agent, caller, req.message, push).await? {
+                Begun::Stored(task) | Begun::Elsewhere(task) => task,
+                Begun::Started(task, _) if immediately => task,
+                Begun::Started(_, run) => tasks::finish(run).await?,
+            };
+            to_value(&SendMessageResponse::Task(tasks::trim_history(
+                task, history,
+            )))?
+        }
+        Call::Stream(req) => {
+            check_tenant(agent, req.tenant.as_deref())?;
+            let config = req.configuration.as_ref();
+            let history = tasks::history_length(config.and_then(|c| c.history_length))?;
+            let push = config.and_then(|c| c.task_push_notification_config.clone());
+            let begun = tasks::begin(agent, caller, req.message, push).await?;
+            let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+            match begun {
+                Begun::Stored(task) | Begun::Elsewhere(task) => {
+                    spawn_follow(agent, caller, tasks::trim_history(task, history), tx)
+                }
+                Begun::Started(task, run) => {
+                    tokio::spawn(tasks::stream_run(
+                        tasks::trim_history(task, history),
+                        run,
+                        tx,
+                    ));
+                }
+            }
+            return Ok(Reply::Events(rx));
+        }
+        Call::Get(req) => {
+            check_tenant(agent, req.tenant.as_deref())?;
+            to_value(&tasks::get_task(agent, caller, &req.id, req.history_length).await?)?
+        }
+        Call::List(req) => {
+            check_tenant(agent, req.tenant.as_deref())?;
+            to_value(&tasks::list_tasks(agent, caller, &req).await?)?
+        }
+        Call::Cancel(req) => {
+            check_tenant(agent, req.tenant.as_deref())?;
+            to_value(&tasks::cancel_task(agent, caller, &req.id).await?)?
+        }
+        Call::Subscribe(req) => {
+            check_tenant(agent, req.tenant.as_deref())?;
+            let task = tasks::subscribable(agent, caller, &req.id).await?;
+            let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+            spawn_follow(agent, caller, task, tx);
+            return Ok(Reply::Events(rx));
+        }
+        Call::ExtendedCard => extended_card(agent, caller)?,
+        Call::CreatePush(config) => {
+            check_tenant(agent, config.tenant.as_deref())?;
+            to_value(&push::create(agent, caller, config).await?)?
+        }
+        Call::GetPush(req) => {
+            check_tenant(agent, req.tenant.as_deref())?;
+            to_value(&push::get(agent, caller, &req).await?)?
+        }
+        Call::ListPush(req) => {
+            check_tenant(agent, req.tenant.as_deref())?;
+            to_value(&push::list(agent, caller, &req).await?)?
+        }
+        Call::DeletePush(req) => {
+            check_tenant(agent, req.tenant.as_deref())?;
+            push::delete(agent, caller, &req).await?;
+            json!({})
+        }
+    };
+    Ok(Reply::Value(value))
+}
+
+fn spawn_follow(agent: &Arc<Agent>, caller: &Principal, first: a2a::Task, tx: EventTx) {
+    tokio::spawn(tasks::follow(agent.clone(), caller.clone(), first, tx));
+}
+
+/// The card as this caller sees it: the public card plus the caller-limits extension, signed.
+fn extended_card(agent: &Agent, caller: &Principal) -> Result<Value, A2AError> {
+    let mut card = agent.card.clone();
+    let gated: Vec<Value> = agent
+        .card
+        .skills
+        .iter()
+        .filter(|s| agent.risks.get(&s.id) == Some(&Risk::Destructive))
+        .map(|s| json!(s.id))
+        .collect();
+    let params: HashMap<String, Value> = [
+        ("subject", json!(caller.subject)),
+        ("org", json!(caller.org)),
+        ("maxRequestBytes", json!(MAX_REQUEST_BYTES)),
+        ("maxMessageIdBytes", json!(MAX_MESSAGE_ID)),
+        (
+            "skillTimeoutSeconds",
+            json!(agent.options.skill_timeout().as_secs()),
+        ),
+        ("approvalRequiredSkills", Value::Array(gated)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    card.capabilities.extensions = Some(vec![AgentExtension {
+        uri: CALLER_LIMITS_EXTENSION.into(),
+        description: Some("the limits that apply to the authenticated caller".into()),
+        // `required` is a plain proto3 bool: false is its default and must be absent, or the
+        // canonical form (and so the signature) differs from what ProtoJSON peers compute.
+        required: None,
+        params: Some(params),
+    }]);
+    let signed = agent
+        .signer
+        .sign(&card)
+        .map_err(|e| A2AError::internal(format!("signing the extended card: {e}")))?;
+    to_value(&signed)
+}
+
+/// Every request: the card, JSON-RPC at the root, or an HTTP+JSON route.
+async fn serve(
     State(agent): State<Arc<Agent>>,
-    headers: HeaderMap,
+    method: Method,
     uri: Uri,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let value: Value = match serde_json::from_slice(&body) {
+    let path = uri.path().trim_end_matches('/');
+    if path == CARD_PATH {
+        return if method == Method::GET || method == Method::HEAD {
+            serve_card(&agent, &headers)
+        } else {
+            StatusCode::METHOD_NOT_ALLOWED.into_response()
+        };
+    }
+    if path.is_empty() {
+        return if method == Method::POST {
+            serve_jsonrpc(&agent, &headers, uri.query(), &body).await
+        } else {
+            StatusCode::METHOD_NOT_ALLOWED.into_response()
+        };
+    }
+    serve_rest(&agent, &method, path, uri.query(), &headers, &body).await
+}
+
+// ---------------------------------------------------------------------------------------------
+// JSON-RPC binding (A2A §9)
+// ---------------------------------------------------------------------------------------------
+
+fn rpc_response(status: StatusCode, resp: &JsonRpcResponse) -> Response {
+    match serde_json::to_vec(resp) {
+        Ok(body) => (status, [(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+fn rpc_error(id: JsonRpcId, e: &A2AError) -> Response {
+    rpc_response(
+        StatusCode::OK,
+        &JsonRpcResponse::error(id, e.to_jsonrpc_error()),
+    )
+}
+
+async fn serve_jsonrpc(
+    agent: &Arc<Agent>,
+    headers: &HeaderMap,
+    query: Option<&str>,
+    body: &[u8],
+) -> Response {
+    if let Err(e) = check_content_type(headers) {
+        return rpc_error(JsonRpcId::Null, &e);
+    }
+    let value: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
         Err(e) => {
-            let err = A2AError::parse_error(format!("invalid JSON: {e}"));
-            return rpc_response(JsonRpcResponse::error(
+            return rpc_error(
                 JsonRpcId::Null,
-                err.to_jsonrpc_error(),
-            ));
+                &A2AError::parse_error(format!("invalid JSON: {e}")),
+            );
         }
     };
     let (id, method, params) = match parse_envelope(value) {
         Ok(parts) => parts,
-        Err((id, err)) => return rpc_response(JsonRpcResponse::error(id, err.to_jsonrpc_error())),
+        Err((id, err)) => return rpc_error(id, &err),
     };
-    let caller = match authenticate(&agent, &headers).await {
+    let caller = match authenticate(agent, headers).await {
         Ok(caller) => caller,
-        Err(e) => return auth_failure(id, &e),
+        Err(e) => {
+            // A2A 1.0 has no JSON-RPC code for it, so the body carries `-32600` (the request lacks
+            // valid credentials) or `-32603`, and the HTTP status says what happened.
+            let (status, message) = auth_status(&e);
+            let err = if status == StatusCode::UNAUTHORIZED {
+                A2AError::invalid_request(message)
+            } else {
+                A2AError::internal(message)
+            };
+            let resp = rpc_response(status, &JsonRpcResponse::error(id, err.to_jsonrpc_error()));
+            return with_challenge(resp, status);
+        }
     };
-    let outcome = match check_version(&headers, &uri) {
-        Ok(()) => dispatch(&agent, &caller, &method, params).await,
-        Err(e) => Err(RpcFailure(e)),
+    let outcome = match check_version(headers, query).and_then(|()| rpc_call(&method, params)) {
+        Ok(call) => execute(agent, &caller, call).await,
+        Err(e) => Err(e),
     };
-    rpc_response(match outcome {
-        Ok(result) => JsonRpcResponse::success(id, result),
-        Err(RpcFailure(e)) => JsonRpcResponse::error(id, e.to_jsonrpc_error()),
+    match outcome {
+        Ok(Reply::Value(result)) => {
+            rpc_response(StatusCode::OK, &JsonRpcResponse::success(id, result))
+        }
+        Ok(Reply::Events(rx)) => sse(rx, move |item| {
+            let resp = match item {
+                Ok(event) => match serde_json::to_value(&event) {
+                    Ok(v) => JsonRpcResponse::success(id.clone(), v),
+                    Err(e) => JsonRpcResponse::error(
+                        id.clone(),
+                        A2AError::internal(e.to_string()).to_jsonrpc_error(),
+                    ),
+                },
+                Err(e) => JsonRpcResponse::error(id.clone(), e.to_jsonrpc_error()),
+            };
+            serde_json::to_string(&resp).unwrap_or_default()
+        }),
+        Err(e) => rpc_error(id, &e),
+    }
+}
+
+fn parse_params<T: serde::de::DeserializeOwned>(params: Value) -> Result<T, A2AError> {
+    serde_json::from_value(params)
+        .map_err(|e| A2AError::invalid_params(format!("invalid params: {e}")))
+}
+
+fn rpc_call(method: &str, params: Value) -> Result<Call, A2AError> {
+    Ok(match method {
+        methods::SEND_MESSAGE => Call::Send(parse_params(params)?),
+        methods::SEND_STREAMING_MESSAGE => Call::Stream(parse_params(params)?),
+        methods::GET_TASK => Call::Get(parse_params(params)?),
+        methods::LIST_TASKS => Call::List(parse_params(params)?),
+        methods::CANCEL_TASK => Call::Cancel(parse_params(params)?),
+        methods::SUBSCRIBE_TO_TASK => Call::Subscribe(parse_params(params)?),
+        methods::GET_EXTENDED_AGENT_CARD => Call::ExtendedCard,
+        methods::CREATE_PUSH_CONFIG => Call::CreatePush(parse_params(params)?),
+        methods::GET_PUSH_CONFIG => Call::GetPush(parse_params(params)?),
+        methods::LIST_PUSH_CONFIGS => Call::ListPush(parse_params(params)?),
+        methods::DELETE_PUSH_CONFIG => Call::DeletePush(parse_params(params)?),
+        other => {
+            let shown: String = other.chars().take(64).collect();
+            return Err(A2AError::method_not_found(&shown));
+        }
     })
 }
 
@@ -327,500 +685,348 @@ fn parse_envelope(value: Value) -> Result<(JsonRpcId, String, Value), (JsonRpcId
     Ok((id, method, params))
 }
 
-fn check_version(headers: &HeaderMap, uri: &Uri) -> Result<(), A2AError> {
-    let from_header = headers
-        .get(a2a::SVC_PARAM_VERSION)
-        .map(|v| v.to_str().unwrap_or("").trim().to_string());
-    let from_query = || {
-        uri.query()?.split('&').find_map(|pair| {
-            let (k, v) = pair.split_once('=')?;
-            (k == a2a::SVC_PARAM_VERSION).then(|| v.trim().to_string())
+/// An SSE response: one `data:` line per event, rendered by `render`; the stream ends when the
+/// producer does. Keep-alive comments stop proxies from cutting a quiet subscription.
+fn sse<F>(rx: mpsc::Receiver<Result<StreamResponse, A2AError>>, render: F) -> Response
+where
+    F: Fn(Result<StreamResponse, A2AError>) -> String + Send + 'static,
+{
+    let events = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    })
+    .map(move |item| Ok::<_, Infallible>(Event::default().data(render(item))));
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTP+JSON binding (A2A §11)
+// ---------------------------------------------------------------------------------------------
+
+/// The gRPC status name of an A2A error (google.rpc.Status `status`, A2A §5.4).
+fn grpc_status(code: i32) -> &'static str {
+    match code {
+        error_code::TASK_NOT_FOUND => "NOT_FOUND",
+        error_code::TASK_NOT_CANCELABLE
+        | error_code::PUSH_NOTIFICATION_NOT_SUPPORTED
+        | error_code::UNSUPPORTED_OPERATION
+        | error_code::EXTENDED_CARD_NOT_CONFIGURED
+        | error_code::EXTENSION_SUPPORT_REQUIRED
+        | error_code::VERSION_NOT_SUPPORTED => "FAILED_PRECONDITION",
+        error_code::CONTENT_TYPE_NOT_SUPPORTED
+        | error_code::PARSE_ERROR
+        | error_code::INVALID_REQUEST
+        | error_code::INVALID_PARAMS => "INVALID_ARGUMENT",
+        error_code::METHOD_NOT_FOUND => "UNIMPLEMENTED",
+        _ => "INTERNAL",
+    }
+}
+
+/// The google.rpc.Status error object (the body of an error response and of a failed stream event).
+fn status_body(http: StatusCode, status: &str, message: &str, reason: Option<&str>) -> Value {
+    let details: Vec<Value> = reason
+        .map(|r| {
+            json!({
+                "@type": a2a::ERROR_INFO_TYPE,
+                "reason": r,
+                "domain": a2a::PROTOCOL_DOMAIN,
+                "metadata": {},
+            })
         })
+        .into_iter()
+        .collect();
+    json!({"error": {"code": http.as_u16(), "status": status, "message": message, "details": details}})
+}
+
+fn a2a_json(status: StatusCode, body: &Value) -> Response {
+    (status, [(header::CONTENT_TYPE, A2A_JSON)], body.to_string()).into_response()
+}
+
+fn rest_error_body(e: &A2AError) -> (StatusCode, Value) {
+    let http =
+        StatusCode::from_u16(e.http_status_code()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let body = status_body(
+        http,
+        grpc_status(e.code),
+        &e.message,
+        Some(error_reason(e.code)),
+    );
+    (http, body)
+}
+
+fn rest_error(e: &A2AError) -> Response {
+    let (http, body) = rest_error_body(e);
+    a2a_json(http, &body)
+}
+
+/// First path segments of the HTTP+JSON routes; anything else in front of them is a tenant.
+const ROUTE_HEADS: [&str; 4] = [
+    "message:send",
+    "message:stream",
+    "tasks",
+    "extendedAgentCard",
+];
+
+async fn serve_rest(
+    agent: &Arc<Agent>,
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Response {
+    let not_found = || {
+        a2a_json(
+            StatusCode::NOT_FOUND,
+            &status_body(StatusCode::NOT_FOUND, "NOT_FOUND", "no such route", None),
+        )
     };
-    let version = from_header.or_else(from_query).filter(|v| !v.is_empty());
-    let version = version.as_deref().unwrap_or(IMPLICIT_VERSION);
-    if version == a2a::VERSION {
-        Ok(())
-    } else {
-        let shown: String = version.chars().take(16).collect();
-        Err(A2AError::new(
-            error_code::VERSION_NOT_SUPPORTED,
-            format!("A2A version '{shown}' is not supported"),
-        ))
-    }
-}
-
-async fn dispatch(
-    agent: &Agent,
-    caller: &Principal,
-    method: &str,
-    params: Value,
-) -> Result<Value, RpcFailure> {
-    let result = match method {
-        methods::SEND_MESSAGE => {
-            let req: SendMessageRequest = parse_params(params)?;
-            let history =
-                history_length(req.configuration.as_ref().and_then(|c| c.history_length))?;
-            let task = send_message(agent, caller, req.message).await?;
-            to_value(&SendMessageResponse::Task(trim_history(task, history)))?
-        }
-        methods::GET_TASK => {
-            let req: GetTaskRequest = parse_params(params)?;
-            let history = history_length(req.history_length)?;
-            let task = own_task(agent, caller, &req.id).await?;
-            to_value(&trim_history(task, history))?
-        }
-        methods::CANCEL_TASK => {
-            let req: CancelTaskRequest = parse_params(params)?;
-            let task = own_task(agent, caller, &req.id).await?;
-            // A skill runs to completion inside one request: once it started, its effect on the app
-            // cannot be withdrawn, so no task of ours is cancelable.
-            let why = if task.status.state.is_terminal() {
-                "is in a terminal state"
-            } else {
-                "is running a skill that cannot be interrupted"
-            };
-            return Err(A2AError::new(
-                error_code::TASK_NOT_CANCELABLE,
-                format!("task {} {why}", req.id),
-            )
-            .into());
-        }
-        methods::SEND_STREAMING_MESSAGE | methods::SUBSCRIBE_TO_TASK => {
-            return Err(A2AError::unsupported_operation(
-                "streaming is not supported by this agent",
-            )
-            .into());
-        }
-        methods::CREATE_PUSH_CONFIG
-        | methods::GET_PUSH_CONFIG
-        | methods::LIST_PUSH_CONFIGS
-        | methods::DELETE_PUSH_CONFIG => {
-            return Err(A2AError::push_notification_not_supported().into());
-        }
-        methods::LIST_TASKS | methods::GET_EXTENDED_AGENT_CARD => {
-            return Err(A2AError::unsupported_operation(format!(
-                "{method} is not supported by this agent"
-            ))
-            .into());
-        }
-        other => {
-            let shown: String = other.chars().take(64).collect();
-            return Err(A2AError::method_not_found(&shown).into());
-        }
-    };
-    Ok(result)
-}
-
-fn parse_params<T: serde::de::DeserializeOwned>(params: Value) -> Result<T, RpcFailure> {
-    serde_json::from_value(params)
-        .map_err(|e| A2AError::invalid_params(format!("invalid params: {e}")).into())
-}
-
-fn to_value<T: serde::Serialize>(v: &T) -> Result<Value, RpcFailure> {
-    serde_json::to_value(v)
-        .map_err(|e| A2AError::internal(format!("serialising the result: {e}")).into())
-}
-
-/// `None` = the whole history; negative lengths are a caller error.
-fn history_length(n: Option<i32>) -> Result<Option<usize>, RpcFailure> {
-    match n {
-        None => Ok(None),
-        Some(n) => usize::try_from(n)
-            .map(Some)
-            .map_err(|_| A2AError::invalid_params("historyLength must not be negative").into()),
-    }
-}
-
-fn trim_history(mut task: Task, keep: Option<usize>) -> Task {
-    if let Some(keep) = keep {
-        task.history = task.history.and_then(|mut h| {
-            let drop = h.len().saturating_sub(keep);
-            h.drain(..drop);
-            (!h.is_empty()).then_some(h)
-        });
-    }
-    task
-}
-
-fn check_id(what: &str, id: &str) -> Result<(), RpcFailure> {
-    if id.is_empty() || id.len() > MAX_MESSAGE_ID || id.chars().any(char::is_control) {
-        return Err(A2AError::invalid_params(format!(
-            "{what} must be 1..={MAX_MESSAGE_ID} bytes without control characters"
-        ))
-        .into());
-    }
-    Ok(())
-}
-
-/// The skill call carried by a message: exactly one data part `{"skill": "...", "args": {...}}`.
-fn skill_call(message: &Message) -> Result<(String, Value), RpcFailure> {
-    let bad = |why: &str| RpcFailure(A2AError::invalid_params(why.to_string()));
-    let [part] = message.parts.as_slice() else {
-        return Err(bad("the message must have exactly one part"));
-    };
-    let PartContent::Data(Value::Object(call)) = &part.content else {
-        return Err(bad(
-            "the message part must be a data part {\"skill\", \"args\"}",
-        ));
-    };
-    let Some(Value::String(skill)) = call.get("skill") else {
-        return Err(bad("the data part needs a string \"skill\""));
-    };
-    let Some(args @ Value::Object(_)) = call.get("args") else {
-        return Err(bad("the data part needs an object \"args\""));
-    };
-    Ok((skill.clone(), args.clone()))
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
-}
-
-fn status(state: TaskState, message: Option<Message>, at_ms: i64) -> TaskStatus {
-    TaskStatus {
-        state,
-        message,
-        timestamp: chrono::DateTime::from_timestamp_millis(at_ms),
-    }
-}
-
-/// The task id is the message id itself: the message id is already the caller's unique,
-/// deterministic key for this call, and GetTask can then find the stored item without an index.
-fn item_id(agent: &Agent, task_id: &str) -> String {
-    format!("{}:{task_id}", agent.name)
-}
-
-fn claim_key(agent: &Agent, task_id: &str) -> String {
-    format!("{TASK_KIND}:{}", item_id(agent, task_id))
-}
-
-/// A stored task with what it is bound to. Kept beside the task (not in its metadata) so callers
-/// never see the binding and cannot shape it.
-#[derive(Serialize, Deserialize)]
-struct StoredTask {
-    task: Task,
-    /// [`call_hash`] of the call that created the task.
-    call: String,
-    /// Subject of the caller that created the task.
-    caller: String,
-}
-
-impl StoredTask {
-    fn bound_to(&self, call: &str, caller: &Principal) -> bool {
-        self.call == call && self.caller == caller.subject
-    }
-}
-
-/// Hex SHA-256 over the RFC 8785 canonical form of `{"skill", "args"}`: the same call hashes the
-/// same whatever its key order or whitespace.
-fn call_hash(skill: &str, args: &Value) -> Result<String, RpcFailure> {
-    let canonical = serde_json_canonicalizer::to_vec(&json!({"skill": skill, "args": args}))
-        .map_err(|e| A2AError::invalid_params(format!("args cannot be canonicalised: {e}")))?;
-    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, &canonical);
-    Ok(digest.as_ref().iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// The task `task_id` if `caller` created it. Someone else's task answers exactly as a missing
-/// one does, so task ids reveal nothing to other callers.
-async fn own_task(agent: &Agent, caller: &Principal, task_id: &str) -> Result<Task, RpcFailure> {
-    match load_task(agent, task_id).await? {
-        Some(stored) if stored.caller == caller.subject => Ok(stored.task),
-        _ => Err(A2AError::task_not_found(task_id).into()),
-    }
-}
-
-async fn load_task(agent: &Agent, task_id: &str) -> Result<Option<StoredTask>, RpcFailure> {
-    check_id("task id", task_id)?;
-    let Some(item) = agent
-        .store
-        .get_item(&agent.org, TASK_KIND, &item_id(agent, task_id))
-        .await
-        .map_err(store_failure)?
+    let Some(segments) = path
+        .trim_start_matches('/')
+        .split('/')
+        .map(|s| percent_decode(s, false))
+        .collect::<Option<Vec<String>>>()
     else {
-        return Ok(None);
+        return not_found();
     };
-    decode_task(&item.body).map(Some)
+    let (tenant, route) = match segments.split_first() {
+        Some((head, rest)) if !ROUTE_HEADS.contains(&head.as_str()) && !rest.is_empty() => {
+            (Some(head.clone()), rest)
+        }
+        _ => (None, segments.as_slice()),
+    };
+    if query.is_some_and(|q| q.len() > MAX_QUERY_BYTES) {
+        return rest_error(&A2AError::invalid_request("query string too long"));
+    }
+    let route: Vec<&str> = route.iter().map(String::as_str).collect();
+    let call = match rest_route(method, &route, query, body) {
+        Some(Ok(call)) => call,
+        Some(Err(e)) => return rest_error(&e),
+        None => return not_found(),
+    };
+    if method == Method::POST
+        && let Err(e) = check_content_type(headers)
+    {
+        return rest_error(&e);
+    }
+    let caller = match authenticate(agent, headers).await {
+        Ok(caller) => caller,
+        Err(e) => {
+            let (status, message) = auth_status(&e);
+            let name = if status == StatusCode::UNAUTHORIZED {
+                "UNAUTHENTICATED"
+            } else {
+                "UNAVAILABLE"
+            };
+            let resp = a2a_json(status, &status_body(status, name, &message, None));
+            return with_challenge(resp, status);
+        }
+    };
+    let checked =
+        check_version(headers, query).and_then(|()| check_tenant(agent, tenant.as_deref()));
+    let outcome = match checked {
+        Ok(()) => execute(agent, &caller, call).await,
+        Err(e) => Err(e),
+    };
+    match outcome {
+        Ok(Reply::Value(v)) => a2a_json(StatusCode::OK, &v),
+        Ok(Reply::Events(rx)) => sse(rx, |item| match item {
+            Ok(event) => serde_json::to_string(&event).unwrap_or_default(),
+            Err(e) => rest_error_body(&e).1.to_string(),
+        }),
+        Err(e) => rest_error(&e),
+    }
 }
 
-fn decode_task(bytes: &[u8]) -> Result<StoredTask, RpcFailure> {
-    serde_json::from_slice(bytes).map_err(|e| {
-        tracing::error!(error = %e, "stored a2a task does not decode");
-        RpcFailure(A2AError::internal("stored task is unreadable"))
+/// The operation a REST route names, `None` for no route, `Some(Err)` for a bad request to one.
+fn rest_route(
+    method: &Method,
+    route: &[&str],
+    query: Option<&str>,
+    body: &[u8],
+) -> Option<Result<Call, A2AError>> {
+    let json_body = || -> Result<SendMessageRequest, A2AError> {
+        serde_json::from_slice(body)
+            .map_err(|e| A2AError::invalid_params(format!("invalid request body: {e}")))
+    };
+    let params: Vec<(String, String)> = query.map(|q| query_pairs(q).collect()).unwrap_or_default();
+    let param = |name: &str| {
+        params
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
+    Some(match (method.clone(), route) {
+        (Method::POST, ["message:send"]) => json_body().map(Call::Send),
+        (Method::POST, ["message:stream"]) => json_body().map(Call::Stream),
+        (Method::GET, ["tasks"]) => list_request(&param).map(Call::List),
+        (Method::GET, ["extendedAgentCard"]) => Ok(Call::ExtendedCard),
+        (Method::GET | Method::POST, ["tasks", action]) if action.ends_with(":subscribe") => {
+            Ok(Call::Subscribe(SubscribeToTaskRequest {
+                id: action.trim_end_matches(":subscribe").to_string(),
+                tenant: None,
+            }))
+        }
+        (Method::POST, ["tasks", action]) if action.ends_with(":cancel") => {
+            Ok(Call::Cancel(CancelTaskRequest {
+                id: action.trim_end_matches(":cancel").to_string(),
+                metadata: None,
+                tenant: None,
+            }))
+        }
+        (Method::GET, ["tasks", id]) => int_param(&param, "historyLength").map(|history_length| {
+            Call::Get(GetTaskRequest {
+                id: (*id).to_string(),
+                history_length,
+                tenant: None,
+            })
+        }),
+        (Method::POST, ["tasks", task, "pushNotificationConfigs"]) => {
+            serde_json::from_slice::<TaskPushNotificationConfig>(body)
+                .map_err(|e| A2AError::invalid_params(format!("invalid request body: {e}")))
+                .map(|mut config| {
+                    config.task_id = (*task).to_string();
+                    Call::CreatePush(config)
+                })
+        }
+        (Method::GET, ["tasks", task, "pushNotificationConfigs"]) => int_param(&param, "pageSize")
+            .map(|page_size| {
+                Call::ListPush(ListTaskPushNotificationConfigsRequest {
+                    task_id: (*task).to_string(),
+                    page_size,
+                    page_token: param("pageToken").map(str::to_string),
+                    tenant: None,
+                })
+            }),
+        (Method::GET, ["tasks", task, "pushNotificationConfigs", id]) => {
+            Ok(Call::GetPush(GetTaskPushNotificationConfigRequest {
+                task_id: (*task).to_string(),
+                id: (*id).to_string(),
+                tenant: None,
+            }))
+        }
+        (Method::DELETE, ["tasks", task, "pushNotificationConfigs", id]) => {
+            Ok(Call::DeletePush(DeleteTaskPushNotificationConfigRequest {
+                task_id: (*task).to_string(),
+                id: (*id).to_string(),
+                tenant: None,
+            }))
+        }
+        _ => return None,
     })
 }
 
-/// The refusal of a reused message id: the stored task belongs to another call or caller and is not
-/// shown.
-fn reused(task_id: &str) -> RpcFailure {
-    RpcFailure(A2AError::invalid_params(format!(
-        "messageId {task_id} was already used for a different call"
-    )))
+fn int_param<'a>(
+    param: &impl Fn(&str) -> Option<&'a str>,
+    name: &str,
+) -> Result<Option<i32>, A2AError> {
+    param(name)
+        .map(|v| {
+            v.parse::<i32>()
+                .map_err(|_| A2AError::invalid_params(format!("{name} must be an integer")))
+        })
+        .transpose()
 }
 
-/// The approval named in the message metadata, if any.
-fn approval_id(message: &Message) -> Result<Option<String>, RpcFailure> {
-    match message
-        .metadata
-        .as_ref()
-        .and_then(|m| m.get(APPROVAL_ID_KEY))
-    {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(id)) => {
-            check_id(APPROVAL_ID_KEY, id)?;
-            Ok(Some(id.clone()))
-        }
-        Some(_) => Err(A2AError::invalid_params(format!(
-            "metadata {APPROVAL_ID_KEY} must be a string"
-        ))
-        .into()),
-    }
+fn list_request<'a>(
+    param: &impl Fn(&str) -> Option<&'a str>,
+) -> Result<ListTasksRequest, A2AError> {
+    let status = param("status")
+        .map(|s| {
+            serde_json::from_value::<TaskState>(json!(s))
+                .map_err(|_| A2AError::invalid_params(format!("unknown status {s:?}")))
+        })
+        .transpose()?;
+    let after = param("statusTimestampAfter")
+        .map(|t| {
+            chrono::DateTime::parse_from_rfc3339(t)
+                .map(|t| t.with_timezone(&chrono::Utc))
+                .map_err(|_| A2AError::invalid_params("statusTimestampAfter must be RFC 3339"))
+        })
+        .transpose()?;
+    let include_artifacts = param("includeArtifacts")
+        .map(|b| match b {
+            "true" => Ok(true),
+            "false" => Ok(false),
+            _ => Err(A2AError::invalid_params(
+                "includeArtifacts must be true or false",
+            )),
+        })
+        .transpose()?;
+    Ok(ListTasksRequest {
+        context_id: param("contextId").map(str::to_string),
+        status,
+        page_size: int_param(param, "pageSize")?,
+        page_token: param("pageToken").map(str::to_string),
+        history_length: int_param(param, "historyLength")?,
+        status_timestamp_after: after,
+        include_artifacts,
+        tenant: None,
+    })
 }
 
-/// Whether a call may run: a destructive skill needs an approval the host admits for exactly this
-/// call. `Ok(Err(_))` is a refusal (the task fails for good); `Err(_)` means nothing could be decided.
-async fn gate(
-    agent: &Agent,
-    skill: &str,
-    args: &Value,
-    approval_id: Option<&str>,
-) -> Result<Result<(), SkillError>, GateError> {
-    if agent.risks.get(skill) != Some(&Risk::Destructive) {
-        return Ok(Ok(()));
-    }
-    let refused = |why: String| {
-        Ok(Err(SkillError::permanent(format!(
-            "{}.{skill} refused: {why}",
-            agent.name
-        ))))
-    };
-    let Some(approval_id) = approval_id else {
-        return refused(format!(
-            "a destructive skill needs a settled approval (message metadata {APPROVAL_ID_KEY})"
-        ));
-    };
-    match agent
-        .gate
-        .admit(&agent.org, &agent.name, skill, args, approval_id)
-        .await
-    {
-        Ok(()) => Ok(Ok(())),
-        Err(GateError::Refused(why)) => refused(format!("approval {approval_id}: {why}")),
-        Err(e) => Err(e),
-    }
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-async fn put_task(agent: &Agent, task: &Task, body: Vec<u8>) -> Result<(), StoreError> {
-    let item = Item {
-        org: agent.org.clone(),
-        kind: TASK_KIND.to_string(),
-        id: item_id(agent, &task.id),
-        version: 0,
-        index: None,
-        body,
-        expires_ms: None,
-    };
-    agent.store.put_item(&item, Cond::Any).await.map(|_| ())
-}
-
-/// SendMessage, exactly once per message id: claim the id, check the approval gate, run the skill,
-/// store the finished task, finish the claim. A repeat of the same call by the same caller gets the
-/// stored task (a WORKING one during the run); the id reused for another call or by another caller
-/// is refused.
-///
-/// An approval binds agent, skill and args, not the message id: another message id carrying the
-/// same approved call is admitted and repeats the identical action, which the app treats as a
-/// no-op (merge of a merged PR answers the same merge sha, closing a closed PR stays closed). A
-/// replay with the same message id is the dedupe case and runs nothing.
-async fn send_message(
-    agent: &Agent,
-    caller: &Principal,
-    message: Message,
-) -> Result<Task, RpcFailure> {
-    check_id("messageId", &message.message_id)?;
-    if let Some(ctx) = &message.context_id {
-        check_id("contextId", ctx)?;
-    }
-    if message.role != Role::User {
-        return Err(A2AError::invalid_params("the message role must be ROLE_USER").into());
-    }
-    let (skill, args) = skill_call(&message)?;
-    if !agent.risks.contains_key(&skill) {
-        let shown: String = skill.chars().take(64).collect();
-        return Err(A2AError::invalid_params(format!("unknown skill {shown:?}")).into());
-    }
-    let approval_id = approval_id(&message)?;
-    let call = call_hash(&skill, &args)?;
-
-    let task_id = message.message_id.clone();
-    let context_id = message
-        .context_id
-        .clone()
-        .unwrap_or_else(|| task_id.clone());
-    let key = claim_key(agent, &task_id);
-    let started = now_ms();
-    let mut record = StoredTask {
-        task: Task {
-            id: task_id.clone(),
-            context_id: context_id.clone(),
-            status: status(TaskState::Working, None, started),
-            artifacts: None,
-            history: Some(vec![Message {
-                task_id: Some(task_id.clone()),
-                context_id: Some(context_id.clone()),
-                ..message
-            }]),
-            metadata: None,
-        },
-        call,
-        caller: caller.subject.clone(),
-    };
-
-    match agent
-        .store
-        .claim(&agent.org, &key, started, CLAIM_LEASE_MS)
-        .await
-        .map_err(store_failure)?
-    {
-        Claim::Done(bytes) => {
-            let stored = decode_task(&bytes)?;
-            return if stored.bound_to(&record.call, caller) {
-                Ok(stored.task)
-            } else {
-                Err(reused(&task_id))
-            };
-        }
-        Claim::InProgress => {
-            // The running call stores its WORKING task right after claiming; until then there is
-            // nothing to compare with, and echoing the caller's own message reveals nothing.
-            return match load_task(agent, &task_id).await? {
-                Some(stored) if !stored.bound_to(&record.call, caller) => Err(reused(&task_id)),
-                _ => Ok(record.task),
-            };
-        }
-        Claim::New => {}
-    }
-    // Make the running task visible to GetTask; a failure here is not worth aborting the call for.
-    let working = storable(&mut record)?;
-    if let Err(e) = put_task(agent, &record.task, working).await {
-        tracing::warn!(error = %e, "storing the working a2a task");
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(percent_decode("a%3Ab+c", true).as_deref(), Some("a:b c"));
+        assert_eq!(percent_decode("a%3Ab+c", false).as_deref(), Some("a:b+c"));
+        assert_eq!(percent_decode("%zz", false), None);
+        assert_eq!(percent_decode("%4", false), None);
     }
 
-    let admitted = match gate(agent, &skill, &args, approval_id.as_deref()).await {
-        Ok(admitted) => admitted,
-        Err(e) => {
-            // Nothing ran: give the message id back so the same call can be decided again.
-            tracing::error!(error = %e, "a2a approval gate");
-            if let Err(release) = agent.store.release(&agent.org, &key).await {
-                tracing::warn!(error = %release, "releasing the a2a claim");
-            }
-            return Err(A2AError::internal("the approval check is unavailable").into());
-        }
-    };
-    // A skill must end before its claim's lease does, or a repeat would run it a second time
-    // alongside. Cut off, its effect is unknown: report it retryable (skills are create-if-absent).
-    let outcome = match admitted {
-        Err(refusal) => Err(refusal),
-        Ok(()) => {
-            match tokio::time::timeout(SKILL_TIMEOUT, agent.skills.invoke(&skill, args)).await {
-                Ok(outcome) => outcome,
-                Err(_) => Err(SkillError::retryable(format!(
-                    "the skill did not finish within {} s",
-                    SKILL_TIMEOUT.as_secs()
-                ))),
-            }
-        }
-    };
-    let finished = now_ms();
-    let retryable_failure = matches!(&outcome, Err(e) if e.retryable);
-    let task = &mut record.task;
-    match outcome {
-        Ok(output) => {
-            task.status = status(TaskState::Completed, None, finished);
-            task.artifacts = Some(vec![Artifact {
-                artifact_id: format!("{task_id}:output"),
-                name: Some("output".into()),
-                description: None,
-                parts: vec![a2a::Part::data(output)],
-                metadata: None,
-                extensions: None,
-            }]);
-        }
-        Err(e) => {
-            task.status = failed_status(&task_id, &context_id, &e.message, e.retryable, finished)
+    #[test]
+    fn every_a2a_error_has_its_http_and_grpc_status() {
+        let table = [
+            (error_code::TASK_NOT_FOUND, 404, "NOT_FOUND"),
+            (error_code::TASK_NOT_CANCELABLE, 400, "FAILED_PRECONDITION"),
+            (
+                error_code::PUSH_NOTIFICATION_NOT_SUPPORTED,
+                400,
+                "FAILED_PRECONDITION",
+            ),
+            (
+                error_code::UNSUPPORTED_OPERATION,
+                400,
+                "FAILED_PRECONDITION",
+            ),
+            (
+                error_code::CONTENT_TYPE_NOT_SUPPORTED,
+                400,
+                "INVALID_ARGUMENT",
+            ),
+            (error_code::INVALID_AGENT_RESPONSE, 500, "INTERNAL"),
+            (
+                error_code::EXTENDED_CARD_NOT_CONFIGURED,
+                400,
+                "FAILED_PRECONDITION",
+            ),
+            (
+                error_code::EXTENSION_SUPPORT_REQUIRED,
+                400,
+                "FAILED_PRECONDITION",
+            ),
+            (
+                error_code::VERSION_NOT_SUPPORTED,
+                400,
+                "FAILED_PRECONDITION",
+            ),
+            (error_code::INVALID_PARAMS, 400, "INVALID_ARGUMENT"),
+            (error_code::INTERNAL_ERROR, 500, "INTERNAL"),
+        ];
+        for (code, http, status) in table {
+            let (got_http, body) = rest_error_body(&A2AError::new(code, "x"));
+            assert_eq!(got_http.as_u16(), http, "{code}");
+            assert_eq!(body["error"]["status"], status, "{code}");
+            assert_eq!(body["error"]["code"], http, "{code}");
+            assert_eq!(
+                body["error"]["details"][0]["reason"],
+                error_reason(code),
+                "{code}"
+            );
         }
     }
-    let mut body = storable(&mut record)?;
-    if body.len() > limits::MAX_BODY {
-        // Too big to store means too big to dedupe; report it as a permanent failure of the call.
-        let why = format!("skill output exceeds {} bytes", limits::MAX_BODY);
-        record.task.artifacts = None;
-        record.task.status = failed_status(&task_id, &context_id, &why, false, finished);
-        body = storable(&mut record)?;
-    }
-
-    if let Err(e) = put_task(agent, &record.task, body.clone()).await {
-        // The effect may have happened but is not recorded: let the next repeat run the skill again
-        // (skills are create-if-absent) rather than wait out the lease.
-        if let Err(release) = agent.store.release(&agent.org, &key).await {
-            tracing::warn!(error = %release, "releasing the a2a claim");
-        }
-        return Err(store_failure(e));
-    }
-    if retryable_failure {
-        // Nothing happened on the app's side, so the same message id may try again at once.
-        agent
-            .store
-            .release(&agent.org, &key)
-            .await
-            .map_err(store_failure)?;
-    } else {
-        agent
-            .store
-            .finish(&agent.org, &key, &body, finished)
-            .await
-            .map_err(store_failure)?;
-    }
-    Ok(record.task)
-}
-
-/// The record's stored bytes. The history holds the request, which may be large (file contents
-/// for a commit); when the record would not fit in a store item the history is dropped, since the
-/// caller has the request anyway. Still too large is left to the caller to handle.
-fn storable(record: &mut StoredTask) -> Result<Vec<u8>, RpcFailure> {
-    let encode = |r: &StoredTask| {
-        serde_json::to_vec(r).map_err(|e| RpcFailure(A2AError::internal(e.to_string())))
-    };
-    let body = encode(record)?;
-    if body.len() <= limits::MAX_BODY || record.task.history.is_none() {
-        return Ok(body);
-    }
-    record.task.history = None;
-    encode(record)
-}
-
-fn failed_status(
-    task_id: &str,
-    context_id: &str,
-    error: &str,
-    retryable: bool,
-    at_ms: i64,
-) -> TaskStatus {
-    let message = Message {
-        message_id: format!("{task_id}:status"),
-        context_id: Some(context_id.to_string()),
-        task_id: Some(task_id.to_string()),
-        role: Role::Agent,
-        parts: vec![
-            a2a::Part::text(error),
-            a2a::Part::data(json!({"retryable": retryable})),
-        ],
-        metadata: None,
-        extensions: None,
-        reference_task_ids: None,
-    };
-    status(TaskState::Failed, Some(message), at_ms)
 }

@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use loams_a2a::{
-    A2aClient, AgentSpec, ApprovalGate, AuthError, CallError, CallerAuth, CardError, CardSigner,
-    ClientOptions, GateError, Guards, Jwks, Principal, Risk, SkillError, SkillSpec, Skills,
-    TokenError, TokenSource, router,
+    A2aClient, AgentSpec, ApprovalGate, AuthError, Binding, CallError, CallerAuth, CardError,
+    CardSigner, ClientOptions, GateError, Guards, Jwks, Principal, Risk, ServerOptions, SkillError,
+    SkillSpec, Skills, TokenError, TokenSource, router_with,
 };
-use loams_platform::{Sqlite, SystemClock};
+use loams_platform::{Sqlite, Store, SystemClock};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 
@@ -144,9 +144,20 @@ struct Agent {
 }
 
 async fn start() -> Agent {
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    start_with(store, ServerOptions::default()).await
+}
+
+/// An agent over `store`, served on its own port until the test ends.
+async fn start_with(store: Arc<dyn Store>, options: ServerOptions) -> Agent {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    let store = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let (app, agent) = app(store, options, &base);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    agent
+}
+
+fn app(store: Arc<dyn Store>, options: ServerOptions, base: &str) -> (axum::Router, Agent) {
     let signer = CardSigner::generate().unwrap();
     let jwks = signer.jwks().unwrap();
     let skills = Arc::new(Counter::default());
@@ -155,22 +166,23 @@ async fn start() -> Agent {
         auth: Arc::new(TestAuth),
         gate: gate.clone(),
     };
-    let app = router(
+    let app = router_with(
         skills.clone(),
         store,
         "acme".into(),
         signer,
-        base.clone(),
+        base.to_string(),
         guards,
+        options,
     );
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    Agent {
-        base,
+    let agent = Agent {
+        base: base.to_string(),
         jwks,
         skills,
         gate,
         http: reqwest::Client::new(),
-    }
+    };
+    (app, agent)
 }
 
 impl Agent {
@@ -272,11 +284,24 @@ async fn card_is_signed_cached_and_describes_the_agent() {
     assert_eq!(card["name"], "counter");
     assert_eq!(
         card["supportedInterfaces"],
-        json!([{"url": agent.base, "protocolBinding": "JSONRPC", "protocolVersion": "1.0"}])
+        json!([
+            {"url": agent.base, "protocolBinding": "JSONRPC", "protocolVersion": "1.0"},
+            {"url": agent.base, "protocolBinding": "HTTP+JSON", "protocolVersion": "1.0"},
+        ])
     );
+    // What the card offers is what the server does (tested below): streaming, push notifications
+    // and the extended card, every call behind a bearer JWT.
     assert_eq!(
         card["capabilities"],
-        json!({"streaming": false, "pushNotifications": false})
+        json!({"streaming": true, "pushNotifications": true, "extendedAgentCard": true})
+    );
+    assert_eq!(
+        card["securitySchemes"]["bearer"]["httpAuthSecurityScheme"]["bearerFormat"],
+        "JWT"
+    );
+    assert_eq!(
+        card["securityRequirements"],
+        json!([{"schemes": {"bearer": {"list": []}}}])
     );
     assert_eq!(
         card["defaultInputModes"],
@@ -608,9 +633,38 @@ async fn protocol_errors() {
     }
     assert_error(
         &agent.rpc("SendStreamingMessage", json!({})).await,
-        -32004,
-        "UNSUPPORTED_OPERATION",
+        -32602,
+        "INVALID_PARAMS",
     );
+    for method in [
+        "CreateTaskPushNotificationConfig",
+        "GetTaskPushNotificationConfig",
+        "ListTaskPushNotificationConfigs",
+        "DeleteTaskPushNotificationConfig",
+    ] {
+        let params = json!({"taskId": "x", "id": "y", "url": "https://hooks.example.com/"});
+        assert_error(&agent.rpc(method, params).await, -32001, "TASK_NOT_FOUND");
+    }
+    let other_tenant = json!({"id": "x", "tenant": "globex"});
+    assert_error(
+        &agent.rpc("GetTask", other_tenant).await,
+        -32602,
+        "INVALID_PARAMS",
+    );
+    let wrong_type: Value = agent
+        .http
+        .post(format!("{}/", agent.base))
+        .header("content-type", "text/plain")
+        .header("A2A-Version", "1.0")
+        .bearer_auth(token("agent:factory", "acme", &agent.base))
+        .body(call.clone())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_error(&wrong_type, -32005, "CONTENT_TYPE_NOT_SUPPORTED");
 
     assert_error(
         &agent.rpc("SendMessage", json!({"message": 5})).await,
@@ -960,4 +1014,931 @@ async fn a_running_message_id_is_bound_as_well() {
     agent.skills.slow_release.notify_one();
     slow.await.unwrap();
     assert_eq!(agent.calls(), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTP+JSON binding, streaming, ListTasks, the extended card and tasks across restarts
+// ---------------------------------------------------------------------------------------------
+
+const ERROR_INFO: &str = "type.googleapis.com/google.rpc.ErrorInfo";
+
+impl Agent {
+    /// An HTTP+JSON request as `agent:factory` with `A2A-Version: 1.0`.
+    async fn rest_raw(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> reqwest::Response {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .header("A2A-Version", "1.0")
+            .bearer_auth(token("agent:factory", "acme", &self.base));
+        if let Some(body) = body {
+            req = req
+                .header("content-type", "application/a2a+json")
+                .body(body.to_string());
+        }
+        req.send().await.unwrap()
+    }
+
+    /// Status, content type and JSON body of an HTTP+JSON request.
+    async fn rest(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, String, Value) {
+        let resp = self.rest_raw(method, path, body).await;
+        let status = resp.status().as_u16();
+        let content_type = resp
+            .headers()
+            .get("content-type")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        let text = resp.text().await.unwrap();
+        (
+            status,
+            content_type,
+            serde_json::from_str(&text).unwrap_or(Value::Null),
+        )
+    }
+
+    /// A JSON-RPC request as `agent:factory`, its response not yet read (for streams).
+    async fn rpc_stream(&self, method: &str, params: Value) -> reqwest::Response {
+        let body = json!({"jsonrpc": "2.0", "id": "s", "method": method, "params": params});
+        self.rpc_raw(Some("1.0"), body.to_string()).await
+    }
+}
+
+/// The JSON of each `data:` line of an SSE response, read to its end.
+async fn sse_events(resp: reqwest::Response) -> Vec<Value> {
+    assert_eq!(resp.status(), 200);
+    let content_type = resp.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(
+        content_type.starts_with("text/event-stream"),
+        "{content_type}"
+    );
+    let text = resp.text().await.unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|d| serde_json::from_str(d.trim()).unwrap())
+        .collect()
+}
+
+fn assert_rest_error(got: &(u16, String, Value), http: u16, status: &str, reason: &str) {
+    let (code, content_type, body) = got;
+    assert_eq!(*code, http, "{body}");
+    assert_eq!(content_type, "application/a2a+json");
+    assert_eq!(body["error"]["code"], http, "{body}");
+    assert_eq!(body["error"]["status"], status, "{body}");
+    assert_eq!(body["error"]["details"][0]["@type"], ERROR_INFO, "{body}");
+    assert_eq!(body["error"]["details"][0]["reason"], reason, "{body}");
+    assert_eq!(
+        body["error"]["details"][0]["domain"], "a2a-protocol.org",
+        "{body}"
+    );
+}
+
+fn rest_send(message_id: &str, skill: &str, args: Value) -> Value {
+    json!({"message": {"messageId": message_id, "role": "ROLE_USER",
+        "parts": [{"data": {"skill": skill, "args": args}}]}})
+}
+
+use reqwest::Method;
+
+#[tokio::test]
+async fn http_json_binding_serves_every_rpc() {
+    let agent = start().await;
+    let (status, content_type, body) = agent
+        .rest(
+            Method::POST,
+            "/message:send",
+            Some(rest_send("r-1", "count", json!({}))),
+        )
+        .await;
+    assert_eq!(
+        (status, content_type.as_str()),
+        (200, "application/a2a+json"),
+        "{body}"
+    );
+    assert_eq!(body["task"]["status"]["state"], "TASK_STATE_COMPLETED");
+    assert_eq!(body["task"]["artifacts"][0]["parts"][0]["data"]["count"], 1);
+    // The same call over the other binding is the same task: the skill does not run again.
+    let rpc = agent.send("r-1", "count", json!({})).await;
+    assert_eq!(
+        rpc["result"]["task"]["artifacts"],
+        body["task"]["artifacts"]
+    );
+    assert_eq!(agent.calls(), 1);
+
+    // GetTask with a trailing slash, the tenant prefix and an escaped id.
+    for path in [
+        "/tasks/r-1",
+        "/tasks/r-1/",
+        "/acme/tasks/r-1",
+        "/tasks/r%2D1",
+    ] {
+        let (status, _, body) = agent.rest(Method::GET, path, None).await;
+        assert_eq!(status, 200, "{path}: {body}");
+        assert_eq!(body["id"], "r-1", "{path}");
+        assert_eq!(body["history"][0]["messageId"], "r-1", "{path}");
+    }
+    let (_, _, body) = agent
+        .rest(Method::GET, "/tasks/r-1?historyLength=0", None)
+        .await;
+    assert!(body.get("history").is_none(), "{body}");
+    assert_eq!(body["status"]["state"], "TASK_STATE_COMPLETED");
+
+    let not_found = agent.rest(Method::GET, "/tasks/nope", None).await;
+    assert_rest_error(&not_found, 404, "NOT_FOUND", "TASK_NOT_FOUND");
+    let cancel = agent
+        .rest(Method::POST, "/acme/tasks/r-1:cancel", None)
+        .await;
+    assert_rest_error(&cancel, 400, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
+    for method in [Method::GET, Method::POST] {
+        let subscribe = agent.rest(method, "/tasks/r-1:subscribe", None).await;
+        assert_rest_error(
+            &subscribe,
+            400,
+            "FAILED_PRECONDITION",
+            "UNSUPPORTED_OPERATION",
+        );
+    }
+    let tenant = agent.rest(Method::GET, "/globex/tasks/r-1", None).await;
+    assert_rest_error(&tenant, 400, "INVALID_ARGUMENT", "INVALID_PARAMS");
+    // Webhooks inside the agent's network are refused unless the server allows them.
+    for url in [
+        "http://127.0.0.1:9/h",
+        "http://169.254.169.254/",
+        "http://[::1]/",
+        "ftp://x/",
+    ] {
+        let push = agent
+            .rest(
+                Method::POST,
+                "/tasks/r-1/pushNotificationConfigs",
+                Some(json!({"url": url})),
+            )
+            .await;
+        assert_rest_error(&push, 400, "INVALID_ARGUMENT", "INVALID_PARAMS");
+    }
+    let (status, _, deleted) = agent
+        .rest(Method::DELETE, "/tasks/r-1/pushNotificationConfigs/c", None)
+        .await;
+    assert_eq!((status, deleted), (200, json!({})));
+    let push = agent
+        .rest(Method::GET, "/tasks/nope/pushNotificationConfigs", None)
+        .await;
+    assert_rest_error(&push, 404, "NOT_FOUND", "TASK_NOT_FOUND");
+    let bad_body = agent
+        .rest(Method::POST, "/message:send", Some(json!({"message": 1})))
+        .await;
+    assert_rest_error(&bad_body, 400, "INVALID_ARGUMENT", "INVALID_PARAMS");
+    let (status, _, _) = agent.rest(Method::GET, "/no/such/route", None).await;
+    assert_eq!(status, 404);
+    let (status, _, _) = agent.rest(Method::DELETE, "/tasks/r-1", None).await;
+    assert_eq!(status, 404);
+
+    // A missing version header means 0.3; the query parameter counts too.
+    let bearer = token("agent:factory", "acme", &agent.base);
+    let resp = agent
+        .http
+        .get(format!("{}/tasks/r-1", agent.base))
+        .bearer_auth(&bearer)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(
+        body["error"]["details"][0]["reason"],
+        "VERSION_NOT_SUPPORTED"
+    );
+    let resp = agent
+        .http
+        .get(format!("{}/tasks/r-1?A2A-Version=1.0", agent.base))
+        .bearer_auth(&bearer)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+
+    // No token: 401 with a challenge and nothing run.
+    let resp = agent
+        .http
+        .post(format!("{}/message:send", agent.base))
+        .header("A2A-Version", "1.0")
+        .header("content-type", "application/json")
+        .body(rest_send("r-2", "count", json!({})).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    assert_eq!(resp.headers()["www-authenticate"], "Bearer");
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["status"], "UNAUTHENTICATED");
+
+    let resp = agent
+        .http
+        .post(format!("{}/message:send", agent.base))
+        .header("A2A-Version", "1.0")
+        .header("content-type", "text/plain")
+        .bearer_auth(&bearer)
+        .body(rest_send("r-3", "count", json!({})).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(
+        body["error"]["details"][0]["reason"],
+        "CONTENT_TYPE_NOT_SUPPORTED"
+    );
+    assert_eq!(agent.calls(), 1);
+}
+
+#[tokio::test]
+async fn the_extended_card_needs_a_caller_and_states_its_limits() {
+    let agent = start().await;
+    let (status, _, card) = agent.rest(Method::GET, "/extendedAgentCard", None).await;
+    assert_eq!(status, 200, "{card}");
+    let parsed: a2a::AgentCard = serde_json::from_value(card.clone()).unwrap();
+    loams_a2a::verify_card(&parsed, &agent.jwks).unwrap();
+    let ext = &card["capabilities"]["extensions"][0];
+    assert_eq!(ext["uri"], loams_a2a::CALLER_LIMITS_EXTENSION);
+    assert_eq!(ext["params"]["subject"], "agent:factory");
+    assert_eq!(ext["params"]["approvalRequiredSkills"], json!(["wipe"]));
+    assert_eq!(ext["params"]["maxRequestBytes"], 1024 * 1024);
+
+    let rpc = agent.rpc("GetExtendedAgentCard", json!({})).await;
+    assert_eq!(
+        rpc["result"]["capabilities"]["extensions"][0]["params"]["subject"],
+        "agent:factory"
+    );
+
+    let resp = agent
+        .http
+        .get(format!("{}/extendedAgentCard", agent.base))
+        .header("A2A-Version", "1.0")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+}
+
+#[tokio::test]
+async fn streaming_over_both_bindings() {
+    let agent = start().await;
+    let rpc = sse_events(
+        agent
+            .rpc_stream(
+                "SendStreamingMessage",
+                send_params("st-1", json!({"skill": "count", "args": {}})),
+            )
+            .await,
+    )
+    .await;
+    assert_eq!(rpc.len(), 3, "{rpc:?}");
+    for event in &rpc {
+        assert_eq!(event["jsonrpc"], "2.0");
+        assert_eq!(event["id"], "s");
+    }
+    assert_eq!(
+        rpc[0]["result"]["task"]["status"]["state"],
+        "TASK_STATE_WORKING"
+    );
+    assert_eq!(
+        rpc[1]["result"]["artifactUpdate"]["artifact"]["parts"][0]["data"]["count"],
+        1
+    );
+    assert_eq!(rpc[1]["result"]["artifactUpdate"]["lastChunk"], true);
+    assert_eq!(
+        rpc[2]["result"]["statusUpdate"]["status"]["state"],
+        "TASK_STATE_COMPLETED"
+    );
+    assert_eq!(rpc[2]["result"]["statusUpdate"]["taskId"], "st-1");
+
+    let rest = sse_events(
+        agent
+            .rest_raw(
+                Method::POST,
+                "/message:stream",
+                Some(rest_send("st-2", "count", json!({}))),
+            )
+            .await,
+    )
+    .await;
+    let kinds: Vec<&str> = rest
+        .iter()
+        .map(|e| e.as_object().unwrap().keys().next().unwrap().as_str())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["task", "artifactUpdate", "statusUpdate"],
+        "{rest:?}"
+    );
+    assert_eq!(
+        rest[2]["statusUpdate"]["status"]["state"],
+        "TASK_STATE_COMPLETED"
+    );
+
+    // A finished call streamed again is its stored task alone; the skill does not run again.
+    let again = sse_events(
+        agent
+            .rest_raw(
+                Method::POST,
+                "/message:stream",
+                Some(rest_send("st-2", "count", json!({}))),
+            )
+            .await,
+    )
+    .await;
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0]["task"]["status"]["state"], "TASK_STATE_COMPLETED");
+    assert_eq!(agent.calls(), 2);
+
+    // Validation errors come before the stream, as plain errors.
+    let bad = agent
+        .rest(
+            Method::POST,
+            "/message:stream",
+            Some(rest_send("st-3", "launch", json!({}))),
+        )
+        .await;
+    assert_rest_error(&bad, 400, "INVALID_ARGUMENT", "INVALID_PARAMS");
+}
+
+fn fast_polling() -> ServerOptions {
+    ServerOptions {
+        poll_interval: Duration::from_millis(20),
+        ..ServerOptions::default()
+    }
+}
+
+#[tokio::test]
+async fn return_immediately_then_subscribe_over_get_post_and_json_rpc() {
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let agent = start_with(store, fast_polling()).await;
+    let mut send = rest_send("sub-1", "slow", json!({}));
+    send["configuration"] = json!({"returnImmediately": true});
+    let (status, _, body) = agent.rest(Method::POST, "/message:send", Some(send)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["task"]["status"]["state"], "TASK_STATE_WORKING");
+    agent.skills.slow_started.notified().await;
+
+    let by_get = agent
+        .rest_raw(Method::GET, "/tasks/sub-1:subscribe", None)
+        .await;
+    let by_post = agent
+        .rest_raw(Method::POST, "/acme/tasks/sub-1:subscribe/", None)
+        .await;
+    let by_rpc = agent
+        .rpc_stream("SubscribeToTask", json!({"id": "sub-1"}))
+        .await;
+    let (_, _, working) = agent.rest(Method::GET, "/tasks/sub-1", None).await;
+    assert_eq!(working["status"]["state"], "TASK_STATE_WORKING");
+    agent.skills.slow_release.notify_one();
+
+    for events in [sse_events(by_get).await, sse_events(by_post).await] {
+        assert_eq!(
+            events[0]["task"]["status"]["state"], "TASK_STATE_WORKING",
+            "{events:?}"
+        );
+        assert_eq!(
+            events[1]["artifactUpdate"]["artifact"]["parts"][0]["data"]["count"],
+            1
+        );
+        assert_eq!(
+            events[2]["statusUpdate"]["status"]["state"],
+            "TASK_STATE_COMPLETED"
+        );
+        assert_eq!(events.len(), 3);
+    }
+    let rpc = sse_events(by_rpc).await;
+    assert_eq!(
+        rpc.last().unwrap()["result"]["statusUpdate"]["status"]["state"],
+        "TASK_STATE_COMPLETED"
+    );
+    let (_, _, done) = agent.rest(Method::GET, "/tasks/sub-1", None).await;
+    assert_eq!(done["status"]["state"], "TASK_STATE_COMPLETED");
+    assert_eq!(agent.calls(), 1);
+}
+
+/// A task started by a process that then dies stays readable, subscribable and (once the dead
+/// process's claim has lapsed) cancelable from a new process over the same store, and a repeat of
+/// the call gets the canceled task instead of a second run.
+#[tokio::test]
+async fn tasks_survive_a_restart() {
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let options = ServerOptions {
+        claim_lease: Duration::from_millis(600),
+        ..fast_polling()
+    };
+
+    // The first process runs in its own runtime so that it can be killed, skill run and all.
+    let first = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let std_listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    std_listener.set_nonblocking(true).unwrap();
+    let base = format!("http://{}", std_listener.local_addr().unwrap());
+    let (app, old) = app(store.clone(), options.clone(), &base);
+    first.spawn(async move {
+        let listener = tokio::net::TcpListener::from_std(std_listener).unwrap();
+        axum::serve(listener, app).await.unwrap()
+    });
+    let mut send = rest_send("rs-1", "slow", json!({}));
+    send["configuration"] = json!({"returnImmediately": true});
+    let (status, _, body) = old
+        .rest(Method::POST, "/message:send", Some(send.clone()))
+        .await;
+    assert_eq!(
+        (status, &body["task"]["status"]["state"]),
+        (200, &json!("TASK_STATE_WORKING"))
+    );
+    old.skills.slow_started.notified().await;
+    first.shutdown_background();
+
+    let agent = start_with(store, options).await;
+    let (_, _, task) = agent.rest(Method::GET, "/tasks/rs-1", None).await;
+    assert_eq!(task["status"]["state"], "TASK_STATE_WORKING", "{task}");
+    // While the dead process's claim holds, nobody can tell it is dead: not cancelable yet.
+    let early = agent.rest(Method::POST, "/tasks/rs-1:cancel", None).await;
+    assert_rest_error(&early, 400, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
+
+    let subscription = agent
+        .rest_raw(Method::GET, "/tasks/rs-1:subscribe", None)
+        .await;
+    tokio::time::sleep(Duration::from_millis(650)).await;
+    let canceled = agent.rpc("CancelTask", json!({"id": "rs-1"})).await;
+    assert_eq!(
+        canceled["result"]["status"]["state"], "TASK_STATE_CANCELED",
+        "{canceled}"
+    );
+    let events = sse_events(subscription).await;
+    assert_eq!(events[0]["task"]["status"]["state"], "TASK_STATE_WORKING");
+    assert_eq!(
+        events.last().unwrap()["statusUpdate"]["status"]["state"],
+        "TASK_STATE_CANCELED"
+    );
+
+    let (_, _, repeat) = agent.rest(Method::POST, "/message:send", Some(send)).await;
+    assert_eq!(
+        repeat["task"]["status"]["state"], "TASK_STATE_CANCELED",
+        "{repeat}"
+    );
+    assert_eq!(agent.calls(), 0);
+    let again = agent.rest(Method::POST, "/tasks/rs-1:cancel", None).await;
+    assert_rest_error(&again, 400, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
+}
+
+#[tokio::test]
+async fn list_tasks_filters_and_pages() {
+    let agent = start().await;
+    for i in 0..5 {
+        let mut send = rest_send(&format!("l-{i}"), "count", json!({"i": i}));
+        send["message"]["contextId"] = json!(format!("ctx-{}", i % 2));
+        let (status, _, _) = agent.rest(Method::POST, "/message:send", Some(send)).await;
+        assert_eq!(status, 200);
+    }
+    agent.send("l-fail", "fail", json!({})).await;
+
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    let mut last_time = String::from("9999");
+    loop {
+        let (status, _, page) = agent
+            .rest(
+                Method::GET,
+                &format!("/tasks?pageSize=2&pageToken={token}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, 200, "{page}");
+        assert_eq!(page["pageSize"], 2);
+        assert_eq!(page["totalSize"], 6);
+        for task in page["tasks"].as_array().unwrap() {
+            assert!(
+                task.get("artifacts").is_none(),
+                "artifacts only on request: {task}"
+            );
+            let time = task["status"]["timestamp"].as_str().unwrap().to_string();
+            assert!(time <= last_time, "newest first");
+            last_time = time;
+            seen.push(task["id"].as_str().unwrap().to_string());
+        }
+        token = page["nextPageToken"].as_str().unwrap().to_string();
+        if token.is_empty() {
+            break;
+        }
+    }
+    seen.sort();
+    assert_eq!(seen, ["l-0", "l-1", "l-2", "l-3", "l-4", "l-fail"]);
+
+    let (_, _, failed) = agent
+        .rest(Method::GET, "/tasks?status=TASK_STATE_FAILED", None)
+        .await;
+    assert_eq!(failed["tasks"].as_array().unwrap().len(), 1);
+    assert_eq!(failed["tasks"][0]["id"], "l-fail");
+    let (_, _, ctx) = agent
+        .rest(
+            Method::GET,
+            "/acme/tasks?contextId=ctx-1&includeArtifacts=true&historyLength=0",
+            None,
+        )
+        .await;
+    let ids: Vec<&str> = ctx["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 2);
+    assert!(ids.contains(&"l-1") && ids.contains(&"l-3"), "{ids:?}");
+    assert!(ctx["tasks"][0]["artifacts"].is_array());
+    assert!(ctx["tasks"][0].get("history").is_none());
+    let (_, _, future) = agent
+        .rest(
+            Method::GET,
+            "/tasks?statusTimestampAfter=2999-01-01T00:00:00Z",
+            None,
+        )
+        .await;
+    assert_eq!(future["totalSize"], 0);
+
+    let rpc = agent.rpc("ListTasks", json!({"pageSize": 1})).await;
+    assert_eq!(rpc["result"]["tasks"].as_array().unwrap().len(), 1);
+    assert_eq!(rpc["result"]["totalSize"], 6);
+    assert!(!rpc["result"]["nextPageToken"].as_str().unwrap().is_empty());
+
+    // Another caller's list is its own.
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "ListTasks", "params": {}});
+    let other: Value = agent
+        .rpc_as(
+            Some(&token_for("agent:other", &agent.base)),
+            Some("1.0"),
+            body.to_string(),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(other["result"]["totalSize"], 0, "{other}");
+
+    for query in [
+        "pageSize=0",
+        "pageSize=101",
+        "pageToken=%21",
+        "status=DONE",
+        "historyLength=-1",
+    ] {
+        let bad = agent
+            .rest(Method::GET, &format!("/tasks?{query}"), None)
+            .await;
+        assert_rest_error(&bad, 400, "INVALID_ARGUMENT", "INVALID_PARAMS");
+    }
+}
+
+fn token_for(subject: &str, base: &str) -> String {
+    token(subject, "acme", base)
+}
+
+async fn client_on(agent: &Agent, binding: Binding) -> A2aClient {
+    let options = ClientOptions {
+        binding,
+        ..ClientOptions::default()
+    };
+    A2aClient::with_options(&agent.base, &agent.jwks, options)
+        .await
+        .unwrap()
+        .with_tokens(Arc::new(TestTokens("agent:factory".into())))
+}
+
+fn message(message_id: &str, skill: &str) -> a2a::Message {
+    serde_json::from_value(json!({"messageId": message_id, "role": "ROLE_USER",
+        "parts": [{"data": {"skill": skill, "args": {}}}]}))
+    .unwrap()
+}
+
+fn request(message_id: &str, skill: &str, immediately: bool) -> a2a::SendMessageRequest {
+    a2a::SendMessageRequest {
+        message: message(message_id, skill),
+        configuration: immediately.then_some(a2a::SendMessageConfiguration {
+            accepted_output_modes: None,
+            task_push_notification_config: None,
+            history_length: None,
+            return_immediately: Some(true),
+        }),
+        metadata: None,
+        tenant: None,
+    }
+}
+
+#[tokio::test]
+async fn client_speaks_both_bindings() {
+    let agent = start_with(
+        Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap()),
+        fast_polling(),
+    )
+    .await;
+    for (n, binding) in [Binding::JsonRpc, Binding::HttpJson]
+        .into_iter()
+        .enumerate()
+    {
+        let client = client_on(&agent, binding).await;
+        assert_eq!(client.binding(), binding);
+        let id = |what: &str| format!("{what}-{n}");
+
+        let out = client
+            .call(&id("c"), "count", json!({}), None)
+            .await
+            .unwrap();
+        assert!(out["count"].is_number(), "{out}");
+
+        let task = client.get_task(&id("c"), Some(0)).await.unwrap();
+        assert_eq!(task.status.state, a2a::TaskState::Completed);
+        assert!(task.history.is_none());
+        match client.get_task("nope", None).await.unwrap_err() {
+            CallError::Protocol { code, .. } => assert_eq!(code, -32001, "{binding:?}"),
+            other => panic!("{other}"),
+        }
+        match client.cancel_task(&id("c")).await.unwrap_err() {
+            CallError::Protocol { code, .. } => assert_eq!(code, -32002, "{binding:?}"),
+            other => panic!("{other}"),
+        }
+        match client.subscribe(&id("c")).await.unwrap_err() {
+            CallError::Protocol { code, .. } => assert_eq!(code, -32004, "{binding:?}"),
+            other => panic!("{other}"),
+        }
+
+        let mut stream = client
+            .send_streaming(request(&id("s"), "count", false))
+            .await
+            .unwrap();
+        let mut kinds = Vec::new();
+        while let Some(event) = stream.next().await {
+            kinds.push(match event.unwrap() {
+                a2a::StreamResponse::Task(_) => "task",
+                a2a::StreamResponse::ArtifactUpdate(_) => "artifact",
+                a2a::StreamResponse::StatusUpdate(u) => {
+                    assert_eq!(u.status.state, a2a::TaskState::Completed);
+                    "status"
+                }
+                a2a::StreamResponse::Message(_) => "message",
+            });
+        }
+        assert_eq!(kinds, ["task", "artifact", "status"], "{binding:?}");
+
+        // returnImmediately, then follow the task to its end.
+        let a2a::SendMessageResponse::Task(working) = client
+            .send(request(&id("slow"), "slow", true))
+            .await
+            .unwrap()
+        else {
+            panic!("expected a task")
+        };
+        assert_eq!(working.status.state, a2a::TaskState::Working);
+        agent.skills.slow_started.notified().await;
+        let release = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            agent.skills.slow_release.notify_one();
+        };
+        let slow = id("slow");
+        let (done, ()) = tokio::join!(client.follow(&slow), release);
+        let done = done.unwrap();
+        assert_eq!(done.status.state, a2a::TaskState::Completed, "{binding:?}");
+        assert!(done.artifacts.is_some());
+
+        let page = client
+            .list_tasks(a2a::ListTasksRequest {
+                context_id: None,
+                status: Some(a2a::TaskState::Completed),
+                page_size: Some(10),
+                page_token: None,
+                history_length: None,
+                status_timestamp_after: None,
+                include_artifacts: Some(true),
+                tenant: None,
+            })
+            .await
+            .unwrap();
+        assert_eq!(page.total_size, 3 * (n as i32 + 1), "{binding:?}");
+        assert!(page.tasks.iter().all(|t| t.artifacts.is_some()));
+
+        let card = client.extended_card().await.unwrap();
+        let ext = &card.capabilities.extensions.unwrap()[0];
+        assert_eq!(ext.params.as_ref().unwrap()["subject"], "agent:factory");
+
+        let anonymous = A2aClient::with_options(
+            &agent.base,
+            &agent.jwks,
+            ClientOptions {
+                binding,
+                ..ClientOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+        assert!(matches!(
+            anonymous.get_task(&id("c"), None).await.unwrap_err(),
+            CallError::Http(401)
+        ));
+    }
+}
+
+/// The server closes a subscription after `max_follow`; `follow` subscribes again until the task
+/// settles.
+#[tokio::test]
+async fn follow_resubscribes_after_a_dropped_stream() {
+    let options = ServerOptions {
+        max_follow: Duration::from_millis(60),
+        ..fast_polling()
+    };
+    let agent = start_with(
+        Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap()),
+        options,
+    )
+    .await;
+    let client = client_on(&agent, Binding::HttpJson).await;
+    client.send(request("f-1", "slow", true)).await.unwrap();
+    agent.skills.slow_started.notified().await;
+    let mut first = client.subscribe("f-1").await.unwrap();
+    let mut events = 0;
+    while let Some(event) = first.next().await {
+        event.unwrap();
+        events += 1;
+    }
+    assert_eq!(events, 1, "the stream closes with the task still working");
+
+    let release = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        agent.skills.slow_release.notify_one();
+    };
+    let (done, ()) = tokio::join!(client.follow("f-1"), release);
+    assert_eq!(done.unwrap().status.state, a2a::TaskState::Completed);
+}
+
+/// A webhook receiver on 127.0.0.1: records every POST (path, headers, body) and answers 503 to
+/// the first one, so delivery has to retry.
+#[derive(Default)]
+struct Hooks {
+    seen: Mutex<Vec<(String, reqwest::header::HeaderMap, Value)>>,
+    arrived: Notify,
+}
+
+async fn start_hooks() -> (String, Arc<Hooks>) {
+    let hooks = Arc::new(Hooks::default());
+    let state = hooks.clone();
+    let app = axum::Router::new().fallback(
+        move |uri: axum::http::Uri, headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+            let hooks = state.clone();
+            async move {
+                let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                let first = {
+                    let mut seen = hooks.seen.lock().unwrap();
+                    seen.push((uri.path().to_string(), headers, body));
+                    seen.len() == 1
+                };
+                hooks.arrived.notify_one();
+                if first {
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE
+                } else {
+                    axum::http::StatusCode::OK
+                }
+            }
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (url, hooks)
+}
+
+impl Hooks {
+    /// The bodies that reached `path` (after the refused first one), waiting until `pred` holds.
+    async fn wait_for(
+        &self,
+        pred: impl Fn(&[(String, reqwest::header::HeaderMap, Value)]) -> bool,
+    ) {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                if pred(&self.seen.lock().unwrap()) {
+                    return;
+                }
+                self.arrived.notified().await;
+            }
+        })
+        .await
+        .expect("webhook deliveries did not arrive");
+    }
+}
+
+#[tokio::test]
+async fn push_notification_configs_and_delivery() {
+    let (hook_url, hooks) = start_hooks().await;
+    let options = ServerOptions {
+        push: loams_a2a::PushOptions {
+            allow_private_targets: true,
+            backoff: Duration::from_millis(20),
+            ..loams_a2a::PushOptions::default()
+        },
+        ..fast_polling()
+    };
+    let agent = start_with(
+        Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap()),
+        options,
+    )
+    .await;
+
+    let mut send = rest_send("p-1", "slow", json!({}));
+    send["configuration"] = json!({
+        "returnImmediately": true,
+        "taskPushNotificationConfig": {
+            "url": format!("{hook_url}/first"),
+            "id": "first",
+            "token": "tok",
+            "authentication": {"scheme": "Bearer", "credentials": "cred"},
+        },
+    });
+    let (status, _, body) = agent.rest(Method::POST, "/message:send", Some(send)).await;
+    assert_eq!(status, 200, "{body}");
+    agent.skills.slow_started.notified().await;
+
+    let (status, _, second) = agent
+        .rest(
+            Method::POST,
+            "/tasks/p-1/pushNotificationConfigs",
+            Some(json!({"url": format!("{hook_url}/second")})),
+        )
+        .await;
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(second["taskId"], "p-1");
+    let second_id = second["id"].as_str().unwrap().to_string();
+    let (_, _, listed) = agent
+        .rest(Method::GET, "/tasks/p-1/pushNotificationConfigs", None)
+        .await;
+    assert_eq!(listed["configs"].as_array().unwrap().len(), 2, "{listed}");
+    let got = agent
+        .rpc(
+            "GetTaskPushNotificationConfig",
+            json!({"taskId": "p-1", "id": "first"}),
+        )
+        .await;
+    assert_eq!(got["result"]["token"], "tok");
+
+    agent.skills.slow_release.notify_one();
+    let completed = |path: &str, seen: &[(String, reqwest::header::HeaderMap, Value)]| {
+        seen.iter().any(|(p, _, body)| {
+            p == path && body["statusUpdate"]["status"]["state"] == "TASK_STATE_COMPLETED"
+        })
+    };
+    let tasks_at_first = |seen: &[(String, reqwest::header::HeaderMap, Value)]| {
+        seen.iter()
+            .filter(|(p, _, b)| p == "/first" && b.get("task").is_some())
+            .count()
+    };
+    // The WORKING task is refused once (503) and delivered again; artifact and status follow (the
+    // order across separate updates is not guaranteed, a retry may come after a later update).
+    hooks
+        .wait_for(|seen| {
+            completed("/first", seen) && completed("/second", seen) && tasks_at_first(seen) == 2
+        })
+        .await;
+
+    let seen = hooks.seen.lock().unwrap().clone();
+    let first: Vec<&(String, reqwest::header::HeaderMap, Value)> =
+        seen.iter().filter(|(p, ..)| p == "/first").collect();
+    assert_eq!(first[0].2["task"]["status"]["state"], "TASK_STATE_WORKING");
+    assert!(
+        first
+            .iter()
+            .any(|(_, _, b)| b["artifactUpdate"]["artifact"]["parts"][0]["data"]["count"] == 1)
+    );
+    let headers = &first[0].1;
+    assert_eq!(headers["authorization"], "Bearer cred");
+    assert_eq!(headers["x-a2a-notification-token"], "tok");
+    assert_eq!(headers["a2a-notification-token"], "tok");
+    assert_eq!(headers["content-type"], "application/a2a+json");
+    // The second webhook was registered while the skill ran: it gets the updates from then on.
+    assert!(
+        seen.iter()
+            .filter(|(p, ..)| p == "/second")
+            .all(|(_, h, b)| { b.get("task").is_none() && !h.contains_key("authorization") })
+    );
+
+    let deleted = agent
+        .rpc(
+            "DeleteTaskPushNotificationConfig",
+            json!({"taskId": "p-1", "id": second_id}),
+        )
+        .await;
+    assert_eq!(deleted["result"], json!({}));
+    let listed = agent
+        .rpc("ListTaskPushNotificationConfigs", json!({"taskId": "p-1"}))
+        .await;
+    assert_eq!(listed["result"]["configs"].as_array().unwrap().len(), 1);
 }

@@ -1,0 +1,486 @@
+//! Push notifications (A2A §4.3, §13.2): the four config RPCs, with configs kept in the platform
+//! `Store` beside the task, and delivery of task updates to the registered webhooks.
+//!
+//! A webhook gets each update as the StreamResponse JSON a subscriber would see, with
+//! `Authorization: <scheme> <credentials>` from the config's authentication and its token in both
+//! `X-A2A-Notification-Token` (a2a-python) and `A2A-Notification-Token` (a2a-rs). Targets that are
+//! private, loopback, link-local (or otherwise not public) are refused, when registered and again
+//! when connecting (the DNS answer is checked, so a public name cannot lead inside), unless
+//! [`PushOptions::allow_private_targets`] is set.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use a2a::{
+    A2AError, DeleteTaskPushNotificationConfigRequest, GetTaskPushNotificationConfigRequest,
+    ListTaskPushNotificationConfigsRequest, ListTaskPushNotificationConfigsResponse,
+    StreamResponse, TaskPushNotificationConfig,
+};
+use loams_platform::{Cond, Item, Page, StoreError};
+
+use crate::auth::Principal;
+use crate::server::A2A_JSON;
+use crate::tasks::{Agent, check_id, store_failure};
+
+/// Item kind of stored push-notification configs.
+pub const PUSH_KIND: &str = "a2a_push";
+/// Most webhooks one task may have.
+const MAX_CONFIGS_PER_TASK: usize = 10;
+const MAX_URL: usize = 2048;
+const MAX_TOKEN: usize = 1024;
+const MAX_CREDENTIALS: usize = 4096;
+const MAX_CONFIG_ID: usize = 64;
+
+/// How the agent delivers push notifications.
+#[derive(Debug, Clone)]
+pub struct PushOptions {
+    /// Allow webhooks on private, loopback and link-local addresses (local tests, a trusted
+    /// network). Off by default: a caller could otherwise make the agent probe its own network.
+    pub allow_private_targets: bool,
+    /// Delivery attempts per update and webhook.
+    pub attempts: u32,
+    /// Wait before the second attempt; doubled for each further one.
+    pub backoff: Duration,
+    /// Timeout of one delivery attempt.
+    pub timeout: Duration,
+}
+
+impl Default for PushOptions {
+    fn default() -> Self {
+        PushOptions {
+            allow_private_targets: false,
+            attempts: 5,
+            backoff: Duration::from_millis(500),
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Whether `ip` is an ordinary public unicast address.
+fn public(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => public_v4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => public_v4(v4),
+            None => public_v6(v6),
+        },
+    }
+}
+
+fn public_v4(ip: Ipv4Addr) -> bool {
+    let [a, b, ..] = ip.octets();
+    !(ip.is_private()
+        || ip.is_loopback()
+        || ip.is_link_local()
+        || ip.is_unspecified()
+        || ip.is_broadcast()
+        || ip.is_multicast()
+        || ip.is_documentation()
+        || a == 0
+        // Shared address space (carrier-grade NAT), RFC 6598.
+        || (a == 100 && (64..128).contains(&b))
+        // Reserved for future use and benchmarking.
+        || a >= 240
+        || (a == 198 && (b == 18 || b == 19)))
+}
+
+fn public_v6(ip: Ipv6Addr) -> bool {
+    let first = ip.segments()[0];
+    !(ip.is_loopback()
+        || ip.is_unspecified()
+        || ip.is_multicast()
+        // Unique local fc00::/7 and link-local fe80::/10.
+        || (first & 0xfe00) == 0xfc00
+        || (first & 0xffc0) == 0xfe80
+        // Documentation 2001:db8::/32.
+        || (first == 0x2001 && ip.segments()[1] == 0x0db8))
+}
+
+/// A resolver that answers only public addresses: the check happens on the addresses actually
+/// connected to, so DNS cannot point a public-looking name at the agent's own network.
+struct PublicOnly;
+
+impl reqwest::dns::Resolve for PublicOnly {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let host = name.as_str().to_string();
+        Box::pin(async move {
+            let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0))
+                .await?
+                .filter(|a| public(a.ip()))
+                .collect();
+            if addrs.is_empty() {
+                return Err(format!("{host} has no public address").into());
+            }
+            Ok(Box::new(addrs.into_iter()) as reqwest::dns::Addrs)
+        })
+    }
+}
+
+/// The HTTP client webhooks are called with.
+pub(crate) fn sender(options: &PushOptions) -> Result<reqwest::Client, reqwest::Error> {
+    let builder = reqwest::Client::builder()
+        .timeout(options.timeout)
+        // A redirect would lead past the target check; a proxy would resolve names itself.
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy();
+    if options.allow_private_targets {
+        builder.build()
+    } else {
+        builder.dns_resolver(Arc::new(PublicOnly)).build()
+    }
+}
+
+/// Checks a webhook URL: http(s), a host, and (unless allowed) no literal non-public address.
+fn check_url(url: &str, options: &PushOptions) -> Result<(), A2AError> {
+    let bad = |why: &str| A2AError::invalid_params(format!("push notification url: {why}"));
+    if url.len() > MAX_URL {
+        return Err(bad("too long"));
+    }
+    let parsed = reqwest::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(bad("must be http or https"));
+    }
+    let host = parsed.host_str().ok_or_else(|| bad("needs a host"))?;
+    // IPv6 literals come bracketed; names are checked again on the addresses they resolve to.
+    let literal = if host.eq_ignore_ascii_case("localhost") {
+        Some(IpAddr::V4(Ipv4Addr::LOCALHOST))
+    } else {
+        host.trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<IpAddr>()
+            .ok()
+    };
+    if !options.allow_private_targets && literal.is_some_and(|ip| !public(ip)) {
+        return Err(bad(
+            "private, loopback and link-local targets are not allowed",
+        ));
+    }
+    Ok(())
+}
+
+fn check_config(
+    config: &TaskPushNotificationConfig,
+    options: &PushOptions,
+) -> Result<(), A2AError> {
+    check_url(&config.url, options)?;
+    if config
+        .token
+        .as_ref()
+        .is_some_and(|t| t.len() > MAX_TOKEN || t.chars().any(char::is_control))
+    {
+        return Err(A2AError::invalid_params(format!(
+            "token must be at most {MAX_TOKEN} bytes without control characters"
+        )));
+    }
+    if let Some(auth) = &config.authentication {
+        let printable = |s: &str| !s.chars().any(char::is_control);
+        if auth.scheme.is_empty()
+            || auth.scheme.len() > 64
+            || !auth
+                .scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            || auth
+                .credentials
+                .as_ref()
+                .is_some_and(|c| c.len() > MAX_CREDENTIALS || !printable(c))
+        {
+            return Err(A2AError::invalid_params(
+                "authentication needs a token-like scheme and printable credentials",
+            ));
+        }
+    }
+    if let Some(id) = &config.id
+        && (id.is_empty()
+            || id.len() > MAX_CONFIG_ID
+            || !id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)))
+    {
+        return Err(A2AError::invalid_params(format!(
+            "config id must be 1..={MAX_CONFIG_ID} of [A-Za-z0-9-_.]"
+        )));
+    }
+    Ok(())
+}
+
+fn random_id() -> Result<String, A2AError> {
+    let mut bytes = [0u8; 12];
+    aws_lc_rs::rand::fill(&mut bytes).map_err(|_| A2AError::internal("no randomness"))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+impl Agent {
+    fn push_index(&self, task_id: &str) -> String {
+        format!("{}:{task_id}", self.name)
+    }
+
+    fn push_item_id(&self, task_id: &str, config_id: &str) -> String {
+        format!("{}:{task_id}:{config_id}", self.name)
+    }
+
+    async fn configs(&self, task_id: &str) -> Result<Vec<TaskPushNotificationConfig>, A2AError> {
+        let page = self
+            .store
+            .list_items(
+                &self.org,
+                PUSH_KIND,
+                Some(&self.push_index(task_id)),
+                Page::first(u32::try_from(MAX_CONFIGS_PER_TASK + 1).unwrap_or(u32::MAX)),
+            )
+            .await
+            .map_err(store_failure)?;
+        page.items
+            .iter()
+            .map(|item| {
+                serde_json::from_slice(&item.body)
+                    .map_err(|_| A2AError::internal("stored push config is unreadable"))
+            })
+            .collect()
+    }
+}
+
+/// Stores `config` for task `task_id` (the caller's own task), replacing a config of the same id.
+/// Also used for the config carried by SendMessage.
+pub(crate) async fn create_config(
+    agent: &Agent,
+    task_id: &str,
+    mut config: TaskPushNotificationConfig,
+) -> Result<TaskPushNotificationConfig, A2AError> {
+    check_config(&config, &agent.options.push)?;
+    let id = match config.id.take() {
+        Some(id) => id,
+        None => random_id()?,
+    };
+    let existing = agent.configs(task_id).await?;
+    if existing.len() >= MAX_CONFIGS_PER_TASK
+        && !existing.iter().any(|c| c.id.as_deref() == Some(&id))
+    {
+        return Err(A2AError::invalid_params(format!(
+            "a task has at most {MAX_CONFIGS_PER_TASK} push notification configs"
+        )));
+    }
+    config.id = Some(id.clone());
+    config.task_id = task_id.to_string();
+    config.tenant = None;
+    let body = serde_json::to_vec(&config).map_err(|e| A2AError::internal(e.to_string()))?;
+    let item = Item {
+        org: agent.org.clone(),
+        kind: PUSH_KIND.into(),
+        id: agent.push_item_id(task_id, &id),
+        version: 0,
+        index: Some(agent.push_index(task_id)),
+        body,
+        expires_ms: None,
+    };
+    agent
+        .store
+        .put_item(&item, Cond::Any)
+        .await
+        .map_err(store_failure)?;
+    Ok(config)
+}
+
+/// CreateTaskPushNotificationConfig on the caller's task.
+pub(crate) async fn create(
+    agent: &Agent,
+    caller: &Principal,
+    config: TaskPushNotificationConfig,
+) -> Result<TaskPushNotificationConfig, A2AError> {
+    let task_id = config.task_id.clone();
+    agent.own(caller, &task_id).await?;
+    create_config(agent, &task_id, config).await
+}
+
+pub(crate) async fn get(
+    agent: &Agent,
+    caller: &Principal,
+    req: &GetTaskPushNotificationConfigRequest,
+) -> Result<TaskPushNotificationConfig, A2AError> {
+    agent.own(caller, &req.task_id).await?;
+    check_id("config id", &req.id)?;
+    let item = agent
+        .store
+        .get_item(
+            &agent.org,
+            PUSH_KIND,
+            &agent.push_item_id(&req.task_id, &req.id),
+        )
+        .await
+        .map_err(store_failure)?
+        .ok_or_else(|| A2AError::task_not_found(&req.task_id))?;
+    serde_json::from_slice(&item.body)
+        .map_err(|_| A2AError::internal("stored push config is unreadable"))
+}
+
+pub(crate) async fn list(
+    agent: &Agent,
+    caller: &Principal,
+    req: &ListTaskPushNotificationConfigsRequest,
+) -> Result<ListTaskPushNotificationConfigsResponse, A2AError> {
+    agent.own(caller, &req.task_id).await?;
+    // At most MAX_CONFIGS_PER_TASK exist, so one page always holds them all.
+    Ok(ListTaskPushNotificationConfigsResponse {
+        configs: agent.configs(&req.task_id).await?,
+        next_page_token: None,
+    })
+}
+
+pub(crate) async fn delete(
+    agent: &Agent,
+    caller: &Principal,
+    req: &DeleteTaskPushNotificationConfigRequest,
+) -> Result<(), A2AError> {
+    agent.own(caller, &req.task_id).await?;
+    check_id("config id", &req.id)?;
+    match agent
+        .store
+        .delete_item(
+            &agent.org,
+            PUSH_KIND,
+            &agent.push_item_id(&req.task_id, &req.id),
+        )
+        .await
+    {
+        Ok(()) | Err(StoreError::NotFound) => Ok(()),
+        Err(e) => Err(store_failure(e)),
+    }
+}
+
+/// Delivers `events` of task `task_id` to the webhooks registered now, in order per webhook, in the
+/// background. A failure is logged: the update itself is stored and readable with GetTask either
+/// way.
+pub(crate) async fn notify(agent: &Arc<Agent>, task_id: &str, events: Vec<StreamResponse>) {
+    if events.is_empty() {
+        return;
+    }
+    let configs = match agent.configs(task_id).await {
+        Ok(configs) => configs,
+        Err(e) => {
+            tracing::warn!(task = %task_id, error = %e, "reading push configs");
+            return;
+        }
+    };
+    if configs.is_empty() {
+        return;
+    }
+    let agent = agent.clone();
+    tokio::spawn(async move {
+        let deliveries = configs.iter().map(|config| async {
+            for event in &events {
+                deliver(&agent, config, event).await;
+            }
+        });
+        futures::future::join_all(deliveries).await;
+    });
+}
+
+/// One update to one webhook, retried with exponential backoff on transport errors, 5xx and 429.
+async fn deliver(agent: &Agent, config: &TaskPushNotificationConfig, event: &StreamResponse) {
+    let options = &agent.options.push;
+    if let Err(e) = check_url(&config.url, options) {
+        tracing::warn!(url = %config.url, error = %e, "push target refused");
+        return;
+    }
+    let body = match serde_json::to_vec(event) {
+        Ok(body) => body,
+        Err(e) => {
+            tracing::error!(error = %e, "encoding a push notification");
+            return;
+        }
+    };
+    let mut wait = options.backoff;
+    for attempt in 1..=options.attempts.max(1) {
+        let mut req = agent
+            .push_client
+            .post(&config.url)
+            .header(reqwest::header::CONTENT_TYPE, A2A_JSON)
+            .body(body.clone());
+        if let Some(auth) = &config.authentication {
+            let value = match &auth.credentials {
+                Some(c) => format!("{} {c}", auth.scheme),
+                None => auth.scheme.clone(),
+            };
+            req = req.header(reqwest::header::AUTHORIZATION, value);
+        }
+        if let Some(token) = &config.token {
+            req = req
+                .header("X-A2A-Notification-Token", token)
+                .header("A2A-Notification-Token", token);
+        }
+        let retry = match req.send().await {
+            Ok(resp) if resp.status().is_success() => return,
+            Ok(resp) => {
+                let status = resp.status();
+                tracing::warn!(url = %config.url, %status, attempt, "push notification refused");
+                status.is_server_error() || status == reqwest::StatusCode::TOO_MANY_REQUESTS
+            }
+            Err(e) => {
+                tracing::warn!(url = %config.url, error = %e, attempt, "push notification failed");
+                true
+            }
+        };
+        if !retry || attempt == options.attempts {
+            return;
+        }
+        tokio::time::sleep(wait).await;
+        wait = wait.saturating_mul(2);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_public_addresses_are_targets() {
+        for private in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "0.0.0.0",
+            "100.64.0.1",
+            "::1",
+            "fe80::1",
+            "fd00::1",
+            "::ffff:127.0.0.1",
+            "::ffff:10.0.0.1",
+        ] {
+            assert!(!public(private.parse().unwrap()), "{private}");
+        }
+        for ok in [
+            "8.8.8.8",
+            "1.1.1.1",
+            "2606:4700:4700::1111",
+            "::ffff:8.8.8.8",
+        ] {
+            assert!(public(ok.parse().unwrap()), "{ok}");
+        }
+    }
+
+    #[test]
+    fn urls_are_checked() {
+        let strict = PushOptions::default();
+        let open = PushOptions {
+            allow_private_targets: true,
+            ..PushOptions::default()
+        };
+        for bad in [
+            "http://127.0.0.1:9/h",
+            "http://localhost/h",
+            "http://[::1]/h",
+            "http://169.254.169.254/latest",
+            "http://10.0.0.1/",
+        ] {
+            assert!(check_url(bad, &strict).is_err(), "{bad}");
+            assert!(check_url(bad, &open).is_ok(), "{bad}");
+        }
+        for bad in ["ftp://example.com/", "not a url", "data:text/plain,x"] {
+            assert!(check_url(bad, &open).is_err(), "{bad}");
+        }
+        assert!(check_url("https://hooks.example.com/a2a", &strict).is_ok());
+    }
+}

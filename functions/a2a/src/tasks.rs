@@ -1,0 +1,919 @@
+//! The binding-independent A2A operations over tasks kept in the platform `Store`.
+//!
+//! Everything a later request needs (the task, its binding to the call and caller, the claim on its
+//! message id) is in the store, so any process over the same store (a restarted one, another
+//! Lambda) can read, cancel or follow a task another process started. The only thing held in
+//! memory is the skill run itself, which no other process could continue anyway.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use a2a::{
+    A2AError, Artifact, ListTasksRequest, ListTasksResponse, Message, PartContent, Role,
+    StreamResponse, Task, TaskArtifactUpdateEvent, TaskPushNotificationConfig, TaskState,
+    TaskStatus, TaskStatusUpdateEvent, error_code,
+};
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
+use loams_platform::{Claim, Cond, Item, Page, Store, StoreError, limits};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::auth::{ApprovalGate, GateError, Principal};
+use crate::card::CardSigner;
+use crate::server::{APPROVAL_ID_KEY, MAX_MESSAGE_ID, ServerOptions, TASK_KIND};
+use crate::skills::{Risk, SkillError, Skills};
+
+/// Default and largest `pageSize` of ListTasks (A2A §3.1.4 asks for 1..=100).
+const DEFAULT_PAGE_SIZE: usize = 50;
+const MAX_PAGE_SIZE: usize = 100;
+/// Most stored tasks one ListTasks looks at; a caller with more sees the ones within this bound.
+const MAX_LIST_SCAN: usize = 20_000;
+/// Longest page token accepted (a timestamp and a task id, base64url).
+const MAX_PAGE_TOKEN: usize = 2 * MAX_MESSAGE_ID;
+
+/// The served agent: its skills, its store and the host's guards.
+pub(crate) struct Agent {
+    pub skills: Arc<dyn Skills>,
+    pub store: Arc<dyn Store>,
+    pub org: String,
+    pub name: String,
+    /// The card's skills and their risk: the risk decides whether a call needs an approval.
+    pub risks: HashMap<String, Risk>,
+    /// This agent's interface URL, the audience its callers' tokens must name.
+    pub audience: String,
+    pub auth: Arc<dyn crate::auth::CallerAuth>,
+    pub gate: Arc<dyn ApprovalGate>,
+    /// The public card, unsigned; the extended card is derived from it per caller.
+    pub card: a2a::AgentCard,
+    pub signer: CardSigner,
+    /// The signed public card, rendered once; `Err` keeps the reason signing failed so the card
+    /// endpoint reports it instead of serving an unsigned card.
+    pub card_doc: Result<crate::server::CardDoc, String>,
+    pub options: ServerOptions,
+    /// Calls webhooks (see [`crate::push`]).
+    pub push_client: reqwest::Client,
+}
+
+/// Where a stream's events go; a closed receiver (the client left) ends the producer.
+pub(crate) type EventTx = mpsc::Sender<Result<StreamResponse, A2AError>>;
+
+pub(crate) fn store_failure(e: StoreError) -> A2AError {
+    tracing::error!(error = %e, "a2a task store");
+    // The message is generic on purpose: backend details are not the caller's business.
+    A2AError::internal("task store unavailable")
+}
+
+pub(crate) fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+fn status(state: TaskState, message: Option<Message>, at_ms: i64) -> TaskStatus {
+    TaskStatus {
+        state,
+        message,
+        timestamp: chrono::DateTime::from_timestamp_millis(at_ms),
+    }
+}
+
+pub(crate) fn check_id(what: &str, id: &str) -> Result<(), A2AError> {
+    if id.is_empty() || id.len() > MAX_MESSAGE_ID || id.chars().any(char::is_control) {
+        return Err(A2AError::invalid_params(format!(
+            "{what} must be 1..={MAX_MESSAGE_ID} bytes without control characters"
+        )));
+    }
+    Ok(())
+}
+
+/// `None` = the whole history; negative lengths are a caller error.
+pub(crate) fn history_length(n: Option<i32>) -> Result<Option<usize>, A2AError> {
+    match n {
+        None => Ok(None),
+        Some(n) => usize::try_from(n)
+            .map(Some)
+            .map_err(|_| A2AError::invalid_params("historyLength must not be negative")),
+    }
+}
+
+pub(crate) fn trim_history(mut task: Task, keep: Option<usize>) -> Task {
+    if let Some(keep) = keep {
+        task.history = task.history.and_then(|mut h| {
+            let drop = h.len().saturating_sub(keep);
+            h.drain(..drop);
+            (!h.is_empty()).then_some(h)
+        });
+    }
+    task
+}
+
+/// Terminal or interrupted: the state a blocking send returns at and a stream closes at.
+fn settled(state: &TaskState) -> bool {
+    state.is_terminal() || matches!(state, TaskState::InputRequired | TaskState::AuthRequired)
+}
+
+/// The skill call carried by a message: exactly one data part `{"skill": "...", "args": {...}}`.
+fn skill_call(message: &Message) -> Result<(String, Value), A2AError> {
+    let bad = |why: &str| A2AError::invalid_params(why.to_string());
+    let [part] = message.parts.as_slice() else {
+        return Err(bad("the message must have exactly one part"));
+    };
+    let PartContent::Data(Value::Object(call)) = &part.content else {
+        return Err(bad(
+            "the message part must be a data part {\"skill\", \"args\"}",
+        ));
+    };
+    let Some(Value::String(skill)) = call.get("skill") else {
+        return Err(bad("the data part needs a string \"skill\""));
+    };
+    let Some(args @ Value::Object(_)) = call.get("args") else {
+        return Err(bad("the data part needs an object \"args\""));
+    };
+    Ok((skill.clone(), args.clone()))
+}
+
+/// A stored task with what it is bound to. Kept beside the task (not in its metadata) so callers
+/// never see the binding and cannot shape it.
+#[derive(Serialize, Deserialize)]
+struct StoredTask {
+    task: Task,
+    /// [`call_hash`] of the call that created the task.
+    call: String,
+    /// Subject of the caller that created the task.
+    caller: String,
+}
+
+impl StoredTask {
+    fn bound_to(&self, call: &str, caller: &Principal) -> bool {
+        self.call == call && self.caller == caller.subject
+    }
+}
+
+/// Hex SHA-256 of `bytes`.
+fn sha256_hex(bytes: &[u8]) -> String {
+    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, bytes);
+    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Hex SHA-256 over the RFC 8785 canonical form of `{"skill", "args"}`: the same call hashes the
+/// same whatever its key order or whitespace.
+fn call_hash(skill: &str, args: &Value) -> Result<String, A2AError> {
+    let canonical = serde_json_canonicalizer::to_vec(&json!({"skill": skill, "args": args}))
+        .map_err(|e| A2AError::invalid_params(format!("args cannot be canonicalised: {e}")))?;
+    Ok(sha256_hex(&canonical))
+}
+
+impl Agent {
+    /// The task id is the message id itself: the message id is already the caller's unique,
+    /// deterministic key for this call, and GetTask can then find the stored item without an index.
+    fn item_id(&self, task_id: &str) -> String {
+        format!("{}:{task_id}", self.name)
+    }
+
+    fn claim_key(&self, task_id: &str) -> String {
+        format!("{TASK_KIND}:{}", self.item_id(task_id))
+    }
+
+    /// The store index of a caller's tasks on this agent (ListTasks reads it). The subject is hashed
+    /// so any subject fits the store's key limits.
+    fn list_index(&self, caller: &Principal) -> String {
+        format!(
+            "{}:{}",
+            self.name,
+            &sha256_hex(caller.subject.as_bytes())[..32]
+        )
+    }
+
+    async fn load(&self, task_id: &str) -> Result<Option<(StoredTask, u64)>, A2AError> {
+        check_id("task id", task_id)?;
+        let Some(item) = self
+            .store
+            .get_item(&self.org, TASK_KIND, &self.item_id(task_id))
+            .await
+            .map_err(store_failure)?
+        else {
+            return Ok(None);
+        };
+        Ok(Some((decode_task(&item.body)?, item.version)))
+    }
+
+    /// The task `task_id` if `caller` created it, with its store version. Someone else's task
+    /// answers exactly as a missing one does, so task ids reveal nothing to other callers.
+    pub(crate) async fn own(
+        &self,
+        caller: &Principal,
+        task_id: &str,
+    ) -> Result<(Task, u64), A2AError> {
+        match self.load(task_id).await? {
+            Some((stored, version)) if stored.caller == caller.subject => {
+                Ok((stored.task, version))
+            }
+            _ => Err(A2AError::task_not_found(task_id)),
+        }
+    }
+
+    async fn put(&self, record: &StoredTask, body: Vec<u8>, cond: Cond) -> Result<u64, StoreError> {
+        let item = Item {
+            org: self.org.clone(),
+            kind: TASK_KIND.to_string(),
+            id: self.item_id(&record.task.id),
+            version: 0,
+            index: Some(self.list_index(&Principal {
+                subject: record.caller.clone(),
+                org: self.org.clone(),
+            })),
+            body,
+            expires_ms: None,
+        };
+        self.store.put_item(&item, cond).await
+    }
+
+    async fn release(&self, key: &str) {
+        if let Err(e) = self.store.release(&self.org, key).await {
+            tracing::warn!(error = %e, "releasing the a2a claim");
+        }
+    }
+}
+
+fn decode_task(bytes: &[u8]) -> Result<StoredTask, A2AError> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        tracing::error!(error = %e, "stored a2a task does not decode");
+        A2AError::internal("stored task is unreadable")
+    })
+}
+
+/// The refusal of a reused message id: the stored task belongs to another call or caller and is not
+/// shown.
+fn reused(task_id: &str) -> A2AError {
+    A2AError::invalid_params(format!(
+        "messageId {task_id} was already used for a different call"
+    ))
+}
+
+/// The approval named in the message metadata, if any.
+fn approval_id(message: &Message) -> Result<Option<String>, A2AError> {
+    match message
+        .metadata
+        .as_ref()
+        .and_then(|m| m.get(APPROVAL_ID_KEY))
+    {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(id)) => {
+            check_id(APPROVAL_ID_KEY, id)?;
+            Ok(Some(id.clone()))
+        }
+        Some(_) => Err(A2AError::invalid_params(format!(
+            "metadata {APPROVAL_ID_KEY} must be a string"
+        ))),
+    }
+}
+
+/// Whether a call may run: a destructive skill needs an approval the host admits for exactly this
+/// call. `Ok(Err(_))` is a refusal (the task fails for good); `Err(_)` means nothing could be decided.
+async fn gate(
+    agent: &Agent,
+    skill: &str,
+    args: &Value,
+    approval_id: Option<&str>,
+) -> Result<Result<(), SkillError>, GateError> {
+    if agent.risks.get(skill) != Some(&Risk::Destructive) {
+        return Ok(Ok(()));
+    }
+    let refused = |why: String| {
+        Ok(Err(SkillError::permanent(format!(
+            "{}.{skill} refused: {why}",
+            agent.name
+        ))))
+    };
+    let Some(approval_id) = approval_id else {
+        return refused(format!(
+            "a destructive skill needs a settled approval (message metadata {APPROVAL_ID_KEY})"
+        ));
+    };
+    match agent
+        .gate
+        .admit(&agent.org, &agent.name, skill, args, approval_id)
+        .await
+    {
+        Ok(()) => Ok(Ok(())),
+        Err(GateError::Refused(why)) => refused(format!("approval {approval_id}: {why}")),
+        Err(e) => Err(e),
+    }
+}
+
+/// What SendMessage found for a message id.
+pub(crate) enum Begun {
+    /// The call already ran: its recorded task.
+    Stored(Task),
+    /// Another request is running the call: the task as last stored.
+    Elsewhere(Task),
+    /// This request started the call: the stored WORKING task and the run, which goes on (and
+    /// records its outcome) even if the caller stops waiting.
+    Started(Task, JoinHandle<Result<Task, A2AError>>),
+}
+
+/// SendMessage up to the start of the skill, exactly once per message id: validate, claim the id,
+/// check the approval gate, store the WORKING task, then spawn the run. A repeat of the same call
+/// by the same caller gets the stored task (the WORKING one during the run); the id reused for
+/// another call or by another caller is refused.
+///
+/// An approval binds agent, skill and args, not the message id: another message id carrying the
+/// same approved call is admitted and repeats the identical action, which the app treats as a
+/// no-op (merge of a merged PR answers the same merge sha, closing a closed PR stays closed). A
+/// replay with the same message id is the dedupe case and runs nothing.
+pub(crate) async fn begin(
+    agent: &Arc<Agent>,
+    caller: &Principal,
+    message: Message,
+    push: Option<TaskPushNotificationConfig>,
+) -> Result<Begun, A2AError> {
+    check_id("messageId", &message.message_id)?;
+    if let Some(ctx) = &message.context_id {
+        check_id("contextId", ctx)?;
+    }
+    if let Some(task_id) = &message.task_id
+        && task_id != &message.message_id
+    {
+        // Every call is its own task (no multi-turn skills): continuing another task is not offered.
+        return Err(A2AError::unsupported_operation(
+            "this agent does not continue tasks; send a new message without taskId",
+        ));
+    }
+    if message.role != Role::User {
+        return Err(A2AError::invalid_params(
+            "the message role must be ROLE_USER",
+        ));
+    }
+    let (skill, args) = skill_call(&message)?;
+    if !agent.risks.contains_key(&skill) {
+        let shown: String = skill.chars().take(64).collect();
+        return Err(A2AError::invalid_params(format!("unknown skill {shown:?}")));
+    }
+    let approval_id = approval_id(&message)?;
+    let call = call_hash(&skill, &args)?;
+
+    let task_id = message.message_id.clone();
+    let context_id = message
+        .context_id
+        .clone()
+        .unwrap_or_else(|| task_id.clone());
+    let key = agent.claim_key(&task_id);
+    let started = now_ms();
+    let mut record = StoredTask {
+        task: Task {
+            id: task_id.clone(),
+            context_id: context_id.clone(),
+            status: status(TaskState::Working, None, started),
+            artifacts: None,
+            history: Some(vec![Message {
+                task_id: Some(task_id.clone()),
+                context_id: Some(context_id.clone()),
+                ..message
+            }]),
+            metadata: None,
+        },
+        call,
+        caller: caller.subject.clone(),
+    };
+
+    let lease_ms = u64::try_from(agent.options.claim_lease.as_millis()).unwrap_or(u64::MAX);
+    match agent
+        .store
+        .claim(&agent.org, &key, started, lease_ms)
+        .await
+        .map_err(store_failure)?
+    {
+        Claim::Done(bytes) => {
+            let stored = decode_task(&bytes)?;
+            return if stored.bound_to(&record.call, caller) {
+                // A finished task sends no more updates: a webhook given now has nothing to get.
+                Ok(Begun::Stored(stored.task))
+            } else {
+                Err(reused(&task_id))
+            };
+        }
+        Claim::InProgress => {
+            // The running call stores its WORKING task right after claiming; until then there is
+            // nothing to compare with, and echoing the caller's own message reveals nothing.
+            return match agent.load(&task_id).await? {
+                Some((stored, _)) if !stored.bound_to(&record.call, caller) => {
+                    Err(reused(&task_id))
+                }
+                Some((stored, _)) => {
+                    if let Some(config) = push {
+                        crate::push::create_config(agent, &task_id, config).await?;
+                    }
+                    Ok(Begun::Elsewhere(stored.task))
+                }
+                None => Ok(Begun::Elsewhere(record.task)),
+            };
+        }
+        Claim::New => {}
+    }
+
+    let admitted = match gate(agent, &skill, &args, approval_id.as_deref()).await {
+        Ok(admitted) => admitted,
+        Err(e) => {
+            // Nothing ran: give the message id back so the same call can be decided again.
+            tracing::error!(error = %e, "a2a approval gate");
+            agent.release(&key).await;
+            return Err(A2AError::internal("the approval check is unavailable"));
+        }
+    };
+    if let Some(config) = push
+        && let Err(e) = crate::push::create_config(agent, &task_id, config).await
+    {
+        agent.release(&key).await;
+        return Err(e);
+    }
+    // The WORKING task must be stored before anyone is told about it: with returnImmediately the
+    // caller's next request may reach another process.
+    let working = storable(&mut record)?;
+    let version = match agent.put(&record, working, Cond::Any).await {
+        Ok(v) => v,
+        Err(e) => {
+            agent.release(&key).await;
+            return Err(store_failure(e));
+        }
+    };
+    let shown = record.task.clone();
+    crate::push::notify(agent, &task_id, vec![StreamResponse::Task(shown.clone())]).await;
+    let run = tokio::spawn(run(
+        agent.clone(),
+        key,
+        record,
+        version,
+        skill,
+        args,
+        admitted,
+    ));
+    Ok(Begun::Started(shown, run))
+}
+
+/// Runs an admitted call (or records its refusal), stores the finished task and settles the claim.
+async fn run(
+    agent: Arc<Agent>,
+    key: String,
+    mut record: StoredTask,
+    working_version: u64,
+    skill: String,
+    args: Value,
+    admitted: Result<(), SkillError>,
+) -> Result<Task, A2AError> {
+    // A skill must end before its claim's lease does, or a repeat would run it a second time
+    // alongside. Cut off, its effect is unknown: report it retryable (skills are create-if-absent).
+    let timeout = agent.options.skill_timeout();
+    let outcome = match admitted {
+        Err(refusal) => Err(refusal),
+        Ok(()) => match tokio::time::timeout(timeout, agent.skills.invoke(&skill, args)).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(SkillError::retryable(format!(
+                "the skill did not finish within {} s",
+                timeout.as_secs()
+            ))),
+        },
+    };
+    let finished = now_ms();
+    let working = record.task.clone();
+    let retryable_failure = matches!(&outcome, Err(e) if e.retryable);
+    let task_id = record.task.id.clone();
+    let context_id = record.task.context_id.clone();
+    let task = &mut record.task;
+    match outcome {
+        Ok(output) => {
+            task.status = status(TaskState::Completed, None, finished);
+            task.artifacts = Some(vec![Artifact {
+                artifact_id: format!("{task_id}:output"),
+                name: Some("output".into()),
+                description: None,
+                parts: vec![a2a::Part::data(output)],
+                metadata: None,
+                extensions: None,
+            }]);
+        }
+        Err(e) => {
+            task.status = failed_status(&task_id, &context_id, &e.message, e.retryable, finished)
+        }
+    }
+    let mut body = storable(&mut record)?;
+    if body.len() > limits::MAX_BODY {
+        // Too big to store means too big to dedupe; report it as a permanent failure of the call.
+        let why = format!("skill output exceeds {} bytes", limits::MAX_BODY);
+        record.task.artifacts = None;
+        record.task.status = failed_status(&task_id, &context_id, &why, false, finished);
+        body = storable(&mut record)?;
+    }
+
+    // Conditional on the WORKING version: if the task changed meanwhile, another process took it
+    // over after this run's lease ran out (and, say, canceled it); its record stands.
+    match agent
+        .put(&record, body.clone(), Cond::Version(working_version))
+        .await
+    {
+        Ok(_) => {}
+        Err(StoreError::Conflict) => {
+            tracing::warn!(task = %task_id, "a2a task changed while its skill ran; keeping the stored one");
+            return match agent.load(&task_id).await? {
+                Some((stored, _)) => Ok(stored.task),
+                None => Err(A2AError::task_not_found(&task_id)),
+            };
+        }
+        Err(e) => {
+            // The effect may have happened but is not recorded: let the next repeat run the skill
+            // again (skills are create-if-absent) rather than wait out the lease.
+            agent.release(&key).await;
+            return Err(store_failure(e));
+        }
+    }
+    if retryable_failure {
+        // Nothing happened on the app's side, so the same message id may try again at once.
+        agent
+            .store
+            .release(&agent.org, &key)
+            .await
+            .map_err(store_failure)?;
+    } else {
+        agent
+            .store
+            .finish(&agent.org, &key, &body, finished)
+            .await
+            .map_err(store_failure)?;
+    }
+    crate::push::notify(&agent, &task_id, changes(&working, &record.task)).await;
+    Ok(record.task)
+}
+
+/// The record's stored bytes. The history holds the request, which may be large (file contents
+/// for a commit); when the record would not fit in a store item the history is dropped, since the
+/// caller has the request anyway. Still too large is left to the caller to handle.
+fn storable(record: &mut StoredTask) -> Result<Vec<u8>, A2AError> {
+    let encode =
+        |r: &StoredTask| serde_json::to_vec(r).map_err(|e| A2AError::internal(e.to_string()));
+    let body = encode(record)?;
+    if body.len() <= limits::MAX_BODY || record.task.history.is_none() {
+        return Ok(body);
+    }
+    record.task.history = None;
+    encode(record)
+}
+
+fn agent_message(task_id: &str, context_id: &str, suffix: &str, parts: Vec<a2a::Part>) -> Message {
+    Message {
+        message_id: format!("{task_id}:{suffix}"),
+        context_id: Some(context_id.to_string()),
+        task_id: Some(task_id.to_string()),
+        role: Role::Agent,
+        parts,
+        metadata: None,
+        extensions: None,
+        reference_task_ids: None,
+    }
+}
+
+fn failed_status(
+    task_id: &str,
+    context_id: &str,
+    error: &str,
+    retryable: bool,
+    at_ms: i64,
+) -> TaskStatus {
+    let message = agent_message(
+        task_id,
+        context_id,
+        "status",
+        vec![
+            a2a::Part::text(error),
+            a2a::Part::data(json!({"retryable": retryable})),
+        ],
+    );
+    status(TaskState::Failed, Some(message), at_ms)
+}
+
+pub(crate) async fn get_task(
+    agent: &Agent,
+    caller: &Principal,
+    task_id: &str,
+    history: Option<i32>,
+) -> Result<Task, A2AError> {
+    let history = history_length(history)?;
+    let (task, _) = agent.own(caller, task_id).await?;
+    Ok(trim_history(task, history))
+}
+
+/// CancelTask. A running skill cannot be withdrawn (its effect on the app may already have
+/// happened), so a task is cancelable only while nobody runs it: its claim's lease ran out, as
+/// after the process that started it died. Taking the claim settles the message id as canceled, so
+/// a repeat of the call returns the canceled task instead of running the skill.
+pub(crate) async fn cancel_task(
+    agent: &Arc<Agent>,
+    caller: &Principal,
+    task_id: &str,
+) -> Result<Task, A2AError> {
+    let (before, _) = agent.own(caller, task_id).await?;
+    let not_cancelable = |why: &str| {
+        A2AError::new(
+            error_code::TASK_NOT_CANCELABLE,
+            format!("task {task_id} {why}"),
+        )
+    };
+    if before.status.state.is_terminal() {
+        return Err(not_cancelable("is in a terminal state"));
+    }
+    let key = agent.claim_key(task_id);
+    let now = now_ms();
+    let lease_ms = u64::try_from(agent.options.claim_lease.as_millis()).unwrap_or(u64::MAX);
+    match agent
+        .store
+        .claim(&agent.org, &key, now, lease_ms)
+        .await
+        .map_err(store_failure)?
+    {
+        Claim::Done(_) => return Err(not_cancelable("is in a terminal state")),
+        Claim::InProgress => {
+            return Err(not_cancelable(
+                "is running a skill that cannot be interrupted",
+            ));
+        }
+        Claim::New => {}
+    }
+    // Re-read under the claim: the run may have finished between the first read and the claim.
+    let Some((mut record, version)) = agent.load(task_id).await? else {
+        agent.release(&key).await;
+        return Err(A2AError::task_not_found(task_id));
+    };
+    if record.task.status.state.is_terminal() {
+        agent.release(&key).await;
+        return Err(not_cancelable("is in a terminal state"));
+    }
+    let context_id = record.task.context_id.clone();
+    let message = agent_message(
+        task_id,
+        &context_id,
+        "canceled",
+        vec![a2a::Part::text("canceled by the caller")],
+    );
+    record.task.status = status(TaskState::Canceled, Some(message), now);
+    let body = storable(&mut record)?;
+    if let Err(e) = agent
+        .put(&record, body.clone(), Cond::Version(version))
+        .await
+    {
+        agent.release(&key).await;
+        return Err(match e {
+            StoreError::Conflict => not_cancelable("changed while being canceled"),
+            other => store_failure(other),
+        });
+    }
+    agent
+        .store
+        .finish(&agent.org, &key, &body, now)
+        .await
+        .map_err(store_failure)?;
+    crate::push::notify(agent, task_id, changes(&before, &record.task)).await;
+    Ok(record.task)
+}
+
+/// SubscribeToTask: the caller's non-terminal task, to be followed with [`follow`].
+pub(crate) async fn subscribable(
+    agent: &Agent,
+    caller: &Principal,
+    task_id: &str,
+) -> Result<Task, A2AError> {
+    let (task, _) = agent.own(caller, task_id).await?;
+    if task.status.state.is_terminal() {
+        return Err(A2AError::unsupported_operation(format!(
+            "task {task_id} is in a terminal state and has no more updates"
+        )));
+    }
+    Ok(task)
+}
+
+/// The events that turn `before` into `after`: new artifacts, then the status if it changed.
+fn changes(before: &Task, after: &Task) -> Vec<StreamResponse> {
+    let mut events = Vec::new();
+    let known: Vec<&str> = before
+        .artifacts
+        .iter()
+        .flatten()
+        .map(|a| a.artifact_id.as_str())
+        .collect();
+    for artifact in after.artifacts.iter().flatten() {
+        if !known.contains(&artifact.artifact_id.as_str()) {
+            events.push(StreamResponse::ArtifactUpdate(TaskArtifactUpdateEvent {
+                task_id: after.id.clone(),
+                context_id: after.context_id.clone(),
+                artifact: artifact.clone(),
+                append: None,
+                last_chunk: Some(true),
+                metadata: None,
+            }));
+        }
+    }
+    if after.status != before.status {
+        events.push(StreamResponse::StatusUpdate(TaskStatusUpdateEvent {
+            task_id: after.id.clone(),
+            context_id: after.context_id.clone(),
+            status: after.status.clone(),
+            metadata: None,
+        }));
+    }
+    events
+}
+
+/// Streams `first`, then every change of the stored task until it settles (terminal or
+/// interrupted), the subscriber leaves, or `max_follow` passes (the client may subscribe again).
+/// Reading the store, not a channel, is what lets a restarted process serve the subscription.
+pub(crate) async fn follow(agent: Arc<Agent>, caller: Principal, first: Task, tx: EventTx) {
+    let deadline = Instant::now() + agent.options.max_follow;
+    let mut last = first.clone();
+    if tx.send(Ok(StreamResponse::Task(first))).await.is_err() {
+        return;
+    }
+    while !settled(&last.status.state) && Instant::now() < deadline {
+        tokio::time::sleep(agent.options.poll_interval).await;
+        if tx.is_closed() {
+            return;
+        }
+        let now = match agent.own(&caller, &last.id).await {
+            Ok((task, _)) => task,
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+        };
+        for event in changes(&last, &now) {
+            if tx.send(Ok(event)).await.is_err() {
+                return;
+            }
+        }
+        last = now;
+    }
+}
+
+/// Streams a call this request started: the WORKING task, then what its run changed.
+pub(crate) async fn stream_run(
+    working: Task,
+    run: JoinHandle<Result<Task, A2AError>>,
+    tx: EventTx,
+) {
+    if tx
+        .send(Ok(StreamResponse::Task(working.clone())))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let outcome = match run.await {
+        Ok(outcome) => outcome,
+        Err(e) => Err(A2AError::internal(format!(
+            "the skill run ended abnormally: {e}"
+        ))),
+    };
+    match outcome {
+        Ok(done) => {
+            for event in changes(&working, &done) {
+                if tx.send(Ok(event)).await.is_err() {
+                    return;
+                }
+            }
+        }
+        Err(e) => {
+            let _ = tx.send(Err(e)).await;
+        }
+    }
+}
+
+/// Waits for a run this request started (blocking SendMessage).
+pub(crate) async fn finish(run: JoinHandle<Result<Task, A2AError>>) -> Result<Task, A2AError> {
+    run.await
+        .map_err(|e| A2AError::internal(format!("the skill run ended abnormally: {e}")))?
+}
+
+/// Keyset position of a task in ListTasks order (newest status first, then by id).
+#[derive(Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord, Clone)]
+struct Position {
+    /// Negated status time in ms, so ascending order is newest first.
+    t: i64,
+    i: String,
+}
+
+impl Position {
+    fn of(task: &Task) -> Self {
+        Position {
+            t: -task.status.timestamp.map_or(0, |t| t.timestamp_millis()),
+            i: task.id.clone(),
+        }
+    }
+
+    fn token(&self) -> String {
+        B64.encode(serde_json::to_vec(self).unwrap_or_default())
+    }
+
+    fn parse(token: &str) -> Result<Self, A2AError> {
+        let bad = || A2AError::invalid_params("invalid pageToken");
+        if token.len() > MAX_PAGE_TOKEN {
+            return Err(bad());
+        }
+        let bytes = B64.decode(token).map_err(|_| bad())?;
+        serde_json::from_slice(&bytes).map_err(|_| bad())
+    }
+}
+
+/// ListTasks over the caller's tasks on this agent, newest status first, with keyset pagination
+/// (a page token names the last task shown, so inserts do not shift later pages).
+pub(crate) async fn list_tasks(
+    agent: &Agent,
+    caller: &Principal,
+    req: &ListTasksRequest,
+) -> Result<ListTasksResponse, A2AError> {
+    let page_size = match req.page_size {
+        None => DEFAULT_PAGE_SIZE,
+        Some(n) => usize::try_from(n)
+            .ok()
+            .filter(|n| (1..=MAX_PAGE_SIZE).contains(n))
+            .ok_or_else(|| {
+                A2AError::invalid_params(format!("pageSize must be 1..={MAX_PAGE_SIZE}"))
+            })?,
+    };
+    let history = history_length(req.history_length)?;
+    let after = match req.page_token.as_deref() {
+        None | Some("") => None,
+        Some(token) => Some(Position::parse(token)?),
+    };
+    if let Some(ctx) = &req.context_id {
+        check_id("contextId", ctx)?;
+    }
+    let index = agent.list_index(caller);
+    let mut matching: Vec<Position> = Vec::new();
+    let mut page = Page::first(limits::MAX_PAGE);
+    let mut scanned = 0usize;
+    loop {
+        let got = agent
+            .store
+            .list_items(&agent.org, TASK_KIND, Some(&index), page.clone())
+            .await
+            .map_err(store_failure)?;
+        scanned += got.items.len();
+        for item in &got.items {
+            let stored = decode_task(&item.body)?;
+            // The index is a hash of the subject: check the subject itself.
+            if stored.caller != caller.subject {
+                continue;
+            }
+            let task = &stored.task;
+            let keep = req
+                .context_id
+                .as_ref()
+                .is_none_or(|c| &task.context_id == c)
+                && req
+                    .status
+                    .as_ref()
+                    .is_none_or(|s| *s == TaskState::Unspecified || &task.status.state == s)
+                && req
+                    .status_timestamp_after
+                    .is_none_or(|t| task.status.timestamp.is_some_and(|ts| ts > t));
+            if keep {
+                matching.push(Position::of(task));
+            }
+        }
+        match got.next {
+            Some(next) if scanned < MAX_LIST_SCAN => page.cursor = Some(next),
+            Some(_) => {
+                tracing::warn!(agent = %agent.name, "ListTasks stopped after {MAX_LIST_SCAN} tasks");
+                break;
+            }
+            None => break,
+        }
+    }
+    matching.sort();
+    let total = matching.len();
+    let start = after.map_or(0, |a| matching.partition_point(|p| *p <= a));
+    let shown = &matching[start.min(total)..(start + page_size).min(total)];
+    let mut tasks = Vec::with_capacity(shown.len());
+    for position in shown {
+        // Deleted between the scan and now: skip it rather than fail the page.
+        if let Some((stored, _)) = agent.load(&position.i).await? {
+            let mut task = trim_history(stored.task, history);
+            if req.include_artifacts != Some(true) {
+                task.artifacts = None;
+            }
+            tasks.push(task);
+        }
+    }
+    let next_page_token = if start + page_size < total {
+        shown.last().map(Position::token).unwrap_or_default()
+    } else {
+        String::new()
+    };
+    Ok(ListTasksResponse {
+        tasks,
+        next_page_token,
+        page_size: i32::try_from(page_size).unwrap_or(i32::MAX),
+        total_size: i32::try_from(total).unwrap_or(i32::MAX),
+    })
+}
