@@ -10,7 +10,7 @@
 //! - `LOAMS_BENCH_RUNS`: comma-separated batch sizes (default `1,100`; `1` when run as a test), each 1..=1000.
 //! - `LOAMS_BENCH_DIR`: where the batches' SQLite files go (default: the system temp dir).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,7 +21,7 @@ use loams::demo::{DEMO_CASSETTE, sandbox_counts};
 use loams::phone::Phone;
 use loams::stack::{Backend, Stack, sandbox_apps};
 use loams_factory::{Run, Signal};
-use loams_model::Replay;
+use loams_model::{ChatModel, ChatRequest, ChatResponse, ModelError};
 use loams_platform::{Clock, Counting, OpCounts, Page, RunRow, Sqlite, Store, SystemClock, limits};
 use loams_sandbox::{Sandbox, SandboxConfig};
 use serde_json::{Value, json};
@@ -144,7 +144,7 @@ async fn batch(n: usize, root: &std::path::Path) -> anyhow::Result<BatchResult> 
     config.factory.ci_poll_ms = CI_POLL_MS;
     let org = config.org.clone();
 
-    let model = Arc::new(Replay::from_json_str(&cassette(n)?).context("building the cassette")?);
+    let model = Arc::new(Story::from_demo()?);
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let sqlite =
         Sqlite::open(dir.path().join("loams.db"), clock.clone()).context("opening the store")?;
@@ -285,29 +285,59 @@ async fn batch(n: usize, root: &std::path::Path) -> anyhow::Result<BatchResult> 
     Ok(result)
 }
 
-/// The demo's story for every run: the demo cassette's completions repeated. All runs' first fix requests come
-/// first (they are opened together), so the fix track is every failing first fix, then every passing one; a
-/// margin of spares keeps a run that happens to ask out of turn from running the cassette dry.
-fn cassette(n: usize) -> anyhow::Result<String> {
-    let demo: Value = serde_json::from_str(DEMO_CASSETTE).context("the demo cassette")?;
-    let completions = demo["completions"]
-        .as_array()
-        .ok_or_else(|| anyhow!("the demo cassette has no completions"))?;
-    let spare = n / 2 + 2;
-    let mut out = Vec::new();
-    let mut fixes = 0;
-    for c in completions {
-        let copies = match c["purpose"].as_str() {
-            // The demo's first fix fails CI, its second passes.
-            Some("fix") if fixes == 0 => n,
-            _ => n + spare,
-        };
-        if c["purpose"] == "fix" {
-            fixes += 1;
+/// The demo's story for every run, told to each run on its own: its first fix (the demo cassette's failing one),
+/// then, once the prompt carries the failed attempt's feedback, the passing one; the reviews as recorded. A
+/// cassette served in one order to every run would hand a run that moves faster than the others someone else's
+/// attempt. Each patch also carries the run's fingerprint as a comment: the runs share one repository, and a fix
+/// already merged by another run would otherwise leave nothing to change.
+struct Story {
+    completions: HashMap<&'static str, Vec<ChatResponse>>,
+}
+
+impl Story {
+    fn from_demo() -> anyhow::Result<Self> {
+        let demo: Value = serde_json::from_str(DEMO_CASSETTE).context("the demo cassette")?;
+        let mut completions: HashMap<&'static str, Vec<ChatResponse>> = HashMap::new();
+        for c in demo["completions"].as_array().ok_or_else(|| anyhow!("the demo cassette has no completions"))? {
+            let purpose = match c["purpose"].as_str() {
+                Some("fix") => "fix",
+                Some("lead_review") => "lead_review",
+                Some("security_audit") => "security_audit",
+                other => bail!("the demo cassette has a completion for {other:?}"),
+            };
+            completions.entry(purpose).or_default().push(ChatResponse {
+                text: c["text"].as_str().unwrap_or_default().to_string(),
+                model: "bench-story".into(),
+                input_tokens: c["input_tokens"].as_u64().unwrap_or_default(),
+                output_tokens: c["output_tokens"].as_u64().unwrap_or_default(),
+            });
         }
-        out.extend(std::iter::repeat_n(c.clone(), copies));
+        if completions.get("fix").map(Vec::len) != Some(2) {
+            bail!("the demo cassette must have a failing and a passing fix");
+        }
+        Ok(Self { completions })
     }
-    Ok(json!({ "completions": out }).to_string())
+}
+
+#[async_trait::async_trait]
+impl ChatModel for Story {
+    async fn complete(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
+        let prompt = req.messages.iter().map(|m| m.content.as_str()).collect::<String>();
+        let unknown = || ModelError::Config(format!("the bench story has no answer for {:?}", req.purpose));
+        let answers = self.completions.get(req.purpose.as_str()).ok_or_else(unknown)?;
+        if req.purpose != "fix" {
+            return answers.first().cloned().ok_or_else(unknown);
+        }
+        let retry = prompt.contains(" failed. What went wrong");
+        let mut answer = answers[usize::from(retry)].clone();
+        let fingerprint = prompt
+            .split("fingerprint ")
+            .nth(1)
+            .and_then(|rest| rest.split(')').next())
+            .ok_or_else(|| ModelError::Config("the fix prompt names no fingerprint".into()))?;
+        answer.text = answer.text.replacen("```python\n", &format!("```python\n# {fingerprint}\n"), 1);
+        Ok(answer)
+    }
 }
 
 async fn ended(store: &Sqlite, org: &str) -> anyhow::Result<usize> {

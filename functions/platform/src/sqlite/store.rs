@@ -214,9 +214,11 @@ impl Store for Sqlite {
         let first = page.cursor.is_none();
         let (org, state) = (org.to_owned(), state.map(str::to_owned));
         self.with_reader(move |conn, _| {
+            // As in `list_items`: one statement per shape, so a state filter uses `runs_by_state`.
+            let by_state = if state.is_some() { "AND state = ?2" } else { "AND ?2 IS NULL" };
             let sql = format!(
                 "SELECT {RUN_COLUMNS} FROM runs
-                 WHERE org = ?1 AND (?2 IS NULL OR state = ?2)
+                 WHERE org = ?1 {by_state}
                    AND (?5 OR created_ms < ?3 OR (created_ms = ?3 AND id < ?4))
                  ORDER BY created_ms DESC, id DESC LIMIT ?6"
             );
@@ -381,9 +383,12 @@ impl Store for Sqlite {
         );
         self.with_reader(move |conn, inner| {
             let now = inner.clock.now_ms();
+            // Two statements rather than `(?3 IS NULL OR idx = ?3)`: a statement is planned once for every
+            // binding, so that form cannot use the (partial) index and scans every item of the kind.
+            let by_index = if index.is_some() { "AND idx = ?3" } else { "AND ?3 IS NULL" };
             let sql = format!(
                 "SELECT {ITEM_COLUMNS} FROM items
-                 WHERE org = ?1 AND kind = ?2 AND (?3 IS NULL OR idx = ?3) AND (?4 IS NULL OR id > ?4)
+                 WHERE org = ?1 AND kind = ?2 {by_index} AND (?4 IS NULL OR id > ?4)
                    AND (expires_ms IS NULL OR expires_ms > ?5)
                  ORDER BY id LIMIT ?6"
             );
