@@ -24,7 +24,7 @@ use loams_factory::{Run, Signal};
 use loams_model::{ChatModel, ChatRequest, ChatResponse, ModelError};
 use loams_platform::{Clock, Counting, OpCounts, Page, RunRow, Sqlite, Store, SystemClock, limits};
 use loams_sandbox::{Sandbox, SandboxConfig};
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::task::JoinSet;
 
 /// How often the driver looks for pending approvals (on the uncounted store handle).
