@@ -1,6 +1,6 @@
 //! loams-api: the HTTP surface of the factory. Connect services (FactoryService, ApprovalService, DeviceService) on
-//! loams-proto's Connect server, bearer-token auth (ES256 JWT, JWKS), the GlitchTip alert webhook and the dev
-//! issuer's JWKS.
+//! loams-proto's Connect server, bearer-token auth (ES256 JWT, JWKS), the apps' webhooks (Forgejo, Plane, Zulip,
+//! GlitchTip) and the dev issuer's JWKS.
 //!
 //! Every Connect call needs `Authorization: Bearer <jwt>` and sees only the organisation its token names: a record of
 //! another organisation answers exactly as a missing one does. Every write takes an idempotency key; a repeat with
@@ -14,7 +14,7 @@ mod devices;
 mod error;
 mod factory;
 mod idem;
-mod webhook;
+pub mod webhooks;
 
 use std::sync::Arc;
 
@@ -26,13 +26,19 @@ pub use broker::{AGENT_SUBJECT, AgentAuth, AgentTokens, ApprovalBroker};
 pub use devices::MAX_ACTIVE_DEVICES;
 pub use factory::KillSwitch;
 pub use error::ApiError;
-pub use webhook::{GlitchtipHook, MAX_WEBHOOK_BYTES, RunOpener};
+pub use webhooks::{AppHook, GlitchtipHook, MAX_WEBHOOK_BYTES, RunOpener};
 
 /// Settings read once at start.
 #[derive(Clone, Debug)]
 pub struct ApiConfig {
     /// GlitchTip alert webhooks: each secret URL token opens runs in one organisation.
     pub glitchtip_hooks: Vec<GlitchtipHook>,
+    /// Forgejo webhooks (`/webhooks/forgejo/<id>`), each with its HMAC secret.
+    pub forgejo_hooks: Vec<AppHook>,
+    /// Plane webhooks (`/webhooks/plane/<id>`), each with its HMAC secret.
+    pub plane_hooks: Vec<AppHook>,
+    /// Zulip outgoing webhooks (`/webhooks/zulip/<id>`); the secret is the bot's token.
+    pub zulip_hooks: Vec<AppHook>,
     /// How long a decision challenge stays usable.
     pub challenge_ttl_ms: i64,
     /// How often WatchRun looks for new events.
@@ -49,6 +55,9 @@ impl Default for ApiConfig {
     fn default() -> Self {
         Self {
             glitchtip_hooks: Vec::new(),
+            forgejo_hooks: Vec::new(),
+            plane_hooks: Vec::new(),
+            zulip_hooks: Vec::new(),
             challenge_ttl_ms: 5 * 60 * 1000,
             watch_poll_ms: 500,
             watch_heartbeat_ms: 15_000,
@@ -90,7 +99,7 @@ pub fn router(state: ApiState) -> axum::Router {
     let connect = factory::routes(state.clone(), loams_proto::connect::Router::new());
     let connect = approvals::routes(state.clone(), connect);
     let connect = devices::routes(state.clone(), connect);
-    let mut extra = axum::Router::new().merge(webhook::routes(state.clone()));
+    let mut extra = axum::Router::new().merge(webhooks::routes(state.clone()));
     if let Some(jwks) = state.jwks.clone() {
         extra = extra.route("/.well-known/jwks.json", get(move || async move { axum::Json((*jwks).clone()) }));
     }

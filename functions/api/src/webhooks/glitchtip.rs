@@ -3,20 +3,20 @@
 
 use async_trait::async_trait;
 use aws_lc_rs::{constant_time, digest};
-use axum::Json;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
 use axum::routing::post;
 use loams_factory::Signal;
 use loams_platform::{Cond, Item};
 use serde::Deserialize;
 
+use super::reply;
 use crate::{ApiError, ApiState};
 
 /// Largest webhook body read; GlitchTip's alerts are a few KiB.
 pub const MAX_WEBHOOK_BYTES: usize = 64 * 1024;
-/// How long a delivery is remembered for dedupe.
-const DEDUPE_MS: i64 = 10 * 60 * 1000;
+use super::DEDUPE_MS;
 const MAX_ISSUE_ID: usize = 64;
 
 /// One configured GlitchTip webhook: its secret URL token opens runs in `org` / `env`.
@@ -62,10 +62,28 @@ fn find_hook<'a>(hooks: &'a [GlitchtipHook], token: &str) -> Option<&'a Glitchti
     found
 }
 
-/// The signal of an alert body whose issue link is on `origin`, or why it is not one.
-fn signal_of(body: &[u8], origin: &reqwest::Url) -> Result<Signal, String> {
-    let alert: Alert = serde_json::from_slice(body).map_err(|e| format!("not a GlitchTip alert: {e}"))?;
-    let first = alert.attachments.first().ok_or("the alert has no attachments")?;
+/// The signal of an alert body whose issue link is on the origin of `origin` (the configured GlitchTip URL).
+/// Errors: `InvalidArgument` (too large, not an alert, a link that is not a GlitchTip issue on that origin),
+/// `FailedPrecondition` (the configured origin is not an http(s) URL).
+pub fn parse_glitchtip(body: &[u8], origin: &str) -> Result<Signal, ApiError> {
+    let origin = match reqwest::Url::parse(origin) {
+        Ok(url) if url.origin().is_tuple() => url,
+        _ => {
+            return Err(ApiError::FailedPrecondition(format!(
+                "the GlitchTip hook's origin {origin:?} is not an http(s) URL"
+            )));
+        }
+    };
+    if body.len() > MAX_WEBHOOK_BYTES {
+        return Err(super::too_large(MAX_WEBHOOK_BYTES));
+    }
+    let bad = |m: &str| ApiError::InvalidArgument(m.into());
+    let alert: Alert = serde_json::from_slice(body)
+        .map_err(|e| ApiError::InvalidArgument(format!("not a GlitchTip alert: {e}")))?;
+    let first = alert
+        .attachments
+        .first()
+        .ok_or_else(|| bad("the alert has no attachments"))?;
     let link = first.title_link.trim();
     // `<GLITCHTIP_URL>/<org_slug>/issues/<issue_id>`; issue ids are numbers. Uptime alerts link a monitor and open
     // nothing here.
@@ -75,14 +93,23 @@ fn signal_of(body: &[u8], origin: &reqwest::Url) -> Result<Signal, String> {
         && !issue_id.is_empty()
         && issue_id.len() <= MAX_ISSUE_ID
         && issue_id.bytes().all(|c| c.is_ascii_digit());
-    if !id_ok || !(link.starts_with("https://") || link.starts_with("http://")) || link.len() > loams_factory::MAX_ID {
-        return Err("attachments[0].title_link is not a GlitchTip issue URL".into());
+    if !id_ok
+        || !(link.starts_with("https://") || link.starts_with("http://"))
+        || link.len() > loams_factory::MAX_ID
+    {
+        return Err(bad(
+            "attachments[0].title_link is not a GlitchTip issue URL",
+        ));
     }
-    // Scheme, host and port must all match; the configured origin is a tuple origin (checked by the caller), so two
+    // Scheme, host and port must all match; the configured origin is a tuple origin (checked above), so two
     // unparseable URLs never compare equal.
     match reqwest::Url::parse(link) {
         Ok(url) if url.origin() == origin.origin() => {}
-        _ => return Err("attachments[0].title_link is not on the configured GlitchTip origin".into()),
+        _ => {
+            return Err(bad(
+                "attachments[0].title_link is not on the configured GlitchTip origin",
+            ));
+        }
     }
     // The title is untrusted text: kept as data, cut to the engine's limit.
     let mut title: String = first.title.chars().filter(|c| !c.is_control()).collect();
@@ -105,50 +132,40 @@ fn signal_of(body: &[u8], origin: &reqwest::Url) -> Result<Signal, String> {
     })
 }
 
-fn reply(status: StatusCode, body: serde_json::Value) -> (StatusCode, Json<serde_json::Value>) {
-    (status, Json(body))
-}
-
 async fn glitchtip(
     State(state): State<ApiState>,
     Path(token): Path<String>,
     headers: HeaderMap,
     body: axum::body::Body,
-) -> (StatusCode, Json<serde_json::Value>) {
+) -> Response {
     let Some(hook) = find_hook(&state.config.glitchtip_hooks, &token) else {
         // Same answer as an unknown path: the URL is the secret.
-        return reply(StatusCode::NOT_FOUND, serde_json::json!({"error": "not found"}));
+        return reply(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": "not found"}),
+        );
     };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    let too_large = || reply(StatusCode::PAYLOAD_TOO_LARGE, serde_json::json!({"error": "body larger than 64 KiB"}));
-    if declared.is_some_and(|n| n > MAX_WEBHOOK_BYTES) {
-        return too_large();
-    }
-    let Ok(body) = axum::body::to_bytes(body, MAX_WEBHOOK_BYTES).await else {
-        return too_large();
+    let body = match super::read_body(&headers, body, MAX_WEBHOOK_BYTES).await {
+        Ok(b) => b,
+        Err(r) => return r,
     };
-    let origin = match reqwest::Url::parse(&hook.origin) {
-        Ok(url) if url.origin().is_tuple() => url,
-        _ => {
-            tracing::error!(org = %hook.org, origin = %hook.origin, "the GlitchTip hook's origin is not an http(s) URL");
-            return reply(StatusCode::SERVICE_UNAVAILABLE, serde_json::json!({"error": "webhook misconfigured"}));
-        }
-    };
-    let signal = match signal_of(&body, &origin) {
+    let signal = match parse_glitchtip(&body, &hook.origin) {
         Ok(s) => s,
-        Err(msg) => return reply(StatusCode::BAD_REQUEST, serde_json::json!({"error": msg})),
+        Err(e) => return super::error_reply(e),
     };
     match deliver(&state, state.opener.as_ref(), hook, &body, signal).await {
         Ok(Some(run)) => reply(StatusCode::ACCEPTED, serde_json::json!({"run": run})),
         Ok(None) => reply(StatusCode::OK, serde_json::json!({"duplicate": true})),
         // Received and understood, and nothing to do (cooldown, kill switch): a 2xx so GlitchTip does not resend.
-        Err(ApiError::FailedPrecondition(reason)) => reply(StatusCode::OK, serde_json::json!({"refused": reason})),
+        Err(ApiError::FailedPrecondition(reason)) => {
+            reply(StatusCode::OK, serde_json::json!({"refused": reason}))
+        }
         Err(e) => {
             tracing::warn!(error = %e, org = %hook.org, "glitchtip webhook failed");
-            reply(StatusCode::SERVICE_UNAVAILABLE, serde_json::json!({"error": "try again later"}))
+            reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                serde_json::json!({"error": "try again later"}),
+            )
         }
     }
 }
@@ -167,7 +184,12 @@ async fn deliver(
     // GlitchTip sends no delivery id; a redelivery carries the same bytes, so the body's hash identifies it.
     let hash = digest::digest(&digest::SHA256, body);
     let id = format!("glitchtip:{}", hex::encode(hash.as_ref()));
-    if state.store.get_item(&hook.org, "webhook", &id).await?.is_some() {
+    if state
+        .store
+        .get_item(&hook.org, "webhook", &id)
+        .await?
+        .is_some()
+    {
         return Ok(None);
     }
     let run = opener.open(&hook.org, &hook.env, signal).await?;
@@ -184,17 +206,15 @@ async fn deliver(
     Ok(Some(run))
 }
 
-pub(crate) fn routes(state: ApiState) -> axum::Router {
-    axum::Router::new().route("/webhooks/glitchtip/{token}", post(glitchtip)).with_state(state)
+pub(super) fn routes(state: ApiState) -> axum::Router {
+    axum::Router::new()
+        .route("/webhooks/glitchtip/{token}", post(glitchtip))
+        .with_state(state)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn origin(url: &str) -> reqwest::Url {
-        reqwest::Url::parse(url).unwrap()
-    }
 
     #[test]
     fn signal_from_slack_style_alert() {
@@ -203,7 +223,11 @@ mod tests {
             "attachments": [{"title": "ZeroDivisionError: checkout", "title_link": "https://gt.example/acme/issues/4217",
                              "text": "checkout.total", "fields": []}]
         });
-        let s = signal_of(&serde_json::to_vec(&body).unwrap(), &origin("https://gt.example/ignored/path")).unwrap();
+        let s = parse_glitchtip(
+            &serde_json::to_vec(&body).unwrap(),
+            "https://gt.example/ignored/path",
+        )
+        .unwrap();
         assert_eq!(s.fingerprint, "glitchtip:4217");
         assert_eq!(s.glitchtip_issue_id.as_deref(), Some("4217"));
         assert_eq!(s.title, "ZeroDivisionError: checkout");
@@ -212,23 +236,30 @@ mod tests {
 
     #[test]
     fn rejects_bodies_that_are_not_alerts() {
-        let gt = origin("https://gt");
-        let link = |l: &str| format!(r#"{{"attachments": [{{"title": "x", "title_link": "{l}"}}]}}"#).into_bytes();
-        assert!(signal_of(b"{", &gt).is_err());
-        assert!(signal_of(br#"{"attachments": []}"#, &gt).is_err());
-        assert!(signal_of(&link("https://gt/acme/issues/"), &gt).is_err());
-        assert!(signal_of(&link("javascript:alert(1)/5"), &gt).is_err());
-        assert!(signal_of(&link("https://gt/a/issues/1;rm"), &gt).is_err());
-        assert!(signal_of(&link("https://gt/a/monitors/12"), &gt).is_err());
-        assert!(signal_of(&link("https://gt/a/issues/12/"), &gt).is_ok());
+        let gt = "https://gt";
+        let link = |l: &str| {
+            format!(r#"{{"attachments": [{{"title": "x", "title_link": "{l}"}}]}}"#).into_bytes()
+        };
+        assert!(parse_glitchtip(b"{", gt).is_err());
+        assert!(parse_glitchtip(br#"{"attachments": []}"#, gt).is_err());
+        assert!(parse_glitchtip(&link("https://gt/acme/issues/"), gt).is_err());
+        assert!(parse_glitchtip(&link("javascript:alert(1)/5"), gt).is_err());
+        assert!(parse_glitchtip(&link("https://gt/a/issues/1;rm"), gt).is_err());
+        assert!(parse_glitchtip(&link("https://gt/a/monitors/12"), gt).is_err());
+        assert!(parse_glitchtip(&link("https://gt/a/issues/12/"), gt).is_ok());
     }
 
     #[test]
     fn the_issue_link_must_be_on_the_configured_origin() {
-        let gt = origin("https://gt.example");
-        let link = |l: &str| format!(r#"{{"attachments": [{{"title": "x", "title_link": "{l}"}}]}}"#).into_bytes();
-        assert!(signal_of(&link("https://gt.example/a/issues/1"), &gt).is_ok());
-        assert!(signal_of(&link("https://GT.example:443/a/issues/1"), &gt).is_ok(), "same origin, other spelling");
+        let gt = "https://gt.example";
+        let link = |l: &str| {
+            format!(r#"{{"attachments": [{{"title": "x", "title_link": "{l}"}}]}}"#).into_bytes()
+        };
+        assert!(parse_glitchtip(&link("https://gt.example/a/issues/1"), gt).is_ok());
+        assert!(
+            parse_glitchtip(&link("https://GT.example:443/a/issues/1"), gt).is_ok(),
+            "same origin, other spelling"
+        );
         for other in [
             "https://evil.example/a/issues/1",
             "http://gt.example/a/issues/1",
@@ -237,20 +268,36 @@ mod tests {
             "https://gt.example@evil.example/a/issues/1",
             "https://sub.gt.example/a/issues/1",
         ] {
-            assert!(signal_of(&link(other), &gt).is_err(), "{other} must be refused");
+            assert!(
+                parse_glitchtip(&link(other), gt).is_err(),
+                "{other} must be refused"
+            );
         }
-        let local = origin("http://127.0.0.1:4000");
-        assert!(signal_of(&link("http://127.0.0.1:4000/a/issues/1"), &local).is_ok());
-        assert!(signal_of(&link("http://127.0.0.1:4001/a/issues/1"), &local).is_err());
+        let local = "http://127.0.0.1:4000";
+        assert!(parse_glitchtip(&link("http://127.0.0.1:4000/a/issues/1"), local).is_ok());
+        assert!(parse_glitchtip(&link("http://127.0.0.1:4001/a/issues/1"), local).is_err());
     }
 
     #[test]
     fn hook_lookup_needs_the_exact_token() {
         let hooks = vec![
-            GlitchtipHook { org: "a".into(), env: "prod".into(), token: "token-aaaaaaaaaaaa".into(), origin: "https://gt".into() },
-            GlitchtipHook { org: "b".into(), env: "prod".into(), token: "token-bbbbbbbbbbbb".into(), origin: "https://gt".into() },
+            GlitchtipHook {
+                org: "a".into(),
+                env: "prod".into(),
+                token: "token-aaaaaaaaaaaa".into(),
+                origin: "https://gt".into(),
+            },
+            GlitchtipHook {
+                org: "b".into(),
+                env: "prod".into(),
+                token: "token-bbbbbbbbbbbb".into(),
+                origin: "https://gt".into(),
+            },
         ];
-        assert_eq!(find_hook(&hooks, "token-bbbbbbbbbbbb").map(|h| h.org.as_str()), Some("b"));
+        assert_eq!(
+            find_hook(&hooks, "token-bbbbbbbbbbbb").map(|h| h.org.as_str()),
+            Some("b")
+        );
         assert!(find_hook(&hooks, "token-bbbbbbbbbbb").is_none());
         assert!(find_hook(&hooks, "").is_none());
     }
