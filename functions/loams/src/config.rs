@@ -71,6 +71,125 @@ pub struct Config {
     pub policy: loams_factory::Policy,
     /// App endpoints and credentials. Absent: the sandbox apps are started in-process.
     pub apps: Option<AppSettings>,
+    /// Where runs, the queue and timers live: the embedded SQLite store, or DynamoDB and SQS.
+    pub backend: BackendSettings,
+}
+
+/// Which adapter serves the `Store` and `Timers` ports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    #[default]
+    Sqlite,
+    Dynamodb,
+}
+
+/// Which adapter serves the `Queue` port.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueKind {
+    #[default]
+    Sqlite,
+    Sqs,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct BackendSettings {
+    pub store: StoreKind,
+    pub queue: QueueKind,
+    /// A local AWS emulator (moto) at this URL: dummy credentials, and the table and queue are created when
+    /// absent. Unset: AWS itself, with the region and credentials of the environment, and the table and queue
+    /// must exist (the SAM template makes them).
+    pub aws_endpoint: Option<String>,
+    /// The DynamoDB table (`store = "dynamodb"`).
+    pub table: String,
+    /// The SQS queue's name (`queue = "sqs"`); its dead-letter queue is `<name>-dlq`. Used with `aws_endpoint`.
+    pub queue_name: String,
+    /// The queue's URL on AWS (`queue = "sqs"` without `aws_endpoint`), with its dead-letter queue's.
+    pub queue_url: Option<String>,
+    pub dead_letter_url: Option<String>,
+}
+
+impl Default for BackendSettings {
+    fn default() -> Self {
+        BackendSettings {
+            store: StoreKind::Sqlite,
+            queue: QueueKind::Sqlite,
+            aws_endpoint: None,
+            table: "loams".into(),
+            queue_name: "loams-work".into(),
+            queue_url: None,
+            dead_letter_url: None,
+        }
+    }
+}
+
+impl BackendSettings {
+    /// Whether any port is served by AWS.
+    pub fn uses_aws(&self) -> bool {
+        self.store == StoreKind::Dynamodb || self.queue == QueueKind::Sqs
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_settings()?;
+        if self.uses_aws() && !cfg!(feature = "aws") {
+            let setting = if self.store == StoreKind::Dynamodb { "backend.store" } else { "backend.queue" };
+            return Err(ConfigError::Invalid {
+                setting,
+                message: "this build has no AWS adapters (build loams with `--features aws`)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn validate_settings(&self) -> Result<(), ConfigError> {
+        let invalid = |setting, message: String| Err(ConfigError::Invalid { setting, message });
+        if let Some(url) = &self.aws_endpoint
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            return invalid("backend.aws_endpoint", format!("must be an http(s) URL, not {url:?}"));
+        }
+        // DynamoDB's table name rule.
+        let table_ok = (3..=255).contains(&self.table.len())
+            && self.table.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+        if self.store == StoreKind::Dynamodb && !table_ok {
+            return invalid("backend.table", "must be 3-255 characters of a-z, A-Z, 0-9, '_', '.' and '-'".into());
+        }
+        if self.queue != QueueKind::Sqs {
+            return Ok(());
+        }
+        match (&self.queue_url, &self.dead_letter_url, &self.aws_endpoint) {
+            (Some(_), None, _) => {
+                return invalid("backend.dead_letter_url", "must be set together with backend.queue_url".into());
+            }
+            (None, Some(_), _) => {
+                return invalid("backend.queue_url", "must be set together with backend.dead_letter_url".into());
+            }
+            (None, None, None) => {
+                return invalid(
+                    "backend.queue_url",
+                    "is required for queue = \"sqs\" on AWS (or set backend.aws_endpoint to use a local emulator)"
+                        .into(),
+                );
+            }
+            (Some(queue), Some(dlq), _) => {
+                for (setting, url) in [("backend.queue_url", queue), ("backend.dead_letter_url", dlq)] {
+                    if !(url.starts_with("http://") || url.starts_with("https://")) {
+                        return invalid(setting, format!("must be an http(s) URL, not {url:?}"));
+                    }
+                }
+            }
+            (None, None, Some(_)) => {}
+        }
+        // SQS's queue name rule, leaving room for the `-dlq` suffix of the dead-letter queue.
+        let name_ok = (1..=76).contains(&self.queue_name.len())
+            && self.queue_name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b));
+        if !name_ok {
+            return invalid("backend.queue_name", "must be 1-76 characters of a-z, A-Z, 0-9, '_' and '-'".into());
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -167,6 +286,7 @@ impl Default for Config {
             factory: FactorySettings::default(),
             policy: loams_factory::Policy::default(),
             apps: None,
+            backend: BackendSettings::default(),
         }
     }
 }
@@ -287,7 +407,7 @@ impl Config {
                 }
             }
         }
-        Ok(())
+        self.backend.validate()
     }
 
     /// The model API key, read from the environment variable the config names.
@@ -323,6 +443,11 @@ mod tests {
             ("[[policy.rules]]\nagent = \"jira\"\nverdict = \"allow\"", "policy.rules"),
             ("[factory]\nmax_attempts = 0", "factory.max_attempts"),
             ("[model]\nbase_url = \"ftp://x\"", "model.base_url"),
+            ("[backend]\nqueue = \"sqs\"\naws_endpoint = \"localhost:5000\"", "backend.aws_endpoint"),
+            ("[backend]\nqueue = \"sqs\"", "backend.queue_url"),
+            ("[backend]\nqueue = \"sqs\"\nqueue_url = \"https://q\"", "backend.dead_letter_url"),
+            ("[backend]\nqueue = \"sqs\"\naws_endpoint = \"http://m\"\nqueue_name = \"a.fifo\"", "backend.queue_name"),
+            ("[backend]\nstore = \"dynamodb\"\naws_endpoint = \"http://m\"\ntable = \"t\"", "backend.table"),
         ];
         for (text, setting) in cases {
             let err = Config::parse(text).unwrap().validate().unwrap_err().to_string();
@@ -366,6 +491,26 @@ mod tests {
             p.decide("zulip", "post", loams_factory::Risk::Write, "production"),
             loams_factory::Verdict::Approve
         );
+    }
+
+    #[test]
+    fn backend_settings_are_read() {
+        let config = Config::parse(
+            "[backend]\nstore = \"dynamodb\"\nqueue = \"sqs\"\ntable = \"loams-prod\"\n\
+             queue_url = \"https://sqs.eu-west-1.amazonaws.com/1/w\"\ndead_letter_url = \"https://sqs.eu-west-1.amazonaws.com/1/w-dlq\"\n",
+        )
+        .unwrap();
+        let b = &config.backend;
+        assert_eq!((b.store, b.queue, b.table.as_str()), (StoreKind::Dynamodb, QueueKind::Sqs, "loams-prod"));
+        let checked = config.validate();
+        if cfg!(feature = "aws") {
+            checked.unwrap();
+        } else {
+            assert!(checked.unwrap_err().to_string().contains("backend.store"));
+        }
+        // An unknown adapter is refused by name.
+        let err = Config::parse("[backend]\nstore = \"postgres\"").unwrap_err();
+        assert!(err.contains("store") && err.contains("dynamodb"), "{err}");
     }
 
     #[test]

@@ -124,7 +124,7 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
     }
     let model = Arc::new(Replay::from_json_str(&scenario.cassette).context("reading the cassette")?);
     let config = &scenario.config;
-    let stack = Stack::start(config, &sandbox_apps(&sandbox.info()), model, Backend::sqlite(&config.data_dir)?).await?;
+    let stack = Stack::start(config, &sandbox_apps(&sandbox.info()), model, Backend::from_config(config).await?).await?;
     writeln!(out, "loams demo: API {}  store {}", stack.api_url, config.data_dir.display())?;
 
     // The approver's phone, and the on-call engineer's view of the runs (the run acts on their behalf, so they

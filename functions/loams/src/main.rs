@@ -40,6 +40,21 @@ enum Command {
         /// Apps' sandbox state file (only when the sandbox runs in-process).
         #[arg(long)]
         sandbox_state: Option<PathBuf>,
+        /// Store and timers: the embedded `sqlite` file or `dynamodb` (setting `backend.store`).
+        #[arg(long)]
+        store: Option<StoreArg>,
+        /// Work queue: the embedded `sqlite` file or `sqs` (setting `backend.queue`).
+        #[arg(long)]
+        queue: Option<QueueArg>,
+        /// A local AWS emulator such as moto (setting `backend.aws_endpoint`); the table and queue are created there.
+        #[arg(long, env = "LOAMS_AWS_ENDPOINT")]
+        aws_endpoint: Option<String>,
+        /// DynamoDB table name (setting `backend.table`).
+        #[arg(long)]
+        table: Option<String>,
+        /// SQS queue name on the emulator (setting `backend.queue_name`).
+        #[arg(long)]
+        queue_name: Option<String>,
     },
     /// Print a bearer token of the dev issuer (the key in the data directory) for a user.
     Token {
@@ -50,6 +65,8 @@ enum Command {
         #[arg(long)]
         user: String,
     },
+    /// Print a new P-256 private key (PKCS#8, base64) for a deployed stack's token issuer or agent cards.
+    Keygen,
     /// Run only the sandbox apps (fake Zulip, Plane, Forgejo, GlitchTip, OpenPanel) and print their URLs as JSON.
     Sandbox {
         /// File the sandbox keeps its state in, so it survives restarts.
@@ -59,6 +76,36 @@ enum Command {
         #[arg(long)]
         urls_file: Option<PathBuf>,
     },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum StoreArg {
+    Sqlite,
+    Dynamodb,
+}
+
+impl From<StoreArg> for config::StoreKind {
+    fn from(arg: StoreArg) -> Self {
+        match arg {
+            StoreArg::Sqlite => config::StoreKind::Sqlite,
+            StoreArg::Dynamodb => config::StoreKind::Dynamodb,
+        }
+    }
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum QueueArg {
+    Sqlite,
+    Sqs,
+}
+
+impl From<QueueArg> for config::QueueKind {
+    fn from(arg: QueueArg) -> Self {
+        match arg {
+            QueueArg::Sqlite => config::QueueKind::Sqlite,
+            QueueArg::Sqs => config::QueueKind::Sqs,
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -79,7 +126,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Demo { data_dir } => demo::run(data_dir).await,
-            Command::Dev { config, listen, data_dir, cassette, sandbox_state } => {
+            Command::Dev { config, listen, data_dir, cassette, sandbox_state, store, queue, aws_endpoint, table, queue_name } => {
                 let mut config = config::Config::load(config.as_deref())?;
                 if let Some(listen) = listen {
                     config.listen = listen;
@@ -89,6 +136,22 @@ fn main() -> ExitCode {
                 }
                 if let Some(cassette) = cassette {
                     config.model.cassette = Some(cassette);
+                }
+                let backend = &mut config.backend;
+                if let Some(store) = store {
+                    backend.store = store.into();
+                }
+                if let Some(queue) = queue {
+                    backend.queue = queue.into();
+                }
+                if aws_endpoint.is_some() {
+                    backend.aws_endpoint = aws_endpoint;
+                }
+                if let Some(table) = table {
+                    backend.table = table;
+                }
+                if let Some(name) = queue_name {
+                    backend.queue_name = name;
                 }
                 config.validate()?;
                 stack::dev(config, sandbox_state).await
@@ -100,6 +163,11 @@ fn main() -> ExitCode {
                 }
                 let issuer = stack::dev_issuer(&config.data_dir)?;
                 println!("{}", stack::dev_token(&issuer, &user, &config.org)?);
+                Ok(())
+            }
+            Command::Keygen => {
+                let key = loams_api::Issuer::generate_pkcs8().map_err(|e| anyhow::anyhow!("generating a key: {e}"))?;
+                println!("{}", base64::Engine::encode(&base64::engine::general_purpose::STANDARD, key));
                 Ok(())
             }
             Command::Sandbox { state, urls_file } => stack::sandbox_only(state, urls_file).await,

@@ -20,7 +20,7 @@ use loams_factory::Signal;
 use loams_model::{ChatModel, ModelConfig, OpenAiCompatible, Replay};
 use loams_platform::{Clock, Queue, Sqlite, Store, SystemClock, Timers};
 use loams_sandbox::{Sandbox, SandboxConfig, SandboxInfo};
-use loams_worker::{A2aAgents, Scheduler, Worker, WorkerDeps, WorkerError};
+use loams_worker::{A2aAgents, AgentCaller, Scheduler, Worker, WorkerDeps, WorkerError};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -103,33 +103,13 @@ impl Stack {
             directory.insert(name, client.with_tokens(tokens.clone()));
         }
 
-        let mut factory = loams_factory::Config::default();
-        let f = &config.factory;
-        factory.max_attempts = f.max_attempts;
-        factory.max_generations = f.max_generations;
-        factory.observe_window_ms = f.observe_window_ms;
-        factory.ci_poll_ms = f.ci_poll_ms;
-        factory.budget_micros = f.budget_micros;
-        factory.budget_tokens = f.budget_tokens;
-        factory.cooldown_ms = f.cooldown_ms;
-        factory.target_files = f.target_files.clone();
-        factory.channel = f.channel.clone();
-        factory.base_branch = apps.forgejo.base.clone();
-        factory.analytics_project_id = apps.analytics.project_id.clone();
-
-        let worker = Arc::new(Worker::new(WorkerDeps {
-            store: store.clone(),
-            queue: queue.clone(),
-            timers: timers.clone(),
-            clock: clock.clone(),
-            agents: Arc::new(A2aAgents::new(directory)),
+        let worker = Arc::new(Worker::new(worker_deps(
+            config,
+            Some(apps),
+            &Backend { store: store.clone(), queue: queue.clone(), timers: timers.clone(), clock: clock.clone() },
+            Arc::new(A2aAgents::new(directory)),
             model,
-            env: config.env.clone(),
-            config: factory,
-            policy: config.policy.clone(),
-            prices: loams_factory::Prices::default(),
-            owner: Some(config.owner.clone()),
-        }));
+        )));
         for _ in 0..WORKERS {
             let worker = worker.clone();
             let stop = stop_rx.clone();
@@ -185,6 +165,45 @@ impl Stack {
         for task in self.tasks {
             let _ = task.await;
         }
+    }
+}
+
+/// What a worker needs, from the configuration and the backend; shared by `loams dev` and the Lambda functions.
+pub(crate) fn worker_deps(
+    config: &Config,
+    apps: Option<&AppSettings>,
+    backend: &Backend,
+    agents: Arc<dyn AgentCaller>,
+    model: Arc<dyn ChatModel>,
+) -> WorkerDeps {
+    let mut factory = loams_factory::Config::default();
+    let f = &config.factory;
+    factory.max_attempts = f.max_attempts;
+    factory.max_generations = f.max_generations;
+    factory.observe_window_ms = f.observe_window_ms;
+    factory.ci_poll_ms = f.ci_poll_ms;
+    factory.budget_micros = f.budget_micros;
+    factory.budget_tokens = f.budget_tokens;
+    factory.cooldown_ms = f.cooldown_ms;
+    factory.target_files = f.target_files.clone();
+    factory.channel = f.channel.clone();
+    // Without apps (a process that only opens runs) these keep their defaults: only effects use them.
+    if let Some(apps) = apps {
+        factory.base_branch = apps.forgejo.base.clone();
+        factory.analytics_project_id = apps.analytics.project_id.clone();
+    }
+    WorkerDeps {
+        store: backend.store.clone(),
+        queue: backend.queue.clone(),
+        timers: backend.timers.clone(),
+        clock: backend.clock.clone(),
+        agents,
+        model,
+        env: config.env.clone(),
+        config: factory,
+        policy: config.policy.clone(),
+        prices: loams_factory::Prices::default(),
+        owner: Some(config.owner.clone()),
     }
 }
 
@@ -262,7 +281,7 @@ pub fn dev_token(issuer: &Issuer, user: &str, org: &str) -> anyhow::Result<Strin
 }
 
 /// The webhook opens runs through the worker, which owns run creation and the cooldown.
-struct WorkerOpener(Arc<Worker>);
+pub(crate) struct WorkerOpener(pub(crate) Arc<Worker>);
 
 #[async_trait]
 impl RunOpener for WorkerOpener {
@@ -275,51 +294,55 @@ impl RunOpener for WorkerOpener {
     }
 }
 
-fn agents(apps: &AppSettings) -> anyhow::Result<Vec<(&'static str, Arc<dyn Skills>)>> {
-    let zulip = ZulipAgent::new(&ZulipConfig {
-        base_url: apps.zulip.url.clone(),
-        email: apps.zulip.email.clone(),
-        api_key: apps.zulip.api_key.expose().to_string(),
-        timeout: APP_TIMEOUT,
-    })?;
-    let plane = PlaneAgent::new(&PlaneConfig {
-        base_url: apps.plane.url.clone(),
-        api_key: apps.plane.api_key.expose().to_string(),
-        workspace_slug: apps.plane.workspace.clone(),
-        project_id: apps.plane.project_id.clone(),
-        web_url: None,
-        // Read from the project on first use.
-        project_identifier: None,
-        timeout: APP_TIMEOUT,
-    })?;
-    let forgejo = ForgejoAgent::new(&ForgejoConfig {
-        base_url: apps.forgejo.url.clone(),
-        token: apps.forgejo.token.expose().to_string(),
-        owner: apps.forgejo.owner.clone(),
-        repo: apps.forgejo.repo.clone(),
-        base_branch: apps.forgejo.base.clone(),
-        timeout: APP_TIMEOUT,
-    })?;
-    let glitchtip = GlitchTipAgent::new(&GlitchTipConfig {
-        base_url: apps.glitchtip.url.clone(),
-        token: apps.glitchtip.token.expose().to_string(),
-        org_slug: apps.glitchtip.org.clone(),
-        timeout: APP_TIMEOUT,
-    })?;
-    let analytics = AnalyticsAgent::new(&AnalyticsConfig {
-        base_url: apps.analytics.url.clone(),
-        client_id: apps.analytics.client_id.clone(),
-        client_secret: apps.analytics.client_secret.expose().to_string(),
-        project_id: apps.analytics.project_id.clone(),
-        timeout: APP_TIMEOUT,
-    })?;
-    Ok(vec![
-        ("zulip", Arc::new(zulip)),
-        ("plane", Arc::new(plane)),
-        ("forgejo", Arc::new(forgejo)),
-        ("glitchtip", Arc::new(glitchtip)),
-        ("analytics", Arc::new(analytics)),
-    ])
+pub(crate) fn agents(apps: &AppSettings) -> anyhow::Result<Vec<(&'static str, Arc<dyn Skills>)>> {
+    ["zulip", "plane", "forgejo", "glitchtip", "analytics"]
+        .into_iter()
+        .map(|name| Ok((name, agent(apps, name)?)))
+        .collect()
+}
+
+/// One agent's skills over its app (each holds its own HTTP client, so a process serving one agent builds one).
+pub(crate) fn agent(apps: &AppSettings, name: &str) -> anyhow::Result<Arc<dyn Skills>> {
+    Ok(match name {
+        "zulip" => Arc::new(ZulipAgent::new(&ZulipConfig {
+            base_url: apps.zulip.url.clone(),
+            email: apps.zulip.email.clone(),
+            api_key: apps.zulip.api_key.expose().to_string(),
+            timeout: APP_TIMEOUT,
+        })?),
+        "plane" => Arc::new(PlaneAgent::new(&PlaneConfig {
+            base_url: apps.plane.url.clone(),
+            api_key: apps.plane.api_key.expose().to_string(),
+            workspace_slug: apps.plane.workspace.clone(),
+            project_id: apps.plane.project_id.clone(),
+            web_url: None,
+            // Read from the project on first use.
+            project_identifier: None,
+            timeout: APP_TIMEOUT,
+        })?),
+        "forgejo" => Arc::new(ForgejoAgent::new(&ForgejoConfig {
+            base_url: apps.forgejo.url.clone(),
+            token: apps.forgejo.token.expose().to_string(),
+            owner: apps.forgejo.owner.clone(),
+            repo: apps.forgejo.repo.clone(),
+            base_branch: apps.forgejo.base.clone(),
+            timeout: APP_TIMEOUT,
+        })?),
+        "glitchtip" => Arc::new(GlitchTipAgent::new(&GlitchTipConfig {
+            base_url: apps.glitchtip.url.clone(),
+            token: apps.glitchtip.token.expose().to_string(),
+            org_slug: apps.glitchtip.org.clone(),
+            timeout: APP_TIMEOUT,
+        })?),
+        "analytics" => Arc::new(AnalyticsAgent::new(&AnalyticsConfig {
+            base_url: apps.analytics.url.clone(),
+            client_id: apps.analytics.client_id.clone(),
+            client_secret: apps.analytics.client_secret.expose().to_string(),
+            project_id: apps.analytics.project_id.clone(),
+            timeout: APP_TIMEOUT,
+        })?),
+        other => anyhow::bail!("no agent named {other}"),
+    })
 }
 
 /// Serves one agent on its own 127.0.0.1 port (its card lives at the root of its origin); returns its URL and the
@@ -415,7 +438,7 @@ pub async fn dev(config: Config, sandbox_state: Option<PathBuf>) -> anyhow::Resu
             (sandbox_apps(&sandbox.info()), Some(sandbox))
         }
     };
-    let stack = Stack::start(&config, &apps, model, Backend::sqlite(&config.data_dir)?).await?;
+    let stack = Stack::start(&config, &apps, model, Backend::from_config(&config).await?).await?;
     println!("loams dev: API on {}", stack.api_url);
     println!("  JWKS:     {}/.well-known/jwks.json", stack.api_url);
     println!("  webhook:  {}/webhooks/glitchtip/{}", stack.api_url, webhook_token(&config)?);

@@ -16,4 +16,4 @@ mod worker;
 pub use agents::{A2aAgents, AgentCaller, AgentReply};
 pub use error::WorkerError;
 pub use scheduler::Scheduler;
-pub use worker::{Opened, Worker, WorkerDeps};
+pub use worker::{Opened, Settlement, Worker, WorkerDeps};

@@ -47,6 +47,15 @@ const IDLE_PAUSE: Duration = Duration::from_millis(10);
 /// Pause before polling again after a receive failed.
 const RECEIVE_FAILED_PAUSE: Duration = Duration::from_millis(200);
 
+/// What becomes of a queue message once its handling ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
+    /// Delete it: handled, hopeless, or its continuation moved to the timer store.
+    Done,
+    /// Let the queue deliver it again after `delay_ms`.
+    Retry { delay_ms: u64 },
+}
+
 /// A run and the version of its last recorded event.
 struct Current {
     run: Run,
@@ -208,8 +217,19 @@ impl Worker {
             warn!(message = %delivery.id, "dropping a queue message that is not an envelope");
             return d.queue.ack(&delivery.receipt).await;
         };
-        match self.handle_visible(&envelope, delivery).await {
-            Ok(()) => d.queue.ack(&delivery.receipt).await,
+        let handled = self.handle_visible(&envelope, delivery).await;
+        match self.settlement(&envelope, handled, delivery.receive_count).await {
+            Settlement::Done => d.queue.ack(&delivery.receipt).await,
+            Settlement::Retry { delay_ms } => d.queue.retry_later(&delivery.receipt, delay_ms).await,
+        }
+    }
+
+    /// What the queue should do with a message whose handling (its `receive_count`-th) ended with `handled`. Used
+    /// by this worker's own loop and by the Lambda entry point, which reports the retries as batch item failures.
+    pub async fn settlement(&self, envelope: &Envelope, handled: Result<(), WorkerError>, receive_count: u32) -> Settlement {
+        let d = &self.deps;
+        match handled {
+            Ok(()) => Settlement::Done,
             Err(WorkerError::InProgress { step, retry_ms }) => {
                 // Waiting out someone else's lease must not use up the message's receives (it would be
                 // dead-lettered), so the continuation moves to the timer store and the message is done.
@@ -219,25 +239,25 @@ impl Worker {
                 // scheduled again in between.
                 let timer = format!("retry:{step}:{due}");
                 let scheduled = match to_json(&again) {
-                    Ok(body) => d.timers.schedule(&envelope.org, &timer, due, &body).await,
-                    Err(e) => return Err(StoreError::Invalid(e.to_string())),
+                    Ok(body) => d.timers.schedule(&envelope.org, &timer, due, &body).await.map_err(WorkerError::from),
+                    Err(e) => Err(e),
                 };
                 match scheduled {
-                    Ok(()) => d.queue.ack(&delivery.receipt).await,
+                    Ok(()) => Settlement::Done,
                     Err(e) => {
                         warn!(run = %envelope.run, error = %e, "could not schedule the retry; the message comes back");
-                        d.queue.retry_later(&delivery.receipt, RETRY_DELAY_MS).await
+                        Settlement::Retry { delay_ms: RETRY_DELAY_MS }
                     }
                 }
             }
             Err(e) if e.retryable() => {
-                let delay = RETRY_DELAY_MS << delivery.receive_count.saturating_sub(1).min(MAX_BACKOFF_SHIFT);
-                warn!(run = %envelope.run, error = %e, delay_ms = delay, "step will be retried");
-                d.queue.retry_later(&delivery.receipt, delay).await
+                let delay_ms = RETRY_DELAY_MS << receive_count.saturating_sub(1).min(MAX_BACKOFF_SHIFT);
+                warn!(run = %envelope.run, error = %e, delay_ms, "step will be retried");
+                Settlement::Retry { delay_ms }
             }
             Err(e) => {
                 warn!(run = %envelope.run, error = %e, "dropping a message that cannot succeed");
-                d.queue.ack(&delivery.receipt).await
+                Settlement::Done
             }
         }
     }
