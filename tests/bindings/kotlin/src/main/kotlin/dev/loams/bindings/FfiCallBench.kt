@@ -1,0 +1,50 @@
+package dev.loams.bindings
+
+import dev.loams.core.Client
+import dev.loams.core.ClientSettings
+import dev.loams.core.DeviceSigner
+import dev.loams.core.SyncMode
+import dev.loams.core.TokenProvider
+import dev.loams.core.echo
+import java.nio.file.Files
+
+/** Never called: nothing here reaches a server or signs. */
+private object Unused : DeviceSigner, TokenProvider {
+    override suspend fun publicKey(): ByteArray = error("not called")
+    override suspend fun sign(message: ByteArray): ByteArray = error("not called")
+    override suspend fun accessToken(): String = error("not called")
+}
+
+private const val CALLS = 100_000
+private const val ROUNDS = 5
+
+/** Median and best microseconds per call of `call`, after a warm-up so the JIT has compiled the path. */
+private fun time(call: () -> Unit): Pair<Double, Double> {
+    repeat(CALLS) { call() }
+    val perCall = (1..ROUNDS).map {
+        val start = System.nanoTime()
+        repeat(CALLS) { call() }
+        (System.nanoTime() - start).toDouble() / CALLS / 1000
+    }.sorted()
+    return perCall[ROUNDS / 2] to perCall[0]
+}
+
+/**
+ * The cost of one FFI call from Kotlin through JNA: `echo` takes a short string and returns it (a RustBuffer each
+ * way, the shape of most calls), `setNetworkAvailable` passes an object handle and a boolean (no buffer).
+ */
+fun main() {
+    val value = "r-5e66a7e179b2e2f2"
+    check(echo(value) == value)
+    val dir = Files.createTempDirectory("loams-bench")
+    val client = Client(
+        ClientSettings(serverUrl = "http://127.0.0.1:9", org = "acme", databasePath = dir.resolve("c.db").toString(), syncMode = SyncMode.STREAM),
+        Unused,
+        Unused,
+    )
+    val (echoMedian, echoBest) = time { echo(value) }
+    val (flagMedian, flagBest) = time { client.setNetworkAvailable(true) }
+    println("kotlin ffi call, $CALLS calls x $ROUNDS rounds: echo(string) median %.2f us, best %.2f us; setNetworkAvailable(bool) median %.2f us, best %.2f us"
+        .format(echoMedian, echoBest, flagMedian, flagBest))
+    client.close()
+}
