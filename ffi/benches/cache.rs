@@ -1,4 +1,4 @@
-//! The cache numbers of docs/ffi-benchmarks.md (issue 4 point 8), through the core's public API against an
+//! The cache numbers of docs/benchmarks.md (phones' core section) (issue 4 point 8), through the core's public API against an
 //! in-process Connect server on 127.0.0.1 that serves 1,000 runs and one run with a 10,000-event timeline:
 //!
 //! - opening the cache (`Client::new`: SQLite open, migration check, account check) and listing 1,000 runs;

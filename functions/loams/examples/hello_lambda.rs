@@ -1,5 +1,5 @@
 //! A hello-world `lambda_http` function with response streaming: the baseline of the cold-start measurement in
-//! docs/serverless-benchmarks.md, built exactly as `loams-lambda` is
+//! docs/benchmarks.md (serverless section), built exactly as `loams-lambda` is
 //! (`cargo build --release -p loams --features aws --example hello_lambda`).
 
 use std::convert::Infallible;

@@ -1,6 +1,6 @@
 """The cost of one FFI call from Python, and the resident memory of the core with a filled cache open.
 
-Run by docs/ffi-benchmarks.md's commands: PYTHONPATH=<dir with loams_ffi.py and the release libloams_ffi.so>
+Run by the commands in docs/benchmarks.md (phones' core section): PYTHONPATH=<dir with loams_ffi.py and the release libloams_ffi.so>
 python bench_ffi.py [<dir with phone.db and server_url, from LOAMS_BENCH_KEEP of the cache bench>].
 Not a test (pytest does not collect it).
 """
