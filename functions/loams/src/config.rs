@@ -338,8 +338,24 @@ impl Config {
         Ok(config)
     }
 
+    /// Parses a configuration. The error names the line and column but never quotes the text: the file holds
+    /// the apps' secrets, and start-up errors end up in logs.
     pub fn parse(text: &str) -> Result<Config, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
+        toml::from_str(text).map_err(|e| match e.span() {
+            Some(span) => {
+                let before = &text[..span.start.min(text.len())];
+                let line = before.matches('\n').count() + 1;
+                let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+                let column = before.len() - line_start + 1;
+                // The key on that line names the setting; what follows the `=` may be a secret.
+                let key = text[line_start..].lines().next().and_then(|l| l.split_once('=')).map(|(k, _)| k.trim());
+                match key.filter(|k| !k.is_empty() && k.len() <= 64) {
+                    Some(key) => format!("line {line}, column {column} (`{key}`): {}", e.message()),
+                    None => format!("line {line}, column {column}: {}", e.message()),
+                }
+            }
+            None => e.message().to_string(),
+        })
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -516,6 +532,10 @@ mod tests {
     #[test]
     fn malformed_toml_is_a_parse_error() {
         assert!(Config::parse("listen = ").is_err());
+        // A secret on the line with the mistake is not repeated in the error.
+        let err = Config::parse("webhook_token = \"s3cret-s3cret-s3cret-s3cret\" oops").unwrap_err();
+        assert!(err.starts_with("line 1, column "), "{err}");
+        assert!(!err.contains("s3cret"), "{err}");
         assert!(Config::parse("listen = \"not an address\"").is_err());
     }
 }

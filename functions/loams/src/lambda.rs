@@ -1,5 +1,6 @@
 //! The AWS Lambda entry points (feature `aws`), thin shells over the same parts `loams dev` runs: the API's axum
-//! router, each agent's A2A router, the worker's `handle` per SQS record, and the scheduler's `fire_due`.
+//! router, each agent's A2A router, the worker's `handle_within` per SQS record (one or more steps of its run, as
+//! many as fit in the invocation), and the scheduler's `fire_due`.
 //!
 //! One binary (`loams-lambda`) serves every function; `LOAMS_FUNCTION` picks which. Everything comes from the
 //! environment, read once at start; a missing or bad variable stops the function at start, naming it:
@@ -19,6 +20,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use anyhow::{Context, anyhow};
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
@@ -32,6 +34,7 @@ use loams_platform::aws::{BODY_ENCODING_ATTRIBUTE, BatchOutcome, batch_item_fail
 use loams_worker::{A2aAgents, AgentCaller, AgentReply, Scheduler, Settlement, Worker, WorkerError};
 use serde_json::Value;
 use tokio::sync::OnceCell;
+use tokio::time::Instant;
 
 use crate::config::{AppSettings, Config, ConfigError, QueueKind, Secret, StoreKind};
 use crate::stack::{Backend, DEV_AUDIENCE, DEV_ISSUER, WorkerOpener, agent, model, worker_deps};
@@ -148,10 +151,11 @@ impl Settings {
             }
             Function::Scheduler => {}
         }
-        if matches!(function, Function::Worker | Function::Agent(_)) && settings.config.apps.is_none() {
+        // The API too: a run it opens takes its base branch and analytics project from them.
+        if matches!(function, Function::Api | Function::Worker | Function::Agent(_)) && settings.config.apps.is_none() {
             return Err(ConfigError::Invalid {
                 setting: "LOAMS_CONFIG",
-                message: "must hold the [apps] settings for the worker and the agents".into(),
+                message: "must hold the [apps] settings for the API, the worker and the agents".into(),
             });
         }
         settings.config.validate()?;
@@ -232,7 +236,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             )));
             lambda_runtime::run(lambda_runtime::service_fn(move |event: lambda_runtime::LambdaEvent<SqsEvent>| {
                 let worker = worker.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle_sqs(&worker, event.payload).await) }
+                let deadline = invocation_deadline(event.context.deadline);
+                async move { Ok::<_, std::convert::Infallible>(handle_sqs(&worker, event.payload, deadline).await) }
             }))
             .await
         }
@@ -255,8 +260,8 @@ fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Rou
     let config = &settings.config;
     let issuer = issuer(settings)?;
     let no_model = Replay::from_json_str(r#"{"completions": []}"#).context("the API's empty model")?;
-    // The factory settings the worker opens runs with (cooldown, ...) come from the same LOAMS_CONFIG as the
-    // worker function's; the app settings only matter for effects, so the API needs none.
+    // The API opens runs: the factory settings (cooldown, ...) and the app settings a run starts with (base
+    // branch, analytics project) come from the same LOAMS_CONFIG as the worker function's.
     let worker = Worker::new(worker_deps(
         config,
         config.apps.as_ref(),
@@ -376,21 +381,23 @@ impl AgentCaller for LazyAgents {
     }
 }
 
-/// Handles one SQS batch: each record is one worker step, the records side by side (the worker tolerates
+/// Handles one SQS batch by `deadline` (the invocation's): each record moves its run by one or more steps (see
+/// `Worker::handle_within`), the records side by side (the worker tolerates
 /// concurrent steps, of one run too: its appends are conditional). The answer names the records SQS must deliver
 /// again (`ReportBatchItemFailures`); on a FIFO queue also every later record of a failed record's group.
 ///
 /// Per record, as the polling worker settles a delivery: done or hopeless (a body that is no envelope, an error
 /// that cannot succeed) is a success, so SQS deletes it; a passing failure is reported, so SQS delivers it again
-/// after its visibility timeout and dead-letters it after the queue's `maxReceiveCount`; a step held by another
+/// after its visibility timeout (not after the worker's own backoff: a batch response cannot say when) and
+/// dead-letters it after the queue's `maxReceiveCount`; a step held by another
 /// worker moves to a timer, so waiting for its lease does not use up receives.
-pub async fn handle_sqs(worker: &Worker, event: SqsEvent) -> SqsBatchResponse {
+pub async fn handle_sqs(worker: &Worker, event: SqsEvent, deadline: Instant) -> SqsBatchResponse {
     let fifo = event.records.first().and_then(|r| r.event_source_arn.as_deref()).is_some_and(|arn| arn.ends_with(".fifo"));
     let steps = event.records.iter().map(|record| async move {
         BatchOutcome {
             id: record.message_id.clone().unwrap_or_default(),
             group: record.attributes.get("MessageGroupId").cloned(),
-            succeeded: handle_record(worker, record).await,
+            succeeded: handle_record(worker, record, deadline).await,
         }
     });
     let outcomes = futures::future::join_all(steps).await;
@@ -401,7 +408,15 @@ pub async fn handle_sqs(worker: &Worker, event: SqsEvent) -> SqsBatchResponse {
     response
 }
 
-async fn handle_record(worker: &Worker, record: &SqsMessage) -> bool {
+/// The invocation's deadline (milliseconds since the epoch, as the runtime API gives it) on the monotonic clock.
+fn invocation_deadline(deadline_ms: u64) -> Instant {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    Instant::now() + Duration::from_millis(deadline_ms.saturating_sub(now_ms))
+}
+
+async fn handle_record(worker: &Worker, record: &SqsMessage, deadline: Instant) -> bool {
     let id = record.message_id.as_deref().unwrap_or("?");
     let encoding = record.message_attributes.get(BODY_ENCODING_ATTRIBUTE).and_then(|a| a.string_value.as_deref());
     let body = match decode_body(record.body.as_deref().unwrap_or_default(), encoding) {
@@ -417,7 +432,8 @@ async fn handle_record(worker: &Worker, record: &SqsMessage) -> bool {
     };
     // SQS counts deliveries; a message that came back moves its run by one step (see `Worker::handle_received`).
     let receive_count = record.attributes.get("ApproximateReceiveCount").and_then(|n| n.parse().ok()).unwrap_or(1);
-    let handled = worker.handle_received(&envelope, receive_count).await;
+    // Steps after the first start only while one more fits in the invocation's remaining time.
+    let handled = worker.handle_within(&envelope, receive_count, deadline).await;
     // A retry is reported as a batch item failure: SQS makes the message visible again after its timeout.
     worker.settlement(&envelope, handled, receive_count).await == Settlement::Done
 }
@@ -441,6 +457,11 @@ mod tests {
     use super::*;
     use loams_factory::Signal;
     use serde_json::json;
+
+    /// A deadline no test reaches.
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(3600)
+    }
 
     fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
@@ -488,6 +509,12 @@ mod tests {
         assert!(error(&pairs).contains("LOAMS_CONFIG"), "the worker needs [apps]");
         pairs[0].1 = "api";
         assert!(error(&pairs).contains("LOAMS_WEBHOOK_TOKEN"));
+        // The API opens runs, which start with the app settings.
+        pairs.push(("LOAMS_WEBHOOK_TOKEN", "0123456789abcdef0123456789abcdef"));
+        pairs.push(("LOAMS_GLITCHTIP_ORIGIN", "https://glitchtip.example.com"));
+        assert!(error(&pairs).contains("LOAMS_CONFIG"), "the API needs [apps]");
+        pairs.truncate(pairs.len() - 2);
+        pairs.push(("LOAMS_CONFIG", super::template_tests::APPS));
         pairs.push(("LOAMS_WEBHOOK_TOKEN", "0123456789abcdef0123456789abcdef"));
         pairs.push(("LOAMS_GLITCHTIP_ORIGIN", "glitchtip.example.com"));
         assert!(error(&pairs).contains("LOAMS_GLITCHTIP_ORIGIN"));
@@ -497,7 +524,8 @@ mod tests {
         // The key is only decoded when the function starts: not base64 of a PKCS#8 key.
         let err = issuer(&api).err().unwrap().to_string();
         assert!(err.contains("LOAMS_ISSUER_KEY"), "{err}");
-        pairs.push(("LOAMS_CONFIG", "[factory]\nmax_attempts = 0\n"));
+        let bad = format!("{}\n[factory]\nmax_attempts = 0\n", super::template_tests::APPS);
+        pairs.push(("LOAMS_CONFIG", &bad));
         assert!(error(&pairs).contains("factory.max_attempts"));
     }
 
@@ -578,7 +606,7 @@ mod tests {
         ]}))
         .unwrap();
         let event = lambda_runtime::LambdaEvent::new(event, lambda_runtime::Context::default());
-        let response = handle_sqs(&worker, event.payload).await;
+        let response = handle_sqs(&worker, event.payload, far()).await;
         // A run that is not (yet) there may appear: delivered again. Bodies that never parse are dropped.
         assert_eq!(failures(&response), ["m-unknown-run"]);
         let after = backend.store.get_run("acme", &run).await.unwrap().unwrap().version;
@@ -591,7 +619,7 @@ mod tests {
             record("f3", "not json", Some("g1"), None),
         ]}))
         .unwrap();
-        assert_eq!(failures(&handle_sqs(&worker, fifo).await), ["f1", "f3"]);
+        assert_eq!(failures(&handle_sqs(&worker, fifo, far()).await), ["f1", "f3"]);
     }
 }
 
@@ -601,7 +629,7 @@ mod template_tests {
     use super::*;
 
     const TEMPLATE: &str = include_str!("../../../infra/template.yaml");
-    const APPS: &str = r#"apps = { zulip = { url = "https://z", email = "b@z", api_key = "k" }, plane = { url = "https://p", api_key = "k", workspace = "w", project_id = "p" }, forgejo = { url = "https://f", token = "t", owner = "o", repo = "r", base = "main" }, glitchtip = { url = "https://g", token = "t", org = "o" }, analytics = { url = "https://a", client_id = "c", client_secret = "s", project_id = "p" } }"#;
+    pub(super) const APPS: &str = r#"apps = { zulip = { url = "https://z", email = "b@z", api_key = "k" }, plane = { url = "https://p", api_key = "k", workspace = "w", project_id = "p" }, forgejo = { url = "https://f", token = "t", owner = "o", repo = "r", base = "main" }, glitchtip = { url = "https://g", token = "t", org = "o" }, analytics = { url = "https://a", client_id = "c", client_secret = "s", project_id = "p" } }"#;
 
     /// The `LOAMS_*: value` lines of a part of the template.
     fn variables(block: &str) -> Vec<(String, String)> {

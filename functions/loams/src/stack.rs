@@ -187,7 +187,7 @@ pub(crate) fn worker_deps(
     factory.cooldown_ms = f.cooldown_ms;
     factory.target_files = f.target_files.clone();
     factory.channel = f.channel.clone();
-    // Without apps (a process that only opens runs) these keep their defaults: only effects use them.
+    // Without apps these keep their defaults; a process that opens runs must have them (runs start with them).
     if let Some(apps) = apps {
         factory.base_branch = apps.forgejo.base.clone();
         factory.analytics_project_id = apps.analytics.project_id.clone();

@@ -13,6 +13,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use loams_platform::limits::MAX_RECEIVE;
 use loams_platform::{Claim, Clock, Cond, Delivery, Item, Page, Queue, Store, StoreError, Timers};
 use serde_json::json;
+use tokio::time::Instant;
 use tracing::{Instrument, info_span, warn};
 
 use crate::WorkerError;
@@ -37,6 +38,9 @@ const AGENT_IN_PROGRESS_DELAY_MS: u64 = 2_000;
 /// Steps one queue message carries a run through before the rest goes back on the queue: a bound on how long one
 /// run holds a worker slot while others wait.
 const STEPS_PER_MESSAGE: usize = 16;
+/// The longest one step may take: a model call's timeout (120 s) with room for the records around it. A caller with
+/// a deadline starts a further step only while this much time is left.
+const MAX_STEP: Duration = Duration::from_secs(150);
 /// Messages `run_once` takes from the queue and handles concurrently.
 const BATCH: u32 = 8;
 /// Steps `run` handles at once. Steps mostly wait on agents, the model and the store, so this is well above the
@@ -54,6 +58,11 @@ pub enum Settlement {
     Done,
     /// Let the queue deliver it again after `delay_ms`.
     Retry { delay_ms: u64 },
+}
+
+/// Steps a message carries its run through: a message that came back moves the run by one step only.
+fn steps_for(receive_count: u32) -> usize {
+    if receive_count > 1 { 1 } else { STEPS_PER_MESSAGE }
 }
 
 /// A run and the version of its last recorded event.
@@ -145,7 +154,8 @@ impl Worker {
         Ok(Opened { run_id: run.id, created })
     }
 
-    /// Handles one queue message: records its input, performs the next effect, records the outcome.
+    /// Handles one queue message: records its input, then performs and records the run's next effects one after
+    /// the other until the run has to wait (at most `STEPS_PER_MESSAGE`; a fresh message carries on after that).
     pub async fn handle(&self, envelope: &Envelope) -> Result<(), WorkerError> {
         self.handle_received(envelope, 1).await
     }
@@ -155,11 +165,18 @@ impl Worker {
     /// the queue dead-letters a message by its receives, and those must count failures of one step, not every
     /// crash along a run that made progress in between.
     pub async fn handle_received(&self, envelope: &Envelope, receive_count: u32) -> Result<(), WorkerError> {
-        self.handle_steps(envelope, if receive_count > 1 { 1 } else { STEPS_PER_MESSAGE }).await
+        self.handle_steps(envelope, steps_for(receive_count), None).await
     }
 
-    /// Moves the run by at most `steps` steps; if it could go further, a fresh message carries on.
-    pub async fn handle_steps(&self, envelope: &Envelope, steps: usize) -> Result<(), WorkerError> {
+    /// [`Worker::handle_received`] for a caller that must return by `deadline` (a Lambda invocation): a step
+    /// after the first starts only if `MAX_STEP` still fits before it; otherwise a fresh message carries on.
+    pub async fn handle_within(&self, envelope: &Envelope, receive_count: u32, deadline: Instant) -> Result<(), WorkerError> {
+        self.handle_steps(envelope, steps_for(receive_count), Some(deadline)).await
+    }
+
+    /// Moves the run by at most `steps` steps, each after the first only if it fits before `deadline`; if the run
+    /// could go further, a fresh message carries on.
+    pub async fn handle_steps(&self, envelope: &Envelope, steps: usize, deadline: Option<Instant>) -> Result<(), WorkerError> {
         let span = info_span!("run_step", loams.run_id = %envelope.run, org = %envelope.org);
         async {
             let (org, run_id) = (envelope.org.as_str(), envelope.run.as_str());
@@ -169,12 +186,21 @@ impl Worker {
             if let Some(settled) = self.stored_settlement(&current.run).await? {
                 current = self.record(org, run_id, &settled, current).await?;
             }
-            let mut input = envelope.input.clone().unwrap_or(Input::Continue);
+            // An approval is settled only by its stored decision (read above), which the API writes after checking
+            // the device signature: a queue message that says so is a nudge, not proof, so whoever can send to
+            // the queue cannot release a gate.
+            let mut input = match envelope.input.clone() {
+                None | Some(Input::ApprovalSettled { .. }) => Input::Continue,
+                Some(input) => input,
+            };
             // One message carries the run through consecutive steps while they need no waiting, each effect
             // recorded before the next is made, so a crash anywhere resumes from the last record. Going back
             // through the queue between steps would cost a send, a receive and an ack per step and decide
             // nothing more.
-            for _ in 0..steps {
+            for taken in 0..steps {
+                if taken > 0 && deadline.is_some_and(|deadline| Instant::now() + MAX_STEP > deadline) {
+                    break;
+                }
                 // The guards (kill switches, budget) see the latest world before every effect.
                 current = self.record(org, run_id, &input, current).await?;
                 self.open_follow_up(org, &current.run).await?;

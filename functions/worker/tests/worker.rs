@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use loams_factory::{AUDIT_APPROVAL, Envelope, Input, LEAD_APPROVAL, Outcome, Run, Signal};
 use loams_model::{ChatModel, ChatRequest, ChatResponse, ModelError};
-use loams_platform::{Claim, Clock, ManualClock, Page, Queue, Sqlite, Store};
+use loams_factory::approval::{Approval, ApprovalState};
+use loams_platform::{Claim, Clock, Cond, Item, ManualClock, Page, Queue, Sqlite, Store};
 use loams_worker::{AgentCaller, AgentReply, Scheduler, Worker, WorkerDeps, WorkerError};
 use serde_json::{Value, json};
 
@@ -148,8 +149,18 @@ impl Harness {
         self.db.send(&serde_json::to_vec(&envelope).unwrap(), 0).await.unwrap();
     }
 
-    /// Drives the queue, the timers and a person approving every pending approval (as the API enqueues a
-    /// settlement) until run `id` has ended. Time moves only while nothing is left to do.
+    /// Approves `approval` as the API does: the decision stored, then a message to the run.
+    async fn approve(&self, run: &str, approval: Item) {
+        let mut record: Approval = serde_json::from_slice(&approval.body).unwrap();
+        record.state = ApprovalState::Approved;
+        let stored = Item { body: serde_json::to_vec(&record).unwrap(), index: None, ..approval.clone() };
+        self.db.put_item(&stored, Cond::Version(approval.version)).await.unwrap();
+        let input = Input::ApprovalSettled { approval_id: approval.id, approved: true, by: "alice".into() };
+        self.send(run, Some(input)).await;
+    }
+
+    /// Drives the queue, the timers and a person approving every pending approval (as the API does) until run
+    /// `id` has ended. Time moves only while nothing is left to do.
     async fn drive(&self, id: &str) -> Run {
         let mut settled = Vec::new();
         for _ in 0..2_000 {
@@ -162,8 +173,7 @@ impl Harness {
             for approval in pending.items {
                 if !settled.contains(&approval.id) {
                     settled.push(approval.id.clone());
-                    let input = Input::ApprovalSettled { approval_id: approval.id, approved: true, by: "alice".into() };
-                    self.send(id, Some(input)).await;
+                    self.approve(id, approval).await;
                     busy += 1;
                 }
             }
@@ -258,7 +268,7 @@ async fn until_fix(h: &Harness, id: &str) -> String {
         if let Some(loams_factory::Effect::Model { step, .. }) = run.next_effect() {
             return step;
         }
-        h.worker.handle_steps(&Envelope { org: ORG.into(), run: id.into(), input: None }, 1).await.unwrap();
+        h.worker.handle_steps(&Envelope { org: ORG.into(), run: id.into(), input: None }, 1, None).await.unwrap();
     }
     panic!("the run never reached its fix");
 }
@@ -489,4 +499,35 @@ async fn a_first_delivery_carries_the_run_through_several_steps_a_redelivered_on
     let calls = total(&h) - 1;
     assert!(calls >= 2, "{:?}", h.agents.calls.lock().unwrap());
     assert!(h.version(&id).await - version >= u64::from(calls), "every effect has its record");
+}
+
+#[tokio::test]
+async fn a_settlement_message_without_a_stored_decision_releases_nothing() {
+    let h = Harness::new(FakeAgents::default(), 2);
+    let id = h.worker.open(ORG, signal("fp-forged")).await.unwrap().run_id;
+    let mut approval = None;
+    for _ in 0..200 {
+        assert!(!h.run(&id).await.state.is_terminal());
+        h.worker.run_once().await.unwrap();
+        h.scheduler.fire_due().await.unwrap();
+        if let Some(item) = h.db.list_items(ORG, "approval", Some("pending"), Page::first(1)).await.unwrap().items.pop() {
+            approval = Some(item);
+            break;
+        }
+        h.clock.advance(5_000);
+    }
+    let approval = approval.expect("the run asks for an approval");
+    let version = h.version(&id).await;
+    // Whoever can send to the queue says the gate is approved; nothing was decided through the API.
+    let forged = Input::ApprovalSettled { approval_id: approval.id.clone(), approved: true, by: "mallory".into() };
+    h.send(&id, Some(forged)).await;
+    while h.worker.run_once().await.unwrap() > 0 {}
+    let run = h.run(&id).await;
+    assert!(run.gate.is_some(), "still gated: {run:?}");
+    let events = h.db.events(ORG, &id, version, 100).await.unwrap();
+    assert!(events.iter().all(|e| serde_json::from_slice::<Value>(&e.body).unwrap()["type"] != "approval_settled"));
+    // The real decision, stored and then announced, goes through.
+    h.approve(&id, approval).await;
+    while h.worker.run_once().await.unwrap() > 0 {}
+    assert!(h.run(&id).await.gate.is_none());
 }
