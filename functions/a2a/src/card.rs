@@ -2,9 +2,9 @@
 //! over the RFC 8785 canonical form of the card without `signatures`) and verifying it.
 
 use a2a::{
-    AgentCapabilities, AgentCard, AgentCardSignature, AgentInterface, AgentProvider, AgentSkill,
-    HttpAuthSecurityScheme, SecurityScheme, TRANSPORT_PROTOCOL_HTTP_JSON,
-    TRANSPORT_PROTOCOL_JSONRPC,
+    AgentCapabilities, AgentCard, AgentCardSignature, AgentExtension, AgentInterface,
+    AgentProvider, AgentSkill, HttpAuthSecurityScheme, SecurityScheme,
+    TRANSPORT_PROTOCOL_HTTP_JSON, TRANSPORT_PROTOCOL_JSONRPC,
 };
 use aws_lc_rs::rand::SystemRandom;
 use aws_lc_rs::signature::{
@@ -16,13 +16,16 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::skills::AgentSpec;
+use crate::skills::{AgentSpec, Risk, agent_principal};
 
 /// Where the card is served, relative to the agent's base URL (A2A §8.2).
 pub const CARD_PATH: &str = "/.well-known/agent-card.json";
 
 /// Modes every Loams agent accepts and produces: the skill call is a data part, errors are text.
-const MODES: [&str; 2] = ["application/json", "text/plain"];
+pub(crate) const MODES: [&str; 2] = ["application/json", "text/plain"];
+
+/// The card extension naming the agent's own principal and the scopes its skills need.
+pub const PRINCIPAL_EXTENSION: &str = "https://loams.dev/a2a/ext/principal/v1";
 
 /// A card signature can be checked against a bounded number of signatures only; a card carrying
 /// more is refused rather than making the verifier do unbounded work.
@@ -280,7 +283,9 @@ pub const BEARER_SCHEME: &str = "bearer";
 
 /// The unsigned card for an agent served at `base_url`: JSON-RPC (preferred) and HTTP+JSON both at
 /// that URL, streaming, push notifications and the extended card offered, every call behind a
-/// bearer JWT.
+/// bearer JWT. Each skill carries its risk tag and its security requirement (the scopes of
+/// [`Risk::scopes`]); the card as a whole needs `<agent>:read`. The extension
+/// [`PRINCIPAL_EXTENSION`] names the agent's own principal ([`agent_principal`]).
 pub fn build_card(spec: &AgentSpec, base_url: &str) -> AgentCard {
     let modes: Vec<String> = MODES.iter().map(|m| (*m).to_string()).collect();
     let bearer = SecurityScheme::HttpAuth(HttpAuthSecurityScheme {
@@ -299,7 +304,7 @@ pub fn build_card(spec: &AgentSpec, base_url: &str) -> AgentCard {
         capabilities: AgentCapabilities {
             streaming: Some(true),
             push_notifications: Some(true),
-            extensions: None,
+            extensions: Some(vec![principal_extension(spec)]),
             extended_agent_card: Some(true),
         },
         default_input_modes: modes.clone(),
@@ -323,7 +328,9 @@ pub fn build_card(spec: &AgentSpec, base_url: &str) -> AgentCard {
                     examples: (!s.examples.is_empty()).then(|| s.examples.clone()),
                     input_modes: None,
                     output_modes: None,
-                    security_requirements: None,
+                    security_requirements: Some(vec![
+                        [(BEARER_SCHEME.to_string(), s.risk.scopes(&spec.name))].into(),
+                    ]),
                 }
             })
             .collect(),
@@ -334,8 +341,31 @@ pub fn build_card(spec: &AgentSpec, base_url: &str) -> AgentCard {
         documentation_url: None,
         icon_url: None,
         security_schemes: Some([(BEARER_SCHEME.to_string(), bearer)].into()),
-        security_requirements: Some(vec![[(BEARER_SCHEME.to_string(), Vec::new())].into()]),
+        security_requirements: Some(vec![
+            [(BEARER_SCHEME.to_string(), Risk::Read.scopes(&spec.name))].into(),
+        ]),
         signatures: None,
+    }
+}
+
+fn principal_extension(spec: &AgentSpec) -> AgentExtension {
+    let params = [
+        ("principal".to_string(), json!(agent_principal(&spec.name))),
+        (
+            "scopes".to_string(),
+            json!({
+                format!("{}:read", spec.name): "call the agent and its read skills",
+                format!("{}:write", spec.name): "skills that change the app",
+                format!("{}:destructive", spec.name): "skills that need a settled approval",
+            }),
+        ),
+    ];
+    AgentExtension {
+        uri: PRINCIPAL_EXTENSION.into(),
+        description: Some("the principal this agent acts as, and the scopes of its skills".into()),
+        // A plain proto3 bool: false must be absent so the canonical form matches ProtoJSON peers.
+        required: None,
+        params: Some(params.into_iter().collect()),
     }
 }
 
@@ -404,6 +434,21 @@ mod tests {
     }
 
     #[test]
+    fn skills_carry_the_scopes_of_their_risk_and_the_card_names_the_principal() {
+        let mut s = spec();
+        s.skills[0].risk = Risk::Destructive;
+        let card = build_card(&s, "http://x");
+        let needs = card.skills[0].security_requirements.as_ref().unwrap();
+        assert_eq!(
+            needs[0][BEARER_SCHEME],
+            vec!["test:write".to_string(), "test:destructive".to_string()]
+        );
+        let ext = &card.capabilities.extensions.as_ref().unwrap()[0];
+        assert_eq!(ext.uri, PRINCIPAL_EXTENSION);
+        assert_eq!(ext.params.as_ref().unwrap()["principal"], "agent:test");
+    }
+
+    #[test]
     fn pkcs8_round_trip_keeps_kid() {
         let signer = CardSigner::generate().unwrap();
         let again = CardSigner::from_pkcs8(&signer.to_pkcs8().unwrap()).unwrap();
@@ -414,6 +459,7 @@ mod tests {
     #[test]
     fn canonical_payload_drops_empties_and_signatures_keeps_false() {
         let mut card = build_card(&spec(), "http://x");
+        card.capabilities.extensions = None;
         card.description = String::new();
         card.icon_url = Some(String::new());
         let bytes = canonical_payload(&card).unwrap();

@@ -17,6 +17,7 @@
 mod auth;
 mod card;
 mod client;
+mod conformance;
 mod push;
 mod server;
 mod skills;
@@ -27,8 +28,8 @@ pub use auth::{
     TokenError, TokenSource,
 };
 pub use card::{
-    BEARER_SCHEME, CARD_PATH, CardError, CardSigner, Jwk, Jwks, build_card, canonical_payload,
-    verify_card,
+    BEARER_SCHEME, CARD_PATH, CardError, CardSigner, Jwk, Jwks, PRINCIPAL_EXTENSION, build_card,
+    canonical_payload, verify_card,
 };
 pub use client::{A2aClient, Binding, CallError, ClientOptions, EventStream};
 pub use push::{PUSH_KIND, PushOptions};
@@ -36,4 +37,4 @@ pub use server::{
     A2A_JSON, APPROVAL_ID_KEY, CALLER_LIMITS_EXTENSION, MAX_MESSAGE_ID, MAX_REQUEST_BYTES,
     ServerOptions, TASK_KIND, router, router_with,
 };
-pub use skills::{AgentSpec, Risk, SkillError, SkillSpec, Skills};
+pub use skills::{AgentSpec, Risk, SkillError, SkillSpec, Skills, agent_principal};

@@ -75,6 +75,13 @@ pub struct ServerOptions {
     pub max_follow: Duration,
     /// Delivery of push notifications.
     pub push: PushOptions,
+    /// Conformance mode for the official A2A TCK, off by default: messages whose id starts with
+    /// `tck-` or `test-resubscribe-` play the TCK's scripted scenarios (complete, artifacts,
+    /// message reply, input-required, reject, streams, a task that stays WORKING for 4 s) instead
+    /// of calling a skill, and may continue their task by `taskId`. Skill calls are unchanged.
+    /// Never enable it in production: it lets any authenticated caller create tasks that run no
+    /// skill. See docs/conformance.md.
+    pub conformance: bool,
 }
 
 impl Default for ServerOptions {
@@ -84,6 +91,7 @@ impl Default for ServerOptions {
             poll_interval: Duration::from_millis(250),
             max_follow: Duration::from_secs(6 * 60),
             push: PushOptions::default(),
+            conformance: false,
         }
     }
 }
@@ -399,6 +407,11 @@ async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<R
                 Begun::Stored(task) | Begun::Elsewhere(task) => task,
                 Begun::Started(task, _) if immediately => task,
                 Begun::Started(_, run) => tasks::finish(run).await?,
+                Begun::Reply(message) => {
+                    return Ok(Reply::Value(to_value(&SendMessageResponse::Message(
+                        message,
+                    ))?));
+                }
             };
             to_value(&SendMessageResponse::Task(tasks::trim_history(
                 task, history,
@@ -414,6 +427,10 @@ async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<R
             match begun {
                 Begun::Stored(task) | Begun::Elsewhere(task) => {
                     spawn_follow(agent, caller, tasks::trim_history(task, history), tx)
+                }
+                Begun::Reply(message) => {
+                    // Capacity is STREAM_BUFFER and the channel is fresh, so this cannot wait.
+                    let _ = tx.try_send(Ok(StreamResponse::Message(message)));
                 }
                 Begun::Started(task, run) => {
                     tokio::spawn(tasks::stream_run(
@@ -494,14 +511,21 @@ fn extended_card(agent: &Agent, caller: &Principal) -> Result<Value, A2AError> {
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
-    card.capabilities.extensions = Some(vec![AgentExtension {
-        uri: CALLER_LIMITS_EXTENSION.into(),
-        description: Some("the limits that apply to the authenticated caller".into()),
-        // `required` is a plain proto3 bool: false is its default and must be absent, or the
-        // canonical form (and so the signature) differs from what ProtoJSON peers compute.
-        required: None,
-        params: Some(params),
-    }]);
+    // First, before the public card's extensions: callers look for it there.
+    card.capabilities
+        .extensions
+        .get_or_insert_with(Vec::new)
+        .insert(
+            0,
+            AgentExtension {
+                uri: CALLER_LIMITS_EXTENSION.into(),
+                description: Some("the limits that apply to the authenticated caller".into()),
+                // `required` is a plain proto3 bool: false is its default and must be absent, or the
+                // canonical form (and so the signature) differs from what ProtoJSON peers compute.
+                required: None,
+                params: Some(params),
+            },
+        );
     let signed = agent
         .signer
         .sign(&card)
@@ -549,7 +573,7 @@ fn rpc_response(status: StatusCode, resp: &JsonRpcResponse) -> Response {
 fn rpc_error(id: JsonRpcId, e: &A2AError) -> Response {
     rpc_response(
         StatusCode::OK,
-        &JsonRpcResponse::error(id, e.to_jsonrpc_error()),
+        &JsonRpcResponse::error(id, jsonrpc_error(e)),
     )
 }
 
@@ -586,7 +610,7 @@ async fn serve_jsonrpc(
             } else {
                 A2AError::internal(message)
             };
-            let resp = rpc_response(status, &JsonRpcResponse::error(id, err.to_jsonrpc_error()));
+            let resp = rpc_response(status, &JsonRpcResponse::error(id, jsonrpc_error(&err)));
             return with_challenge(resp, status);
         }
     };
@@ -604,10 +628,10 @@ async fn serve_jsonrpc(
                     Ok(v) => JsonRpcResponse::success(id.clone(), v),
                     Err(e) => JsonRpcResponse::error(
                         id.clone(),
-                        A2AError::internal(e.to_string()).to_jsonrpc_error(),
+                        jsonrpc_error(&A2AError::internal(e.to_string())),
                     ),
                 },
-                Err(e) => JsonRpcResponse::error(id.clone(), e.to_jsonrpc_error()),
+                Err(e) => JsonRpcResponse::error(id.clone(), jsonrpc_error(&e)),
             };
             serde_json::to_string(&resp).unwrap_or_default()
         }),
@@ -615,8 +639,57 @@ async fn serve_jsonrpc(
     }
 }
 
+/// Fields whose values are free JSON (`google.protobuf.Struct` / `Value`): their keys are data,
+/// not proto field names, and are left as they are.
+const FREE_JSON_FIELDS: [&str; 3] = ["data", "metadata", "params"];
+
+/// ProtoJSON parsers accept a field by its proto name as well as its JSON name
+/// (`task_id` = `taskId`); serde knows only the JSON name, so proto names are renamed first.
+/// A key given both ways keeps the JSON-name value.
+fn proto_names_to_json(value: Value) -> Value {
+    match value {
+        Value::Object(map) => {
+            let mut out = serde_json::Map::with_capacity(map.len());
+            for (key, v) in map {
+                let v = if FREE_JSON_FIELDS.contains(&key.as_str()) {
+                    v
+                } else {
+                    proto_names_to_json(v)
+                };
+                if key.contains('_') {
+                    let camel = snake_to_camel(&key);
+                    if !out.contains_key(&camel) {
+                        out.insert(camel, v);
+                    }
+                } else {
+                    out.insert(key, v);
+                }
+            }
+            Value::Object(out)
+        }
+        Value::Array(items) => Value::Array(items.into_iter().map(proto_names_to_json).collect()),
+        other => other,
+    }
+}
+
+fn snake_to_camel(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    let mut upper = false;
+    for c in name.chars() {
+        if c == '_' {
+            upper = true;
+        } else if upper {
+            out.extend(c.to_uppercase());
+            upper = false;
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 fn parse_params<T: serde::de::DeserializeOwned>(params: Value) -> Result<T, A2AError> {
-    serde_json::from_value(params)
+    serde_json::from_value(proto_names_to_json(params))
         .map_err(|e| A2AError::invalid_params(format!("invalid params: {e}")))
 }
 
@@ -704,23 +777,58 @@ where
 // HTTP+JSON binding (A2A §11)
 // ---------------------------------------------------------------------------------------------
 
-/// The gRPC status name of an A2A error (google.rpc.Status `status`, A2A §5.4).
+/// The HTTP status of an error (A2A §5.4; the JSON-RPC standard codes as AIP-193 maps them).
+fn http_status(code: i32) -> StatusCode {
+    match code {
+        error_code::TASK_NOT_FOUND => StatusCode::NOT_FOUND,
+        error_code::TASK_NOT_CANCELABLE => StatusCode::CONFLICT,
+        error_code::CONTENT_TYPE_NOT_SUPPORTED => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        error_code::INVALID_AGENT_RESPONSE => StatusCode::BAD_GATEWAY,
+        error_code::PUSH_NOTIFICATION_NOT_SUPPORTED
+        | error_code::UNSUPPORTED_OPERATION
+        | error_code::EXTENDED_CARD_NOT_CONFIGURED
+        | error_code::EXTENSION_SUPPORT_REQUIRED
+        | error_code::VERSION_NOT_SUPPORTED
+        | error_code::PARSE_ERROR
+        | error_code::INVALID_REQUEST
+        | error_code::INVALID_PARAMS => StatusCode::BAD_REQUEST,
+        error_code::METHOD_NOT_FOUND => StatusCode::NOT_FOUND,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// The gRPC status name of an error (google.rpc.Status `status`, A2A §5.4).
 fn grpc_status(code: i32) -> &'static str {
     match code {
         error_code::TASK_NOT_FOUND => "NOT_FOUND",
         error_code::TASK_NOT_CANCELABLE
-        | error_code::PUSH_NOTIFICATION_NOT_SUPPORTED
-        | error_code::UNSUPPORTED_OPERATION
         | error_code::EXTENDED_CARD_NOT_CONFIGURED
-        | error_code::EXTENSION_SUPPORT_REQUIRED
-        | error_code::VERSION_NOT_SUPPORTED => "FAILED_PRECONDITION",
+        | error_code::EXTENSION_SUPPORT_REQUIRED => "FAILED_PRECONDITION",
+        error_code::PUSH_NOTIFICATION_NOT_SUPPORTED
+        | error_code::UNSUPPORTED_OPERATION
+        | error_code::VERSION_NOT_SUPPORTED
+        | error_code::METHOD_NOT_FOUND => "UNIMPLEMENTED",
         error_code::CONTENT_TYPE_NOT_SUPPORTED
         | error_code::PARSE_ERROR
         | error_code::INVALID_REQUEST
         | error_code::INVALID_PARAMS => "INVALID_ARGUMENT",
-        error_code::METHOD_NOT_FOUND => "UNIMPLEMENTED",
         _ => "INTERNAL",
     }
+}
+
+/// Whether `code` is one of the A2A errors of §3.3.2 (-32001..=-32009), which carry an ErrorInfo
+/// with their reason; the JSON-RPC standard codes have no A2A reason.
+fn is_a2a_error(code: i32) -> bool {
+    (error_code::VERSION_NOT_SUPPORTED..=error_code::TASK_NOT_FOUND).contains(&code)
+}
+
+/// The JSON-RPC error object: A2A errors with their ErrorInfo, standard ones without `data`.
+fn jsonrpc_error(e: &A2AError) -> a2a::JsonRpcError {
+    let mut err = e.to_jsonrpc_error();
+    if !is_a2a_error(e.code) {
+        err.data = None;
+    }
+    err
 }
 
 /// The google.rpc.Status error object (the body of an error response and of a failed stream event).
@@ -739,13 +847,31 @@ fn status_body(http: StatusCode, status: &str, message: &str, reason: Option<&st
     json!({"error": {"code": http.as_u16(), "status": status, "message": message, "details": details}})
 }
 
-fn a2a_json(status: StatusCode, body: &Value) -> Response {
-    (status, [(header::CONTENT_TYPE, A2A_JSON)], body.to_string()).into_response()
+fn a2a_json(status: StatusCode, media: &'static str, body: &Value) -> Response {
+    (status, [(header::CONTENT_TYPE, media)], body.to_string()).into_response()
+}
+
+/// The media type of HTTP+JSON responses: `application/a2a+json` (A2A 1.0.1 §11) for a client
+/// that names it in `Accept` or `Content-Type`, else `application/json`, which v1.0.0 required
+/// and which clients of either version read.
+fn response_media(headers: &HeaderMap) -> &'static str {
+    let names_a2a = |name: header::HeaderName| {
+        headers.get_all(name).iter().any(|v| {
+            v.to_str()
+                .unwrap_or("")
+                .to_ascii_lowercase()
+                .contains(A2A_JSON)
+        })
+    };
+    if names_a2a(header::ACCEPT) || names_a2a(header::CONTENT_TYPE) {
+        A2A_JSON
+    } else {
+        "application/json"
+    }
 }
 
 fn rest_error_body(e: &A2AError) -> (StatusCode, Value) {
-    let http =
-        StatusCode::from_u16(e.http_status_code()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let http = http_status(e.code);
     let body = status_body(
         http,
         grpc_status(e.code),
@@ -755,9 +881,9 @@ fn rest_error_body(e: &A2AError) -> (StatusCode, Value) {
     (http, body)
 }
 
-fn rest_error(e: &A2AError) -> Response {
+fn rest_error(e: &A2AError, media: &'static str) -> Response {
     let (http, body) = rest_error_body(e);
-    a2a_json(http, &body)
+    a2a_json(http, media, &body)
 }
 
 /// First path segments of the HTTP+JSON routes; anything else in front of them is a tenant.
@@ -776,9 +902,11 @@ async fn serve_rest(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Response {
+    let media = response_media(headers);
     let not_found = || {
         a2a_json(
             StatusCode::NOT_FOUND,
+            media,
             &status_body(StatusCode::NOT_FOUND, "NOT_FOUND", "no such route", None),
         )
     };
@@ -797,18 +925,18 @@ async fn serve_rest(
         _ => (None, segments.as_slice()),
     };
     if query.is_some_and(|q| q.len() > MAX_QUERY_BYTES) {
-        return rest_error(&A2AError::invalid_request("query string too long"));
+        return rest_error(&A2AError::invalid_request("query string too long"), media);
     }
     let route: Vec<&str> = route.iter().map(String::as_str).collect();
     let call = match rest_route(method, &route, query, body) {
         Some(Ok(call)) => call,
-        Some(Err(e)) => return rest_error(&e),
+        Some(Err(e)) => return rest_error(&e, media),
         None => return not_found(),
     };
     if method == Method::POST
         && let Err(e) = check_content_type(headers)
     {
-        return rest_error(&e);
+        return rest_error(&e, media);
     }
     let caller = match authenticate(agent, headers).await {
         Ok(caller) => caller,
@@ -819,7 +947,7 @@ async fn serve_rest(
             } else {
                 "UNAVAILABLE"
             };
-            let resp = a2a_json(status, &status_body(status, name, &message, None));
+            let resp = a2a_json(status, media, &status_body(status, name, &message, None));
             return with_challenge(resp, status);
         }
     };
@@ -830,12 +958,12 @@ async fn serve_rest(
         Err(e) => Err(e),
     };
     match outcome {
-        Ok(Reply::Value(v)) => a2a_json(StatusCode::OK, &v),
+        Ok(Reply::Value(v)) => a2a_json(StatusCode::OK, media, &v),
         Ok(Reply::Events(rx)) => sse(rx, |item| match item {
             Ok(event) => serde_json::to_string(&event).unwrap_or_default(),
             Err(e) => rest_error_body(&e).1.to_string(),
         }),
-        Err(e) => rest_error(&e),
+        Err(e) => rest_error(&e, media),
     }
 }
 
@@ -847,8 +975,9 @@ fn rest_route(
     body: &[u8],
 ) -> Option<Result<Call, A2AError>> {
     let json_body = || -> Result<SendMessageRequest, A2AError> {
-        serde_json::from_slice(body)
-            .map_err(|e| A2AError::invalid_params(format!("invalid request body: {e}")))
+        let value: Value = serde_json::from_slice(body)
+            .map_err(|e| A2AError::invalid_params(format!("invalid request body: {e}")))?;
+        parse_params(value)
     };
     let params: Vec<(String, String)> = query.map(|q| query_pairs(q).collect()).unwrap_or_default();
     let param = |name: &str| {
@@ -883,8 +1012,9 @@ fn rest_route(
             })
         }),
         (Method::POST, ["tasks", task, "pushNotificationConfigs"]) => {
-            serde_json::from_slice::<TaskPushNotificationConfig>(body)
+            serde_json::from_slice::<Value>(body)
                 .map_err(|e| A2AError::invalid_params(format!("invalid request body: {e}")))
+                .and_then(parse_params::<TaskPushNotificationConfig>)
                 .map(|mut config| {
                     config.task_id = (*task).to_string();
                     Call::CreatePush(config)
@@ -971,6 +1101,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn proto_field_names_are_read_as_json_names_outside_free_json() {
+        let got = proto_names_to_json(json!({
+            "task_id": "t",
+            "history_length": 1,
+            "message": {"message_id": "m", "parts": [{"data": {"issue_id": 7}}],
+                        "metadata": {"approval_id": "a"}},
+            "context_id": "snake",
+            "contextId": "camel",
+        }));
+        assert_eq!(got["taskId"], "t");
+        assert_eq!(got["historyLength"], 1);
+        assert_eq!(got["message"]["messageId"], "m");
+        assert_eq!(got["message"]["parts"][0]["data"]["issue_id"], 7);
+        assert_eq!(got["message"]["metadata"]["approval_id"], "a");
+        assert_eq!(got["contextId"], "camel");
+        assert!(got.get("task_id").is_none());
+    }
+
+    #[test]
     fn percent_decoding() {
         assert_eq!(percent_decode("a%3Ab+c", true).as_deref(), Some("a:b c"));
         assert_eq!(percent_decode("a%3Ab+c", false).as_deref(), Some("a:b+c"));
@@ -980,25 +1129,22 @@ mod tests {
 
     #[test]
     fn every_a2a_error_has_its_http_and_grpc_status() {
+        // A2A §5.4.
         let table = [
             (error_code::TASK_NOT_FOUND, 404, "NOT_FOUND"),
-            (error_code::TASK_NOT_CANCELABLE, 400, "FAILED_PRECONDITION"),
+            (error_code::TASK_NOT_CANCELABLE, 409, "FAILED_PRECONDITION"),
             (
                 error_code::PUSH_NOTIFICATION_NOT_SUPPORTED,
                 400,
-                "FAILED_PRECONDITION",
+                "UNIMPLEMENTED",
             ),
-            (
-                error_code::UNSUPPORTED_OPERATION,
-                400,
-                "FAILED_PRECONDITION",
-            ),
+            (error_code::UNSUPPORTED_OPERATION, 400, "UNIMPLEMENTED"),
             (
                 error_code::CONTENT_TYPE_NOT_SUPPORTED,
-                400,
+                415,
                 "INVALID_ARGUMENT",
             ),
-            (error_code::INVALID_AGENT_RESPONSE, 500, "INTERNAL"),
+            (error_code::INVALID_AGENT_RESPONSE, 502, "INTERNAL"),
             (
                 error_code::EXTENDED_CARD_NOT_CONFIGURED,
                 400,
@@ -1009,11 +1155,7 @@ mod tests {
                 400,
                 "FAILED_PRECONDITION",
             ),
-            (
-                error_code::VERSION_NOT_SUPPORTED,
-                400,
-                "FAILED_PRECONDITION",
-            ),
+            (error_code::VERSION_NOT_SUPPORTED, 400, "UNIMPLEMENTED"),
             (error_code::INVALID_PARAMS, 400, "INVALID_ARGUMENT"),
             (error_code::INTERNAL_ERROR, 500, "INTERNAL"),
         ];

@@ -21,6 +21,23 @@ impl Risk {
             Risk::Destructive => "risk:destructive",
         }
     }
+
+    /// The scopes a caller's token needs for a skill of this level on `agent`, as the skill's
+    /// security requirement lists them: `plane:read`; `plane:write`; `plane:write` plus
+    /// `plane:destructive` (a destructive skill writes, and needs a settled approval besides).
+    pub fn scopes(self, agent: &str) -> Vec<String> {
+        match self {
+            Risk::Read => vec![format!("{agent}:read")],
+            Risk::Write => vec![format!("{agent}:write")],
+            Risk::Destructive => vec![format!("{agent}:write"), format!("{agent}:destructive")],
+        }
+    }
+}
+
+/// The principal an agent acts as (its subject in tokens it is issued, the key of its kill
+/// switch, docs/contracts.md): `agent:<name>`. Each agent has its own; the card names it.
+pub fn agent_principal(agent: &str) -> String {
+    format!("agent:{agent}")
 }
 
 /// One skill as advertised on the card.

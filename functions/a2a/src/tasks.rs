@@ -74,7 +74,7 @@ pub(crate) fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
-fn status(state: TaskState, message: Option<Message>, at_ms: i64) -> TaskStatus {
+pub(crate) fn status(state: TaskState, message: Option<Message>, at_ms: i64) -> TaskStatus {
     TaskStatus {
         state,
         message,
@@ -117,6 +117,22 @@ fn settled(state: &TaskState) -> bool {
     state.is_terminal() || matches!(state, TaskState::InputRequired | TaskState::AuthRequired)
 }
 
+/// The first media type a part declares that the card's input modes do not list (A2A §3.1.1:
+/// ContentTypeNotSupportedError).
+fn unsupported_media(message: &Message) -> Option<String> {
+    message.parts.iter().find_map(|p| {
+        let media = p.media_type.as_deref()?;
+        let essence = media
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        (!crate::card::MODES.contains(&essence.as_str()))
+            .then(|| essence.chars().take(64).collect())
+    })
+}
+
 /// The skill call carried by a message: exactly one data part `{"skill": "...", "args": {...}}`.
 fn skill_call(message: &Message) -> Result<(String, Value), A2AError> {
     let bad = |why: &str| A2AError::invalid_params(why.to_string());
@@ -140,12 +156,12 @@ fn skill_call(message: &Message) -> Result<(String, Value), A2AError> {
 /// A stored task with what it is bound to. Kept beside the task (not in its metadata) so callers
 /// never see the binding and cannot shape it.
 #[derive(Serialize, Deserialize)]
-struct StoredTask {
-    task: Task,
+pub(crate) struct StoredTask {
+    pub(crate) task: Task,
     /// [`call_hash`] of the call that created the task.
-    call: String,
+    pub(crate) call: String,
     /// Subject of the caller that created the task.
-    caller: String,
+    pub(crate) caller: String,
 }
 
 impl StoredTask {
@@ -217,7 +233,12 @@ impl Agent {
         }
     }
 
-    async fn put(&self, record: &StoredTask, body: Vec<u8>, cond: Cond) -> Result<u64, StoreError> {
+    pub(crate) async fn put(
+        &self,
+        record: &StoredTask,
+        body: Vec<u8>,
+        cond: Cond,
+    ) -> Result<u64, StoreError> {
         let item = Item {
             org: self.org.clone(),
             kind: TASK_KIND.to_string(),
@@ -315,6 +336,8 @@ pub(crate) enum Begun {
     /// This request started the call: the stored WORKING task and the run, which goes on (and
     /// records its outcome) even if the caller stops waiting.
     Started(Task, JoinHandle<Result<Task, A2AError>>),
+    /// The agent answered with a message and made no task (conformance mode only).
+    Reply(Message),
 }
 
 /// SendMessage up to the start of the skill, exactly once per message id: validate, claim the id,
@@ -336,17 +359,28 @@ pub(crate) async fn begin(
     if let Some(ctx) = &message.context_id {
         check_id("contextId", ctx)?;
     }
-    if let Some(task_id) = &message.task_id
-        && task_id != &message.message_id
-    {
-        // Every call is its own task (no multi-turn skills): continuing another task is not offered.
-        return Err(A2AError::unsupported_operation(
-            "this agent does not continue tasks; send a new message without taskId",
-        ));
-    }
     if message.role != Role::User {
         return Err(A2AError::invalid_params(
             "the message role must be ROLE_USER",
+        ));
+    }
+    if let Some(media) = unsupported_media(&message) {
+        return Err(A2AError::new(
+            error_code::CONTENT_TYPE_NOT_SUPPORTED,
+            format!("media type {media:?} is not among the card's input modes"),
+        ));
+    }
+    if agent.options.conformance && crate::conformance::scripted(&message) {
+        return crate::conformance::begin(agent, caller, message, push).await;
+    }
+    if let Some(task_id) = &message.task_id
+        && task_id != &message.message_id
+    {
+        // Every call is its own task (no multi-turn skills): continuing another task is not
+        // offered. A task id that names no task of this caller is TaskNotFound (A2A §3.4.2).
+        agent.own(caller, task_id).await?;
+        return Err(A2AError::unsupported_operation(
+            "this agent does not continue tasks; send a new message without taskId",
         ));
     }
     let (skill, args) = skill_call(&message)?;
@@ -425,6 +459,7 @@ pub(crate) async fn begin(
             return Err(A2AError::internal("the approval check is unavailable"));
         }
     };
+    let with_push = push.is_some();
     if let Some(config) = push
         && let Err(e) = crate::push::create_config(agent, &task_id, config).await
     {
@@ -442,7 +477,13 @@ pub(crate) async fn begin(
         }
     };
     let shown = record.task.clone();
-    crate::push::notify(agent, &task_id, vec![StreamResponse::Task(shown.clone())]).await;
+    // Only a config given with this message can exist yet: CreateTaskPushNotificationConfig needs
+    // the stored task, which was written a moment ago. A config registered from now on gets the
+    // updates from now on, so the store is not read for configs on this hot path (one read less
+    // per SendMessage).
+    if with_push {
+        crate::push::notify(agent, &task_id, vec![StreamResponse::Task(shown.clone())]).await;
+    }
     let run = tokio::spawn(run(
         agent.clone(),
         key,
@@ -551,7 +592,7 @@ async fn run(
 /// The record's stored bytes. The history holds the request, which may be large (file contents
 /// for a commit); when the record would not fit in a store item the history is dropped, since the
 /// caller has the request anyway. Still too large is left to the caller to handle.
-fn storable(record: &mut StoredTask) -> Result<Vec<u8>, A2AError> {
+pub(crate) fn storable(record: &mut StoredTask) -> Result<Vec<u8>, A2AError> {
     let encode =
         |r: &StoredTask| serde_json::to_vec(r).map_err(|e| A2AError::internal(e.to_string()));
     let body = encode(record)?;
@@ -694,7 +735,7 @@ pub(crate) async fn subscribable(
 }
 
 /// The events that turn `before` into `after`: new artifacts, then the status if it changed.
-fn changes(before: &Task, after: &Task) -> Vec<StreamResponse> {
+pub(crate) fn changes(before: &Task, after: &Task) -> Vec<StreamResponse> {
     let mut events = Vec::new();
     let known: Vec<&str> = before
         .artifacts
@@ -734,7 +775,13 @@ pub(crate) async fn follow(agent: Arc<Agent>, caller: Principal, first: Task, tx
     if tx.send(Ok(StreamResponse::Task(first))).await.is_err() {
         return;
     }
-    while !settled(&last.status.state) && Instant::now() < deadline {
+    // A task that is already interrupted (INPUT_REQUIRED) is followed until it moves on: its
+    // subscriber is waiting for what the next message makes of it. Otherwise the stream ends at
+    // the next settled state, as a SendStreamingMessage stream does.
+    let mut moved = !settled(&last.status.state);
+    while !(last.status.state.is_terminal() || moved && settled(&last.status.state))
+        && Instant::now() < deadline
+    {
         tokio::time::sleep(agent.options.poll_interval).await;
         if tx.is_closed() {
             return;
@@ -746,6 +793,7 @@ pub(crate) async fn follow(agent: Arc<Agent>, caller: Principal, first: Task, tx
                 return;
             }
         };
+        moved |= now.status != last.status;
         for event in changes(&last, &now) {
             if tx.send(Ok(event)).await.is_err() {
                 return;

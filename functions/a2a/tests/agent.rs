@@ -256,8 +256,14 @@ fn error_code(resp: &Value) -> i64 {
         .unwrap_or_else(|| panic!("not an error: {resp}"))
 }
 
+/// An A2A error (-32001..=-32009) carries an ErrorInfo with its reason; a JSON-RPC standard error
+/// has no A2A reason and so no `data` (the TCK's JSONRPC-ERR-003 refuses `INVALID_PARAMS` etc.).
 fn assert_error(resp: &Value, code: i64, reason: &str) {
     assert_eq!(error_code(resp), code, "{resp}");
+    if !(-32009..=-32001).contains(&code) {
+        assert!(resp["error"].get("data").is_none(), "{resp}");
+        return;
+    }
     let info = &resp["error"]["data"][0];
     assert_eq!(
         info["@type"], "type.googleapis.com/google.rpc.ErrorInfo",
@@ -291,9 +297,18 @@ async fn card_is_signed_cached_and_describes_the_agent() {
     );
     // What the card offers is what the server does (tested below): streaming, push notifications
     // and the extended card, every call behind a bearer JWT.
+    let caps = &card["capabilities"];
     assert_eq!(
-        card["capabilities"],
-        json!({"streaming": true, "pushNotifications": true, "extendedAgentCard": true})
+        (
+            &caps["streaming"],
+            &caps["pushNotifications"],
+            &caps["extendedAgentCard"]
+        ),
+        (&json!(true), &json!(true), &json!(true))
+    );
+    assert_eq!(
+        caps["extensions"][0]["params"]["principal"],
+        "agent:counter"
     );
     assert_eq!(
         card["securitySchemes"]["bearer"]["httpAuthSecurityScheme"]["bearerFormat"],
@@ -301,7 +316,7 @@ async fn card_is_signed_cached_and_describes_the_agent() {
     );
     assert_eq!(
         card["securityRequirements"],
-        json!([{"schemes": {"bearer": {"list": []}}}])
+        json!([{"schemes": {"bearer": {"list": ["counter:read"]}}}])
     );
     assert_eq!(
         card["defaultInputModes"],
@@ -309,6 +324,10 @@ async fn card_is_signed_cached_and_describes_the_agent() {
     );
     assert_eq!(card["skills"][0]["tags"], json!(["risk:write"]));
     assert_eq!(card["skills"][4]["tags"], json!(["risk:destructive"]));
+    assert_eq!(
+        card["skills"][4]["securityRequirements"],
+        json!([{"schemes": {"bearer": {"list": ["counter:write", "counter:destructive"]}}}])
+    );
     assert_eq!(card["provider"]["url"], agent.base);
 
     let again = agent
@@ -1034,6 +1053,7 @@ impl Agent {
             .http
             .request(method, format!("{}{path}", self.base))
             .header("A2A-Version", "1.0")
+            .header("accept", "application/a2a+json")
             .bearer_auth(token("agent:factory", "acme", &self.base));
         if let Some(body) = body {
             req = req
@@ -1156,15 +1176,10 @@ async fn http_json_binding_serves_every_rpc() {
     let cancel = agent
         .rest(Method::POST, "/acme/tasks/r-1:cancel", None)
         .await;
-    assert_rest_error(&cancel, 400, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
+    assert_rest_error(&cancel, 409, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
     for method in [Method::GET, Method::POST] {
         let subscribe = agent.rest(method, "/tasks/r-1:subscribe", None).await;
-        assert_rest_error(
-            &subscribe,
-            400,
-            "FAILED_PRECONDITION",
-            "UNSUPPORTED_OPERATION",
-        );
+        assert_rest_error(&subscribe, 400, "UNIMPLEMENTED", "UNSUPPORTED_OPERATION");
     }
     let tenant = agent.rest(Method::GET, "/globex/tasks/r-1", None).await;
     assert_rest_error(&tenant, 400, "INVALID_ARGUMENT", "INVALID_PARAMS");
@@ -1250,7 +1265,9 @@ async fn http_json_binding_serves_every_rpc() {
         .send()
         .await
         .unwrap();
-    assert_eq!(resp.status(), 400);
+    assert_eq!(resp.status(), 415);
+    // A client that did not ask for application/a2a+json gets application/json (A2A 1.0.0).
+    assert_eq!(resp.headers()["content-type"], "application/json");
     let body: Value = resp.json().await.unwrap();
     assert_eq!(
         body["error"]["details"][0]["reason"],
@@ -1468,7 +1485,7 @@ async fn tasks_survive_a_restart() {
     assert_eq!(task["status"]["state"], "TASK_STATE_WORKING", "{task}");
     // While the dead process's claim holds, nobody can tell it is dead: not cancelable yet.
     let early = agent.rest(Method::POST, "/tasks/rs-1:cancel", None).await;
-    assert_rest_error(&early, 400, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
+    assert_rest_error(&early, 409, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
 
     let subscription = agent
         .rest_raw(Method::GET, "/tasks/rs-1:subscribe", None)
@@ -1493,7 +1510,7 @@ async fn tasks_survive_a_restart() {
     );
     assert_eq!(agent.calls(), 0);
     let again = agent.rest(Method::POST, "/tasks/rs-1:cancel", None).await;
-    assert_rest_error(&again, 400, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
+    assert_rest_error(&again, 409, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
 }
 
 #[tokio::test]
@@ -1941,4 +1958,138 @@ async fn push_notification_configs_and_delivery() {
         .rpc("ListTaskPushNotificationConfigs", json!({"taskId": "p-1"}))
         .await;
     assert_eq!(listed["result"]["configs"].as_array().unwrap().len(), 1);
+}
+
+fn text_message(message_id: &str, task_id: Option<&str>) -> Value {
+    let mut m = json!({"messageId": message_id, "role": "ROLE_USER", "parts": [{"text": "hi"}]});
+    if let Some(t) = task_id {
+        m["taskId"] = json!(t);
+    }
+    json!({"message": m})
+}
+
+#[tokio::test]
+async fn conformance_mode_is_off_by_default() {
+    let agent = start().await;
+    // A TCK message id is an ordinary message: without a skill call it is refused, nothing runs.
+    let resp = agent
+        .rpc("SendMessage", text_message("tck-complete-task-1", None))
+        .await;
+    assert_error(&resp, -32602, "INVALID_PARAMS");
+    assert_eq!(agent.calls(), 0);
+}
+
+#[tokio::test]
+async fn conformance_mode_plays_the_tck_scenarios() {
+    let options = ServerOptions {
+        conformance: true,
+        ..fast_polling()
+    };
+    let agent = start_with(
+        Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap()),
+        options,
+    )
+    .await;
+    // The TCK reuses message ids: each send is a new task with a server-made id.
+    let a = agent
+        .rpc("SendMessage", text_message("tck-complete-task-s", None))
+        .await;
+    let b = agent
+        .rpc("SendMessage", text_message("tck-complete-task-s", None))
+        .await;
+    assert_eq!(
+        a["result"]["task"]["status"]["state"],
+        "TASK_STATE_COMPLETED"
+    );
+    assert_eq!(
+        a["result"]["task"]["status"]["message"]["parts"][0]["text"],
+        "Hello from TCK"
+    );
+    assert_ne!(a["result"]["task"]["id"], b["result"]["task"]["id"]);
+    assert_ne!(a["result"]["task"]["id"], "tck-complete-task-s");
+
+    let reply = agent
+        .rpc("SendMessage", text_message("tck-message-response-s", None))
+        .await;
+    assert_eq!(reply["result"]["message"]["role"], "ROLE_AGENT");
+    assert!(reply["result"].get("task").is_none(), "{reply}");
+
+    let data = agent
+        .rpc("SendMessage", text_message("tck-artifact-data-s", None))
+        .await;
+    assert_eq!(
+        data["result"]["task"]["artifacts"][0]["parts"][0]["data"]["count"],
+        42
+    );
+
+    // INPUT_REQUIRED, then continued by taskId (given with proto field names) to COMPLETED; a
+    // subscriber to the interrupted task sees it through to the end.
+    let waiting = agent
+        .rpc("SendMessage", text_message("tck-input-required-s", None))
+        .await;
+    assert_eq!(
+        waiting["result"]["task"]["status"]["state"],
+        "TASK_STATE_INPUT_REQUIRED"
+    );
+    let task_id = waiting["result"]["task"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let subscription = {
+        let http = agent.http.clone();
+        let url = format!("{}/tasks/{task_id}:subscribe", agent.base);
+        let bearer = token("agent:factory", "acme", &agent.base);
+        tokio::spawn(async move {
+            let resp = http
+                .get(url)
+                .header("A2A-Version", "1.0")
+                .bearer_auth(bearer)
+                .send()
+                .await
+                .unwrap();
+            resp.text().await.unwrap()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let done = agent
+        .rpc(
+            "SendMessage",
+            json!({"message": {"message_id": "tck-complete-task-s", "role": "ROLE_USER",
+                "parts": [{"text": "go on"}], "task_id": task_id}}),
+        )
+        .await;
+    assert_eq!(
+        done["result"]["task"]["status"]["state"],
+        "TASK_STATE_COMPLETED"
+    );
+    assert_eq!(
+        done["result"]["task"]["history"].as_array().unwrap().len(),
+        2
+    );
+    let events = tokio::time::timeout(Duration::from_secs(5), subscription)
+        .await
+        .unwrap()
+        .unwrap();
+    let last = events.lines().rfind(|l| l.starts_with("data:")).unwrap();
+    assert!(last.contains("TASK_STATE_COMPLETED"), "{events}");
+
+    // A finished task takes no more messages; an unknown one is TaskNotFound.
+    let again = agent
+        .rpc(
+            "SendMessage",
+            text_message("tck-complete-task-s", Some(&task_id)),
+        )
+        .await;
+    assert_error(&again, -32004, "UNSUPPORTED_OPERATION");
+    let unknown = agent
+        .rpc(
+            "SendMessage",
+            text_message("tck-complete-task-s", Some("nope")),
+        )
+        .await;
+    assert_error(&unknown, -32001, "TASK_NOT_FOUND");
+    // Skill calls are unchanged.
+    let call = agent.send("c-1", "count", json!({})).await;
+    assert_eq!(call["result"]["task"]["id"], "c-1");
+    assert_eq!(agent.calls(), 1);
 }

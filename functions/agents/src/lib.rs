@@ -39,8 +39,26 @@ pub(crate) fn skill(id: &str, name: &str, description: &str, risk: Risk, example
 }
 
 /// Decodes a skill's `args`; unknown fields are refused by the arg structs so a typo is not silently ignored.
+/// ProtoJSON peers (the A2A SDKs carry a data part as `google.protobuf.Struct`) send every number as a
+/// double, so an integral `42.0` is read as the integer 42; a fraction where an integer is due stays an error.
 pub(crate) fn args<T: DeserializeOwned>(skill: &str, value: serde_json::Value) -> Result<T, AgentError> {
-    serde_json::from_value(value).map_err(|e| AgentError::InvalidArgs(format!("{skill}: {e}")))
+    serde_json::from_value(integral_floats_as_ints(value)).map_err(|e| AgentError::InvalidArgs(format!("{skill}: {e}")))
+}
+
+/// Largest magnitude up to which every integer is exact in an f64 (2^53).
+const MAX_EXACT_F64: f64 = 9_007_199_254_740_992.0;
+
+fn integral_floats_as_ints(value: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::Number(n) if n.is_f64() => match n.as_f64() {
+            Some(f) if f.fract() == 0.0 && f.abs() <= MAX_EXACT_F64 => Value::from(f as i64),
+            _ => Value::Number(n),
+        },
+        Value::Array(items) => Value::Array(items.into_iter().map(integral_floats_as_ints).collect()),
+        Value::Object(map) => Value::Object(map.into_iter().map(|(k, v)| (k, integral_floats_as_ints(v))).collect()),
+        other => other,
+    }
 }
 
 /// Checks a caller-supplied string is present and bounded (they end up in URLs and request bodies).
@@ -62,4 +80,25 @@ pub(crate) fn text_to_html(text: &str) -> String {
             format!("<p>{escaped}</p>")
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[derive(serde::Deserialize, Debug, PartialEq)]
+    #[serde(deny_unknown_fields)]
+    struct Args {
+        since_ms: i64,
+        ids: Vec<u64>,
+        ratio: f64,
+    }
+
+    #[test]
+    fn protojson_doubles_decode_as_integers_when_integral() {
+        let got: Args = args("s", json!({"since_ms": 1764500000000.0, "ids": [1.0, 2], "ratio": 3.0})).unwrap();
+        assert_eq!(got, Args { since_ms: 1_764_500_000_000, ids: vec![1, 2], ratio: 3.0 });
+        assert!(args::<Args>("s", json!({"since_ms": 1.5, "ids": [], "ratio": 0})).is_err());
+    }
 }
