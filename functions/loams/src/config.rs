@@ -73,6 +73,64 @@ pub struct Config {
     pub apps: Option<AppSettings>,
     /// Where runs, the queue and timers live: the embedded SQLite store, or DynamoDB and SQS.
     pub backend: BackendSettings,
+    /// Signed webhooks the apps send (`/webhooks/<app>/<id>`), recorded as `app_event` items.
+    pub webhooks: WebhookSettings,
+}
+
+/// The apps' signed webhooks, per app. Forgejo and Plane sign each delivery with the hook's secret; Zulip's
+/// outgoing webhook carries it (the bot's token) in the body.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WebhookSettings {
+    pub forgejo: Vec<HookSettings>,
+    pub plane: Vec<HookSettings>,
+    pub zulip: Vec<HookSettings>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HookSettings {
+    /// The last segment of the hook's URL; not a secret.
+    pub id: String,
+    /// At least 16 bytes.
+    pub secret: Secret,
+}
+
+/// Shortest webhook secret accepted (the API refuses deliveries to a hook with a shorter one).
+const MIN_HOOK_SECRET: usize = 16;
+
+impl WebhookSettings {
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (setting, hooks) in [
+            ("webhooks.forgejo", &self.forgejo),
+            ("webhooks.plane", &self.plane),
+            ("webhooks.zulip", &self.zulip),
+        ] {
+            for hook in hooks {
+                let id_ok = !hook.id.is_empty()
+                    && hook.id.len() <= 64
+                    && hook.id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+                if !id_ok {
+                    return Err(ConfigError::Invalid { setting, message: "a hook id is 1..=64 of [A-Za-z0-9_-]".into() });
+                }
+                if hook.secret.expose().len() < MIN_HOOK_SECRET {
+                    return Err(ConfigError::Invalid {
+                        setting,
+                        message: format!("hook `{}`: the secret is shorter than {MIN_HOOK_SECRET} bytes", hook.id),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The hooks of one app as the API takes them, all in `org`.
+    pub fn for_api(hooks: &[HookSettings], org: &str) -> Vec<loams_api::AppHook> {
+        hooks
+            .iter()
+            .map(|h| loams_api::AppHook { id: h.id.clone(), org: org.to_string(), secret: h.secret.expose().to_string() })
+            .collect()
+    }
 }
 
 /// Which adapter serves the `Store` and `Timers` ports.
@@ -287,6 +345,7 @@ impl Default for Config {
             policy: loams_factory::Policy::default(),
             apps: None,
             backend: BackendSettings::default(),
+            webhooks: WebhookSettings::default(),
         }
     }
 }
@@ -423,6 +482,7 @@ impl Config {
                 }
             }
         }
+        self.webhooks.validate()?;
         self.backend.validate()
     }
 
@@ -532,6 +592,13 @@ mod tests {
     #[test]
     fn malformed_toml_is_a_parse_error() {
         assert!(Config::parse("listen = ").is_err());
+        // Webhook hooks: a short secret is refused by name, a good one accepted.
+        let hooks = |secret: &str| format!("[[webhooks.forgejo]]\nid = \"repo\"\nsecret = \"{secret}\"\n");
+        let err = Config::parse(&hooks("tiny")).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("webhooks.forgejo") && !err.contains("tiny"), "{err}");
+        let config = Config::parse(&hooks("0123456789abcdef")).unwrap();
+        config.validate().unwrap();
+        assert_eq!(WebhookSettings::for_api(&config.webhooks.forgejo, "acme")[0].id, "repo");
         // A secret on the line with the mistake is not repeated in the error.
         let err = Config::parse("webhook_token = \"s3cret-s3cret-s3cret-s3cret\" oops").unwrap_err();
         assert!(err.starts_with("line 1, column "), "{err}");

@@ -36,7 +36,7 @@ use serde_json::Value;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
-use crate::config::{AppSettings, Config, ConfigError, QueueKind, Secret, StoreKind};
+use crate::config::{AppSettings, Config, ConfigError, QueueKind, Secret, StoreKind, WebhookSettings};
 use crate::stack::{Backend, DEV_AUDIENCE, DEV_ISSUER, WorkerOpener, agent, model, worker_deps};
 
 /// Largest value accepted from one environment variable (Lambda allows 4 KiB for all of them together).
@@ -282,6 +282,9 @@ fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Rou
                 token: config.webhook_token.as_ref().map(|t| t.expose().to_string()).unwrap_or_default(),
                 origin: settings.glitchtip_origin.clone().unwrap_or_default(),
             }],
+            forgejo_hooks: WebhookSettings::for_api(&config.webhooks.forgejo, &config.org),
+            plane_hooks: WebhookSettings::for_api(&config.webhooks.plane, &config.org),
+            zulip_hooks: WebhookSettings::for_api(&config.webhooks.zulip, &config.org),
             ..ApiConfig::default()
         }),
         opener: Arc::new(WorkerOpener(Arc::new(worker))),

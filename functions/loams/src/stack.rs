@@ -27,7 +27,8 @@ use tokio::task::JoinHandle;
 
 use crate::config::{
     MIN_WEBHOOK_TOKEN,
-    AnalyticsSettings, AppSettings, Config, ForgejoSettings, GlitchtipSettings, PlaneSettings, Secret, ZulipSettings,
+    AnalyticsSettings, AppSettings, Config, ForgejoSettings, GlitchtipSettings, PlaneSettings, Secret, WebhookSettings,
+    ZulipSettings,
 };
 
 /// Timeout of every app call an agent makes.
@@ -141,6 +142,9 @@ impl Stack {
                     token: webhook_token(config)?,
                     origin: apps.glitchtip.url.clone(),
                 }],
+                forgejo_hooks: WebhookSettings::for_api(&config.webhooks.forgejo, &config.org),
+                plane_hooks: WebhookSettings::for_api(&config.webhooks.plane, &config.org),
+                zulip_hooks: WebhookSettings::for_api(&config.webhooks.zulip, &config.org),
                 ..ApiConfig::default()
             }),
             opener: Arc::new(WorkerOpener(worker.clone())),
