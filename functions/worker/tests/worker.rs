@@ -24,6 +24,8 @@ struct FakeAgents {
     /// step id -> (agent.skill, answer), and how many times each step id was called.
     answered: Mutex<HashMap<String, (String, Value)>>,
     calls: Mutex<HashMap<String, u32>>,
+    /// After answering this `agent.skill`, someone turns on the organisation's kill switch in this store.
+    kill_after: Mutex<Option<(String, Arc<Sqlite>)>>,
 }
 
 impl FakeAgents {
@@ -59,13 +61,28 @@ impl FakeAgents {
 impl AgentCaller for FakeAgents {
     async fn call(&self, agent: &str, step: &str, skill: &str, _args: Value, _approval_id: Option<&str>) -> AgentReply {
         *self.calls.lock().unwrap().entry(step.to_string()).or_default() += 1;
-        let mut answered = self.answered.lock().unwrap();
-        let (called, answer) = answered
+        let (called, answer) = self
+            .answered
+            .lock()
+            .unwrap()
             .entry(step.to_string())
             .or_insert_with(|| (format!("{agent}.{skill}"), self.output(agent, skill, step)))
             .clone();
         // One message id is one call: the same id for another call would be a worker bug.
         assert_eq!(called, format!("{agent}.{skill}"), "message id {step} reused for another call");
+        let kill = self.kill_after.lock().unwrap().clone().filter(|(after, _)| *after == called);
+        if let Some((_, db)) = kill {
+            let switch = Item {
+                org: ORG.into(),
+                kind: "kill".into(),
+                id: "org".into(),
+                version: 0,
+                index: None,
+                body: b"{}".to_vec(),
+                expires_ms: None,
+            };
+            db.put_item(&switch, Cond::Any).await.unwrap();
+        }
         AgentReply::Done(answer)
     }
 }
@@ -530,4 +547,41 @@ async fn a_settlement_message_without_a_stored_decision_releases_nothing() {
     h.approve(&id, approval).await;
     while h.worker.run_once().await.unwrap() > 0 {}
     assert!(h.run(&id).await.gate.is_none());
+}
+
+/// The skills the fake agents performed.
+fn performed(h: &Harness) -> Vec<String> {
+    h.agents.answered.lock().unwrap().values().map(|(skill, _)| skill.clone()).collect()
+}
+
+#[tokio::test]
+async fn a_kill_switch_turned_on_during_a_step_stops_the_run_before_the_same_message_makes_another() {
+    let h = Harness::new(FakeAgents::default(), 2);
+    *h.agents.kill_after.lock().unwrap() = Some(("zulip.open_thread".into(), h.db.clone()));
+    let id = h.worker.open(ORG, signal("fp-kill-mid")).await.unwrap().run_id;
+    for d in h.db.receive(10, 1_000).await.unwrap() {
+        h.db.ack(&d.receipt).await.unwrap();
+    }
+    // One message, which would otherwise carry the run on to the issue and the fix.
+    h.worker.handle(&Envelope { org: ORG.into(), run: id.clone(), input: None }).await.unwrap();
+    let done = performed(&h);
+    assert!(done.contains(&"zulip.open_thread".to_string()), "{done:?}");
+    assert!(!done.contains(&"plane.create_issue".to_string()), "the next step ran after the kill: {done:?}");
+    let run = h.run(&id).await;
+    assert!(run.ending.is_some() || run.state.is_terminal(), "{run:?}");
+}
+
+#[tokio::test]
+async fn a_message_that_used_up_its_steps_hands_the_run_to_a_fresh_message() {
+    let h = Harness::new(FakeAgents::default(), 2);
+    let id = h.worker.open(ORG, signal("fp-cap")).await.unwrap().run_id;
+    for d in h.db.receive(10, 1_000).await.unwrap() {
+        h.db.ack(&d.receipt).await.unwrap();
+    }
+    h.worker.handle_steps(&Envelope { org: ORG.into(), run: id.clone(), input: None }, 2, None).await.unwrap();
+    assert_eq!(performed(&h).len(), 2);
+    let next = h.db.receive(10, 1_000).await.unwrap();
+    assert_eq!(next.len(), 1, "one continuation");
+    let envelope: Envelope = serde_json::from_slice(&next[0].body).unwrap();
+    assert_eq!((envelope.run.as_str(), envelope.input.is_none()), (id.as_str(), true));
 }
