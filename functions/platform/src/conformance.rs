@@ -1055,6 +1055,12 @@ where
     let (q, t) = make().await;
     outcome(
         "queue",
+        "extended_receipt_stays_valid_past_its_first_window",
+        extended_ack(&*q, &*t).await,
+    );
+    let (q, t) = make().await;
+    outcome(
+        "queue",
         "dead_letter_after_max_receives",
         dead_letter(&*q, &*t, max_receives).await,
     );
@@ -1234,6 +1240,40 @@ async fn retry_later(q: &dyn Queue, t: &dyn TimeControl) -> Checked {
         d.receive_count == 3,
         "receive_count {} after two retries",
         d.receive_count
+    );
+    Ok(())
+}
+
+/// What a worker does with a step longer than its visibility timeout: extend the message's visibility with
+/// `retry_later` before each window lapses, then ack with the same receipt. Neither call may turn into a no-op
+/// after the first window, since the message was not received again.
+async fn extended_ack(q: &dyn Queue, t: &dyn TimeControl) -> Checked {
+    q.send(b"long step", 0).await.ctx("send")?;
+    let d = q
+        .receive(1, 1000)
+        .await
+        .ctx("receive")?
+        .pop()
+        .ok_or("nothing received")?;
+    q.retry_later(&d.receipt, 2000).await.ctx("extend")?;
+    t.elapse(1000).await;
+    // Past the receive's window: this extension only counts if the first one made the receipt last.
+    q.retry_later(&d.receipt, 3000).await.ctx("extend again")?;
+    t.elapse(2000).await;
+    // Past the first extension, within the second.
+    ensure!(
+        q.receive(1, VIS)
+            .await
+            .ctx("receive while extended")?
+            .is_empty(),
+        "the message reappeared while its visibility was being extended"
+    );
+    q.ack(&d.receipt).await.ctx("ack after the extensions")?;
+    // Past the second extension: an ack that did nothing would let the message reappear now.
+    t.elapse(1000).await;
+    ensure!(
+        q.receive(1, VIS).await.ctx("receive after ack")?.is_empty(),
+        "an ack after extending the visibility did not delete the message"
     );
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! `Queue` on an SQS standard queue with a dead-letter queue (see [`super::provision_queue`]).
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use async_trait::async_trait;
 use aws_sdk_sqs::Client;
@@ -34,6 +34,11 @@ const PEEK_VISIBILITY_S: i32 = 30;
 /// and SQS's are different clocks; this margin covers their skew.
 const SKEW_MARGIN_MS: i64 = 200;
 
+/// How many receipts with a changed visibility deadline the adapter remembers at most. Entries leave when
+/// acked or when their deadline passed, so only this many messages handled at once (or retried later) by one
+/// process count; past it, a receipt keeps the deadline of its receive (see [`SqsQueue`]).
+const MAX_REMEMBERED: usize = 10_000;
+
 /// `Queue` on SQS.
 ///
 /// Delays: SQS delays a message by at most 15 minutes, so `send` takes at most `limits::MAX_DELAY_MS`; the
@@ -46,7 +51,14 @@ const SKEW_MARGIN_MS: i64 = 200;
 /// someone else received since. So a receipt carries the end of its visibility timeout by this adapter's
 /// clock, and `ack` / `retry_later` after that moment are no-ops: the message may belong to a newer receiver.
 /// If it was not received again, it simply comes back (at most one redundant, idempotent run of its step).
-/// The clock must therefore be the wall clock in production. Do not `ack` a receipt after `retry_later`.
+/// The clock must therefore be the wall clock in production.
+///
+/// A successful `retry_later` moves the receipt's deadline to the end of the new visibility timeout, which the
+/// adapter remembers per receipt (shared by clones): a worker that keeps extending a long step's message and
+/// then acks it uses the same receipt throughout, and must not be told "stale" after the first window. The
+/// newest deadline wins also when it is earlier (`retry_later(receipt, 0)` ends the receipt at once), because
+/// from then on another receiver may hold the message. Past [`MAX_REMEMBERED`] receipts, a new one is not
+/// remembered and keeps its receive's deadline: its later calls may be no-ops, which costs a redundant run.
 ///
 /// Polling: `receive` short-polls by default (`wait_time_s` 0), which on AWS samples a subset of servers and
 /// may return nothing while messages exist; a polling worker loops anyway. On Lambda, the event source
@@ -58,6 +70,9 @@ pub struct SqsQueue {
     dead_letter_url: String,
     clock: Arc<dyn Clock>,
     wait_time_s: i32,
+    /// Receipt -> the end of its visibility timeout (adapter clock, less the skew margin) set by the last
+    /// successful `retry_later`.
+    deadlines: Arc<Mutex<HashMap<String, i64>>>,
 }
 
 impl std::fmt::Debug for SqsQueue {
@@ -77,6 +92,7 @@ impl SqsQueue {
             dead_letter_url: urls.dead_letter_url,
             clock,
             wait_time_s: 0,
+            deadlines: Arc::default(),
         }
     }
 
@@ -158,13 +174,53 @@ fn stale_receipt_error(code: Option<&str>) -> bool {
     )
 }
 
+/// The end of a visibility timeout of `ms` that starts now, by the adapter's clock: measured before the SQS
+/// call, which starts the timeout later, and less the skew margin, so the receipt expires first.
+fn deadline_after(now_ms: i64, ms: u64) -> i64 {
+    now_ms
+        .saturating_add(i64::from(seconds(ms)) * 1000)
+        .saturating_sub(SKEW_MARGIN_MS)
+}
+
 impl SqsQueue {
+    fn deadlines(&self) -> std::sync::MutexGuard<'_, HashMap<String, i64>> {
+        // A poisoned map only means another task panicked while holding it; its entries are still sound.
+        self.deadlines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// The SQS handle of a receipt that is still ours, or `None` for a stale or foreign one.
     fn live_handle<'a>(&self, receipt: &'a str) -> Result<Option<&'a str>> {
         limits::token("receipt", receipt)?;
-        Ok(open_receipt(receipt)
-            .filter(|(until, _)| self.clock.now_ms() < *until)
-            .map(|(_, handle)| handle))
+        let Some((received_until, handle)) = open_receipt(receipt) else {
+            return Ok(None);
+        };
+        let until = self
+            .deadlines()
+            .get(receipt)
+            .copied()
+            .unwrap_or(received_until);
+        Ok((self.clock.now_ms() < until).then_some(handle))
+    }
+
+    /// Records the deadline set by a successful visibility change, and drops the entries whose receipts are
+    /// stale for good (both their receive's deadline and their remembered one passed), so that dropping them
+    /// changes no answer.
+    fn remember(&self, receipt: &str, until: i64) {
+        let now = self.clock.now_ms();
+        let mut deadlines = self.deadlines();
+        if !deadlines.contains_key(receipt) {
+            // Only as many entries as messages in hand, so a scan per new receipt is cheap.
+            deadlines.retain(|r, until| {
+                let received_until = open_receipt(r).map_or(i64::MIN, |(u, _)| u);
+                now < received_until.max(*until)
+            });
+            if deadlines.len() >= MAX_REMEMBERED {
+                return;
+            }
+        }
+        deadlines.insert(receipt.to_owned(), until);
     }
 }
 
@@ -197,12 +253,7 @@ impl Queue for SqsQueue {
         let max = limits::count("receive max", max, MAX_RECEIVE)?;
         limits::duration("visibility", visibility_ms, MAX_VISIBILITY_MS)?;
         let visibility_s = seconds(visibility_ms);
-        // Measured before the call: SQS starts the timeout later than this, so the receipt expires first.
-        let valid_until = self
-            .clock
-            .now_ms()
-            .saturating_add(i64::from(visibility_s) * 1000)
-            .saturating_sub(SKEW_MARGIN_MS);
+        let valid_until = deadline_after(self.clock.now_ms(), visibility_ms);
         let out = self
             .client
             .receive_message()
@@ -237,7 +288,7 @@ impl Queue for SqsQueue {
         let Some(handle) = self.live_handle(receipt)? else {
             return Ok(());
         };
-        match self
+        let deleted = match self
             .client
             .delete_message()
             .queue_url(&self.queue_url)
@@ -248,7 +299,12 @@ impl Queue for SqsQueue {
             Ok(_) => Ok(()),
             Err(e) if stale_receipt_error(e.code()) => Ok(()),
             Err(e) => Err(sqs_err("DeleteMessage", e)),
+        };
+        if deleted.is_ok() {
+            // The message is gone (or someone else's): its receipt has nothing left to extend.
+            self.deadlines().remove(receipt);
         }
+        deleted
     }
 
     async fn retry_later(&self, receipt: &str, delay_ms: u64) -> Result<()> {
@@ -256,6 +312,7 @@ impl Queue for SqsQueue {
         let Some(handle) = self.live_handle(receipt)? else {
             return Ok(());
         };
+        let until = deadline_after(self.clock.now_ms(), delay_ms);
         match self
             .client
             .change_message_visibility()
@@ -265,7 +322,10 @@ impl Queue for SqsQueue {
             .send()
             .await
         {
-            Ok(_) => Ok(()),
+            Ok(_) => {
+                self.remember(receipt, until);
+                Ok(())
+            }
             Err(e) if stale_receipt_error(e.code()) => Ok(()),
             Err(e) => Err(sqs_err("ChangeMessageVisibility", e)),
         }
@@ -361,6 +421,63 @@ mod tests {
         assert_eq!(open_receipt("no-such-receipt"), None);
         assert_eq!(open_receipt("12."), None);
         assert_eq!(open_receipt("x.handle"), None);
+    }
+
+    /// An adapter whose client is never called: these checks only touch the receipt bookkeeping.
+    fn offline(clock: Arc<crate::ManualClock>) -> SqsQueue {
+        let conf = aws_sdk_sqs::Config::builder()
+            .behavior_version(aws_sdk_sqs::config::BehaviorVersion::latest())
+            .region(aws_sdk_sqs::config::Region::new("us-east-1"))
+            .build();
+        let urls = crate::aws::QueueUrls {
+            queue_url: "q".into(),
+            dead_letter_url: "dlq".into(),
+        };
+        SqsQueue::new(Client::from_conf(conf), urls, clock)
+    }
+
+    #[test]
+    fn remembered_deadlines_replace_the_received_one_and_expire() {
+        let clock = Arc::new(crate::ManualClock::new(1_000_000));
+        let q = offline(clock.clone());
+        let extended = format!("{}.h1", deadline_after(1_000_000, 1000));
+        q.remember(&extended, deadline_after(1_000_000, 3000));
+        clock.advance(2000);
+        assert_eq!(
+            q.live_handle(&extended),
+            Ok(Some("h1")),
+            "extension honoured"
+        );
+        let unextended = format!("{}.h2", deadline_after(1_000_000, 1000));
+        assert_eq!(
+            q.live_handle(&unextended),
+            Ok(None),
+            "received deadline passed"
+        );
+
+        // Shortening wins too: after retry_later(0) another receiver may hold the message.
+        let released = format!("{}.h3", deadline_after(1_002_000, 30_000));
+        q.remember(&released, deadline_after(1_002_000, 0));
+        assert_eq!(q.live_handle(&released), Ok(None));
+
+        // Past the extension, a new entry prunes the expired one but keeps the still-meaningful release.
+        clock.advance(2000);
+        assert_eq!(q.live_handle(&extended), Ok(None));
+        let other = format!("{}.h4", deadline_after(1_004_000, 1000));
+        q.remember(&other, deadline_after(1_004_000, 5000));
+        let kept: Vec<String> = {
+            let mut k: Vec<String> = q.deadlines().keys().cloned().collect();
+            k.sort();
+            k
+        };
+        assert_eq!(kept, vec![other.clone(), released.clone()]);
+        assert_eq!(
+            q.live_handle(&released),
+            Ok(None),
+            "pruning revived nothing"
+        );
+        // Clones share what they remember.
+        assert_eq!(q.clone().live_handle(&other), Ok(Some("h4")));
     }
 
     #[test]
