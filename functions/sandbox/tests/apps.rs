@@ -673,6 +673,10 @@ async fn glitchtip_events_follow_production_and_control() {
     assert!(count >= 4, "{issue}");
     assert_eq!(issue["status"], "unresolved");
 
+    // Paging over a list that grows every 10 ms would shift under the cursor: hold production still meanwhile.
+    if let Err(e) = sb.set_producing(ProducingMode::Off) {
+        panic!("{e}");
+    }
     let r = client()
         .get(format!("{url}events/?limit=2"))
         .header("Authorization", &auth)
