@@ -168,9 +168,10 @@ fn validate_decide(req: &pa::DecideRequest) -> Result<bool, ApiError> {
     Ok(approve)
 }
 
-async fn settled_input(state: &ApiState, caller: &Caller, a: &Approval, approve: bool, by: &str) -> Result<(), ApiError> {
-    let input = Input::ApprovalSettled { approval_id: a.id.clone(), approved: approve, by: by.to_owned() };
-    enqueue(state, &caller.org, &a.run_id, input).await
+/// Wakes the run an approval gates. The message carries no decision: the worker reads the stored, signed one, so a
+/// message on the queue can never stand in for it.
+async fn wake_run(state: &ApiState, caller: &Caller, a: &Approval) -> Result<(), ApiError> {
+    enqueue(state, &caller.org, &a.run_id, Input::Continue).await
 }
 
 /// Why a decision's conditional write lost: the approval was settled (or ran out) meanwhile, or something else
@@ -195,13 +196,13 @@ async fn decide(state: &ApiState, caller: &Caller, req: pa::DecideRequest) -> Re
         let (_, device) = callers_device(state, caller, &req.device_id).await?;
 
         // A decision already recorded from this very request (same device, challenge and signature) means an
-        // earlier attempt stopped after settling: tell the run again (the worker drops the duplicate) and answer.
+        // earlier attempt stopped after settling: wake the run again (it reads the decision once) and answer.
         if let Some(proof) = &approval.decision
             && proof.device_id == device.id
             && proof.challenge == req.challenge
             && proof.signature == req.signature
         {
-            settled_input(state, caller, &approval, approval.state == ApprovalState::Approved, &proof.decided_by).await?;
+            wake_run(state, caller, &approval).await?;
             return Ok(pa::DecideResponse { approval: Some(convert::approval(&approval, now)) });
         }
 
@@ -257,7 +258,7 @@ async fn decide(state: &ApiState, caller: &Caller, req: pa::DecideRequest) -> Re
             tracing::warn!(error = %e, approval = %settled.id, "marking a challenge used failed");
         }
         tracing::info!(approval = %settled.id, run = %settled.run_id, approved = approve, by = %device.user, "approval settled");
-        settled_input(state, caller, &settled, approve, &device.user).await?;
+        wake_run(state, caller, &settled).await?;
         Ok(pa::DecideResponse { approval: Some(convert::approval(&settled, now)) })
     })
     .await

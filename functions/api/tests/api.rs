@@ -448,10 +448,8 @@ async fn signed_decision_settles_the_approval_and_tells_the_run() {
     let queued = env.queued().await;
     assert_eq!(queued.len(), 1);
     assert_eq!((queued[0].org.as_str(), queued[0].run.as_str()), ("acme", RUN));
-    assert_eq!(
-        queued[0].input,
-        Some(Input::ApprovalSettled { approval_id: AP.into(), approved: true, by: "bob".into() })
-    );
+    // A wake-up only: the worker takes the decision from the stored approval, never from a message.
+    assert_eq!(queued[0].input, Some(Input::Continue));
     // Off the pending list.
     let pending: pa::ListApprovalsResponse = bob
         .unary("/loams.approvals.v1.ApprovalService/ListApprovals", &pa::ListApprovalsRequest { state: pa::ApprovalState::Pending as i32, ..Default::default() })

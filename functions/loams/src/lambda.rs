@@ -1,5 +1,5 @@
 //! The AWS Lambda entry points (feature `aws`), thin shells over the same parts `loams dev` runs: the API's axum
-//! router, each agent's A2A router, the worker's `handle_within` per SQS record (one or more steps of its run, as
+//! router, each agent's A2A router, the worker's `handle_received` per SQS record (one or more steps of its run, as
 //! many as fit in the invocation), and the scheduler's `fire_due`.
 //!
 //! One binary (`loams-lambda`) serves every function; `LOAMS_FUNCTION` picks which. Everything comes from the
@@ -385,7 +385,7 @@ impl AgentCaller for LazyAgents {
 }
 
 /// Handles one SQS batch by `deadline` (the invocation's): each record moves its run by one or more steps (see
-/// `Worker::handle_within`), the records side by side (the worker tolerates
+/// `Worker::handle_received`), the records side by side (the worker tolerates
 /// concurrent steps, of one run too: its appends are conditional). The answer names the records SQS must deliver
 /// again (`ReportBatchItemFailures`); on a FIFO queue also every later record of a failed record's group.
 ///
@@ -436,7 +436,7 @@ async fn handle_record(worker: &Worker, record: &SqsMessage, deadline: Instant) 
     // SQS counts deliveries; a message that came back moves its run by one step (see `Worker::handle_received`).
     let receive_count = record.attributes.get("ApproximateReceiveCount").and_then(|n| n.parse().ok()).unwrap_or(1);
     // Steps after the first start only while one more fits in the invocation's remaining time.
-    let handled = worker.handle_within(&envelope, receive_count, deadline).await;
+    let handled = worker.handle_received(&envelope, receive_count, Some(deadline)).await;
     // A retry is reported as a batch item failure: SQS makes the message visible again after its timeout.
     worker.settlement(&envelope, handled, receive_count).await == Settlement::Done
 }

@@ -60,11 +60,6 @@ pub enum Settlement {
     Retry { delay_ms: u64 },
 }
 
-/// Steps a message carries its run through: a message that came back moves the run by one step only.
-fn steps_for(receive_count: u32) -> usize {
-    if receive_count > 1 { 1 } else { STEPS_PER_MESSAGE }
-}
-
 /// A run and the version of its last recorded event.
 struct Current {
     run: Run,
@@ -157,21 +152,22 @@ impl Worker {
     /// Handles one queue message: records its input, then performs and records the run's next effects one after
     /// the other until the run has to wait (at most `STEPS_PER_MESSAGE`; a fresh message carries on after that).
     pub async fn handle(&self, envelope: &Envelope) -> Result<(), WorkerError> {
-        self.handle_received(envelope, 1).await
+        self.handle_received(envelope, 1, None).await
     }
 
-    /// [`Worker::handle`] for a message the queue has delivered `receive_count` times. A message that came back
-    /// (its worker crashed or failed mid-way) moves its run by one step and hands the rest to a fresh message:
-    /// the queue dead-letters a message by its receives, and those must count failures of one step, not every
-    /// crash along a run that made progress in between.
-    pub async fn handle_received(&self, envelope: &Envelope, receive_count: u32) -> Result<(), WorkerError> {
-        self.handle_steps(envelope, steps_for(receive_count), None).await
-    }
-
-    /// [`Worker::handle_received`] for a caller that must return by `deadline` (a Lambda invocation): a step
-    /// after the first starts only if `MAX_STEP` still fits before it; otherwise a fresh message carries on.
-    pub async fn handle_within(&self, envelope: &Envelope, receive_count: u32, deadline: Instant) -> Result<(), WorkerError> {
-        self.handle_steps(envelope, steps_for(receive_count), Some(deadline)).await
+    /// [`Worker::handle`] for a message the queue has delivered `receive_count` times, by `deadline` if the caller
+    /// has one (a Lambda invocation: a step after the first starts only while `MAX_STEP` still fits). A message
+    /// that came back (its worker crashed or failed mid-way) moves its run by one step and hands the rest to a
+    /// fresh message: the queue dead-letters a message by its receives, and those must count failures of one step,
+    /// not every crash along a run that made progress in between.
+    pub async fn handle_received(
+        &self,
+        envelope: &Envelope,
+        receive_count: u32,
+        deadline: Option<Instant>,
+    ) -> Result<(), WorkerError> {
+        let steps = if receive_count > 1 { 1 } else { STEPS_PER_MESSAGE };
+        self.handle_steps(envelope, steps, deadline).await
     }
 
     /// Moves the run by at most `steps` steps, each after the first only if it fits before `deadline`; if the run
@@ -298,7 +294,7 @@ impl Worker {
             let lock = self.run_lock(&key);
             let result = {
                 let _held = lock.lock().await;
-                self.handle_received(envelope, delivery.receive_count).await
+                self.handle_received(envelope, delivery.receive_count, None).await
             };
             drop(lock);
             self.forget_run_lock(&key);
@@ -434,10 +430,10 @@ impl Worker {
         Err(WorkerError::Contended(MAX_CONFLICTS))
     }
 
-    /// The decision stored for the approval the run waits on, as the input that tells the run. The API stores a
-    /// decision and then enqueues this input; reading the store on every message of a waiting run (its re-check
-    /// timers wake it at least every `Config::recheck_ms`) means a crash between those two writes delays the run by
-    /// a re-check instead of stranding it until the approval expires.
+    /// The decision stored for the approval the run waits on, as the input that tells the run: the only way an
+    /// approval reaches a run. The API stores the signed decision and then wakes the run; reading the store on every
+    /// message of a waiting run (its re-check timers wake it at least every `Config::recheck_ms`) also means a crash
+    /// between those two writes delays the run by a re-check instead of stranding it until the approval expires.
     async fn stored_settlement(&self, run: &Run) -> Result<Option<Input>, WorkerError> {
         use loams_factory::approval::{Approval, ApprovalState};
         let d = &self.deps;
@@ -447,7 +443,7 @@ impl Worker {
         let approval: Approval = match serde_json::from_slice(&item.body) {
             Ok(approval) => approval,
             Err(e) => {
-                // The run still learns a decision from its queue message, or fails safe when the approval expires.
+                // The run fails safe when the approval expires.
                 warn!(approval = %approval_id, error = %e, "ignoring an unreadable approval record");
                 return Ok(None);
             }
