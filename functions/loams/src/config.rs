@@ -12,8 +12,8 @@ use serde::Deserialize;
 const MAX_CONFIG_BYTES: u64 = 256 * 1024;
 /// Shortest webhook token accepted: the URL is the only secret of an unsigned webhook.
 pub const MIN_WEBHOOK_TOKEN: usize = 24;
-/// The agents a policy rule may name.
-const AGENTS: [&str; 5] = ["zulip", "plane", "forgejo", "glitchtip", "analytics"];
+/// The five agents, by the names policy rules, agent URLs and functions use.
+pub const AGENTS: [&str; 5] = ["zulip", "plane", "forgejo", "glitchtip", "analytics"];
 
 /// A credential read from the config: kept out of `Debug` output so a logged config never shows it.
 #[derive(Clone, Deserialize, PartialEq, Eq)]

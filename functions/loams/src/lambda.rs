@@ -27,7 +27,7 @@ use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use loams_a2a::{A2aClient, CardSigner, Guards, Jwks};
-use loams_api::{AgentAuth, AgentTokens, ApiConfig, ApiState, ApprovalBroker, GlitchtipHook, Issuer};
+use loams_api::{AgentAuth, AgentTokens, ApiState, ApprovalBroker, Issuer};
 use loams_factory::Envelope;
 use loams_model::Replay;
 use loams_platform::aws::{BODY_ENCODING_ATTRIBUTE, BatchOutcome, batch_item_failures, decode_body};
@@ -36,13 +36,11 @@ use serde_json::Value;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
-use crate::config::{AppSettings, Config, ConfigError, QueueKind, Secret, StoreKind, WebhookSettings};
-use crate::stack::{Backend, DEV_AUDIENCE, DEV_ISSUER, WorkerOpener, agent, model, worker_deps};
+use crate::config::{AGENTS, AppSettings, Config, ConfigError, QueueKind, Secret, StoreKind};
+use crate::stack::{Backend, DEV_AUDIENCE, DEV_ISSUER, WorkerOpener, agent, api_config, model, worker_deps};
 
 /// Largest value accepted from one environment variable (Lambda allows 4 KiB for all of them together).
 const MAX_VAR_BYTES: usize = 64 * 1024;
-/// The agents a function may serve or call.
-pub const AGENTS: [&str; 5] = ["zulip", "plane", "forgejo", "glitchtip", "analytics"];
 /// Scheduler passes per invocation (each fires up to the scheduler's batch of due timers).
 const SCHEDULER_PASSES: usize = 20;
 
@@ -275,18 +273,11 @@ fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Rou
         queue,
         verifier: issuer.verifier(),
         clock,
-        config: Arc::new(ApiConfig {
-            glitchtip_hooks: vec![GlitchtipHook {
-                org: config.org.clone(),
-                env: config.env.clone(),
-                token: config.webhook_token.as_ref().map(|t| t.expose().to_string()).unwrap_or_default(),
-                origin: settings.glitchtip_origin.clone().unwrap_or_default(),
-            }],
-            forgejo_hooks: WebhookSettings::for_api(&config.webhooks.forgejo, &config.org),
-            plane_hooks: WebhookSettings::for_api(&config.webhooks.plane, &config.org),
-            zulip_hooks: WebhookSettings::for_api(&config.webhooks.zulip, &config.org),
-            ..ApiConfig::default()
-        }),
+        config: Arc::new(api_config(
+            config,
+            config.webhook_token.as_ref().map(|t| t.expose().to_string()).unwrap_or_default(),
+            settings.glitchtip_origin.clone().unwrap_or_default(),
+        )),
         opener: Arc::new(WorkerOpener(Arc::new(worker))),
         jwks: Some(Arc::new(issuer.jwks())),
     };
@@ -374,11 +365,7 @@ impl AgentCaller for LazyAgents {
             })
             .await;
         match connected {
-            // The same reply mapping as `loams dev`'s clients.
-            Ok(client) => {
-                let one = A2aAgents::new(HashMap::from([(agent.to_string(), client.clone())]));
-                one.call(agent, step, skill, args, approval_id).await
-            }
+            Ok(client) => AgentReply::from_call(client.call(step, skill, args, approval_id).await),
             Err(e) => AgentReply::Failed { error: format!("connecting to agent {agent}: {e}"), retryable: true },
         }
     }

@@ -26,7 +26,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::{
-    MIN_WEBHOOK_TOKEN,
+    AGENTS, MIN_WEBHOOK_TOKEN,
     AnalyticsSettings, AppSettings, Config, ForgejoSettings, GlitchtipSettings, PlaneSettings, Secret, WebhookSettings,
     ZulipSettings,
 };
@@ -79,7 +79,6 @@ impl Stack {
         model: Arc<dyn ChatModel>,
         backend: Backend,
     ) -> anyhow::Result<Stack> {
-        let Backend { store, queue, timers, clock } = backend;
         let (stop, stop_rx) = watch::channel(false);
         let mut tasks = Vec::new();
 
@@ -88,13 +87,13 @@ impl Stack {
         let issuer = dev_issuer(&config.data_dir)?;
         let guards = Guards {
             auth: Arc::new(AgentAuth::new(issuer.verifier())),
-            gate: Arc::new(ApprovalBroker::new(store.clone(), clock.clone())),
+            gate: Arc::new(ApprovalBroker::new(backend.store.clone(), backend.clock.clone())),
         };
         let tokens = Arc::new(AgentTokens::new(issuer.clone(), config.org.clone()));
         let mut clients = HashMap::new();
         for (name, skills) in agents(apps)? {
             let (url, task) =
-                serve_agent(name, skills, store.clone(), &config.org, guards.clone(), stop_rx.clone()).await?;
+                serve_agent(name, skills, backend.store.clone(), &config.org, guards.clone(), stop_rx.clone()).await?;
             tasks.push(task);
             clients.insert(name.to_string(), url);
         }
@@ -107,7 +106,7 @@ impl Stack {
         let worker = Arc::new(Worker::new(worker_deps(
             config,
             Some(apps),
-            &Backend { store: store.clone(), queue: queue.clone(), timers: timers.clone(), clock: clock.clone() },
+            &backend,
             Arc::new(A2aAgents::new(directory)),
             model,
         )));
@@ -116,7 +115,7 @@ impl Stack {
             let stop = stop_rx.clone();
             tasks.push(tokio::spawn(async move { worker.run(stop).await }));
         }
-        let scheduler = Scheduler::new(timers, queue.clone(), clock.clone());
+        let scheduler = Scheduler::new(backend.timers.clone(), backend.queue.clone(), backend.clock.clone());
         let mut scheduler_stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
             while !*scheduler_stop.borrow() {
@@ -131,22 +130,11 @@ impl Stack {
         }));
 
         let state = ApiState {
-            store: store.clone(),
-            queue,
+            store: backend.store.clone(),
+            queue: backend.queue,
             verifier: issuer.verifier(),
-            clock: clock.clone(),
-            config: Arc::new(ApiConfig {
-                glitchtip_hooks: vec![GlitchtipHook {
-                    org: config.org.clone(),
-                    env: config.env.clone(),
-                    token: webhook_token(config)?,
-                    origin: apps.glitchtip.url.clone(),
-                }],
-                forgejo_hooks: WebhookSettings::for_api(&config.webhooks.forgejo, &config.org),
-                plane_hooks: WebhookSettings::for_api(&config.webhooks.plane, &config.org),
-                zulip_hooks: WebhookSettings::for_api(&config.webhooks.zulip, &config.org),
-                ..ApiConfig::default()
-            }),
+            clock: backend.clock,
+            config: Arc::new(api_config(config, webhook_token(config)?, apps.glitchtip.url.clone())),
             opener: Arc::new(WorkerOpener(worker.clone())),
             jwks: Some(Arc::new(issuer.jwks())),
         };
@@ -156,7 +144,7 @@ impl Stack {
         let api_url = format!("http://{}", listener.local_addr()?);
         tasks.push(serve(listener, loams_api::router(state), stop_rx.clone()));
 
-        Ok(Stack { api_url, worker, store, issuer, stop, tasks })
+        Ok(Stack { api_url, worker, store: backend.store, issuer, stop, tasks })
     }
 
     /// A bearer token of the dev issuer for `user` in `org`, valid for an hour.
@@ -169,6 +157,23 @@ impl Stack {
         for task in self.tasks {
             let _ = task.await;
         }
+    }
+}
+
+/// The API's webhooks, from the configuration; shared by `loams dev` and the API function. `glitchtip_token` is the
+/// alert webhook's path secret, `glitchtip_origin` the GlitchTip whose issue links an alert may carry.
+pub(crate) fn api_config(config: &Config, glitchtip_token: String, glitchtip_origin: String) -> ApiConfig {
+    ApiConfig {
+        glitchtip_hooks: vec![GlitchtipHook {
+            org: config.org.clone(),
+            env: config.env.clone(),
+            token: glitchtip_token,
+            origin: glitchtip_origin,
+        }],
+        forgejo_hooks: WebhookSettings::for_api(&config.webhooks.forgejo, &config.org),
+        plane_hooks: WebhookSettings::for_api(&config.webhooks.plane, &config.org),
+        zulip_hooks: WebhookSettings::for_api(&config.webhooks.zulip, &config.org),
+        ..ApiConfig::default()
     }
 }
 
@@ -299,7 +304,7 @@ impl RunOpener for WorkerOpener {
 }
 
 pub(crate) fn agents(apps: &AppSettings) -> anyhow::Result<Vec<(&'static str, Arc<dyn Skills>)>> {
-    ["zulip", "plane", "forgejo", "glitchtip", "analytics"]
+    AGENTS
         .into_iter()
         .map(|name| Ok((name, agent(apps, name)?)))
         .collect()

@@ -15,6 +15,20 @@ pub enum AgentReply {
     InProgress,
 }
 
+impl AgentReply {
+    /// What an A2A call's result means for the step.
+    pub fn from_call(result: Result<Value, CallError>) -> AgentReply {
+        match result {
+            Ok(output) => AgentReply::Done(output),
+            Err(CallError::InProgress(_)) => AgentReply::InProgress,
+            Err(e) => {
+                let retryable = e.retryable();
+                AgentReply::Failed { error: e.to_string(), retryable }
+            }
+        }
+    }
+}
+
 /// Calls an agent's skill with the step id as A2A `messageId`, so a repeated call is answered from the agent's
 /// task store and performs nothing twice. A gated call names its settled approval, which the agent checks against
 /// the call before acting.
@@ -40,14 +54,7 @@ impl AgentCaller for A2aAgents {
         let Some(client) = self.clients.get(agent) else {
             return AgentReply::Failed { error: format!("no agent named {agent} is configured"), retryable: false };
         };
-        match client.call(step, skill, args, approval_id).await {
-            Ok(output) => AgentReply::Done(output),
-            Err(CallError::InProgress(_)) => AgentReply::InProgress,
-            Err(e) => {
-                let retryable = e.retryable();
-                AgentReply::Failed { error: e.to_string(), retryable }
-            }
-        }
+        AgentReply::from_call(client.call(step, skill, args, approval_id).await)
     }
 }
 
