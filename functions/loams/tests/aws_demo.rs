@@ -50,12 +50,15 @@ async fn demo_scenario_on_dynamodb_and_sqs() {
     let ddb = aws_sdk_dynamodb::Client::new(&sdk);
     let items = ddb.scan().table_name(&table).send().await.unwrap().count();
     let sqs = aws_sdk_sqs::Client::new(&sdk);
+    let queue_made = sqs.get_queue_url().queue_name(&queue_name).send().await.is_ok();
+    // Looks both queues up (creating nothing, they exist) for the clean-up.
     let urls = provision_queue(&sqs, &queue_name, QueueSpec::default()).await.unwrap();
     delete_table(&ddb, &table).await.unwrap();
     delete_queue(&sqs, &urls).await.unwrap();
 
     let report = result.unwrap_or_else(|e| panic!("scenario failed: {e:#}\n{out}"));
     assert!(items > 10, "the run's records are in DynamoDB ({items} items)\n{out}");
+    assert!(queue_made, "loams made its SQS queue\n{out}");
     assert!(
         !dir.path().join("loams.db").exists(),
         "nothing went to the embedded store\n{out}"
