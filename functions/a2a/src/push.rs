@@ -390,8 +390,9 @@ async fn deliver(agent: &Agent, config: &TaskPushNotificationConfig, event: &Str
             return;
         }
     };
+    let attempts = options.attempts.max(1);
     let mut wait = options.backoff;
-    for attempt in 1..=options.attempts.max(1) {
+    for attempt in 1..=attempts {
         let mut req = agent
             .push_client
             .post(&config.url)
@@ -421,7 +422,7 @@ async fn deliver(agent: &Agent, config: &TaskPushNotificationConfig, event: &Str
                 true
             }
         };
-        if !retry || attempt == options.attempts {
+        if !retry || attempt == attempts {
             return;
         }
         tokio::time::sleep(wait).await;
