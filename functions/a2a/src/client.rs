@@ -19,6 +19,7 @@ use serde_json::{Value, json};
 use crate::auth::TokenSource;
 use crate::card::{CARD_PATH, CardError, Jwks, verify_card};
 use crate::server::{A2A_JSON, APPROVAL_ID_KEY};
+use crate::tasks::settled;
 
 /// Largest agent card accepted.
 const MAX_CARD_BYTES: usize = 64 * 1024;
@@ -643,10 +644,6 @@ fn rest_error_value(value: &Value) -> Option<CallError> {
         code,
         message: message.to_string(),
     })
-}
-
-fn settled(state: &TaskState) -> bool {
-    state.is_terminal() || matches!(state, TaskState::InputRequired | TaskState::AuthRequired)
 }
 
 /// Folds a stream event into the task it describes.

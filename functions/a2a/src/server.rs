@@ -180,12 +180,8 @@ pub fn router_with(
 fn render_card(signer: &CardSigner, card: &a2a::AgentCard) -> Result<CardDoc, String> {
     let signed = signer.sign(card).map_err(|e| e.to_string())?;
     let json = serde_json::to_vec(&signed).map_err(|e| e.to_string())?;
-    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, &json);
-    let hex: String = digest.as_ref()[..16]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let etag = HeaderValue::from_str(&format!("\"{hex}\"")).map_err(|e| e.to_string())?;
+    let hex = crate::tasks::sha256_hex(&json);
+    let etag = HeaderValue::from_str(&format!("\"{}\"", &hex[..32])).map_err(|e| e.to_string())?;
     let now = chrono::Utc::now()
         .format("%a, %d %b %Y %H:%M:%S GMT")
         .to_string();

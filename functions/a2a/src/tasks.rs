@@ -113,7 +113,7 @@ pub(crate) fn trim_history(mut task: Task, keep: Option<usize>) -> Task {
 }
 
 /// Terminal or interrupted: the state a blocking send returns at and a stream closes at.
-fn settled(state: &TaskState) -> bool {
+pub(crate) fn settled(state: &TaskState) -> bool {
     state.is_terminal() || matches!(state, TaskState::InputRequired | TaskState::AuthRequired)
 }
 
@@ -171,7 +171,7 @@ impl StoredTask {
 }
 
 /// Hex SHA-256 of `bytes`.
-fn sha256_hex(bytes: &[u8]) -> String {
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, bytes);
     digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -897,7 +897,11 @@ pub(crate) async fn list_tasks(
         check_id("contextId", ctx)?;
     }
     let index = agent.list_index(caller);
-    let mut matching: Vec<Position> = Vec::new();
+    // The scan counts every match (totalSize) and keeps only the matches after the token's
+    // position, cut back to the page from time to time, so the page needs no second read.
+    let mut total = 0usize;
+    let mut after_token = 0usize;
+    let mut page_tasks: Vec<(Position, Task)> = Vec::new();
     let mut page = Page::first(limits::MAX_PAGE);
     let mut scanned = 0usize;
     loop {
@@ -913,7 +917,7 @@ pub(crate) async fn list_tasks(
             if stored.caller != caller.subject {
                 continue;
             }
-            let task = &stored.task;
+            let task = stored.task;
             let keep = req
                 .context_id
                 .as_ref()
@@ -925,8 +929,19 @@ pub(crate) async fn list_tasks(
                 && req
                     .status_timestamp_after
                     .is_none_or(|t| task.status.timestamp.is_some_and(|ts| ts > t));
-            if keep {
-                matching.push(Position::of(task));
+            if !keep {
+                continue;
+            }
+            total += 1;
+            let position = Position::of(&task);
+            if after.as_ref().is_some_and(|a| position <= *a) {
+                continue;
+            }
+            after_token += 1;
+            page_tasks.push((position, task));
+            if page_tasks.len() >= 2 * page_size {
+                page_tasks.sort_by(|a, b| a.0.cmp(&b.0));
+                page_tasks.truncate(page_size);
             }
         }
         match got.next {
@@ -938,26 +953,26 @@ pub(crate) async fn list_tasks(
             None => break,
         }
     }
-    matching.sort();
-    let total = matching.len();
-    let start = after.map_or(0, |a| matching.partition_point(|p| *p <= a));
-    let shown = &matching[start.min(total)..(start + page_size).min(total)];
-    let mut tasks = Vec::with_capacity(shown.len());
-    for position in shown {
-        // Deleted between the scan and now: skip it rather than fail the page.
-        if let Some((stored, _)) = agent.load(&position.i).await? {
-            let mut task = trim_history(stored.task, history);
-            if req.include_artifacts != Some(true) {
-                task.artifacts = None;
-            }
-            tasks.push(task);
-        }
-    }
-    let next_page_token = if start + page_size < total {
-        shown.last().map(Position::token).unwrap_or_default()
+    page_tasks.sort_by(|a, b| a.0.cmp(&b.0));
+    page_tasks.truncate(page_size);
+    let next_page_token = if after_token > page_size {
+        page_tasks
+            .last()
+            .map(|(p, _)| p.token())
+            .unwrap_or_default()
     } else {
         String::new()
     };
+    let tasks = page_tasks
+        .into_iter()
+        .map(|(_, task)| {
+            let mut task = trim_history(task, history);
+            if req.include_artifacts != Some(true) {
+                task.artifacts = None;
+            }
+            task
+        })
+        .collect();
     Ok(ListTasksResponse {
         tasks,
         next_page_token,
