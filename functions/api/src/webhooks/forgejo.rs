@@ -198,15 +198,16 @@ fn pull_request(body: &[u8]) -> Result<PullRequestEvent, ApiError> {
         base_ref: name("pull_request.base.ref", &raw.pull_request.base.git_ref)?,
         merge_sha,
         repo: name("repository.full_name", &raw.repository.full_name)?,
-        sender: clean(
-            &raw.sender.map(|u| u.login).unwrap_or_default(),
-            MAX_NAME,
-            false,
-        ),
+        sender: login(raw.sender),
         merged_factory_run,
         head_ref,
         action,
     })
+}
+
+/// The login of a payload's user, as data; empty when the payload names none.
+fn login(user: Option<RawUser>) -> String {
+    user.map_or_else(String::new, |u| clean(&u.login, MAX_NAME, false))
 }
 
 fn push(body: &[u8]) -> Result<PushEvent, ApiError> {
@@ -234,11 +235,7 @@ fn push(body: &[u8]) -> Result<PushEvent, ApiError> {
         before: sha("before", &raw.before)?,
         after: sha("after", &raw.after)?,
         repo: name("repository.full_name", &raw.repository.full_name)?,
-        pusher: clean(
-            &raw.pusher.map(|u| u.login).unwrap_or_default(),
-            MAX_NAME,
-            false,
-        ),
+        pusher: login(raw.pusher),
         commits,
         total_commits,
     })
@@ -292,32 +289,31 @@ async fn forgejo(
     Path(id): Path<String>,
     headers: HeaderMap,
     body: axum::body::Body,
-) -> Response {
-    let hook = match super::find_hook(&state.config.forgejo_hooks, &id, "forgejo") {
-        Ok(h) => h,
-        Err(e) => return super::error_reply(e),
-    };
-    let body = match super::read_body(&headers, body, FORGEJO_MAX_BYTES).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let parsed = match parse_forgejo(&headers, &body, hook.secret.as_bytes()) {
-        Ok(p) => p,
-        Err(e) => return super::error_reply(e),
-    };
+) -> Result<Response, Response> {
+    let (hook, body) = super::hook_and_body(
+        &state.config.forgejo_hooks,
+        &id,
+        "forgejo",
+        &headers,
+        body,
+        FORGEJO_MAX_BYTES,
+    )
+    .await?;
+    let parsed =
+        parse_forgejo(&headers, &body, hook.secret.as_bytes()).map_err(super::error_reply)?;
     let Some(event) = parsed.event else {
-        return super::reply(
+        return Ok(super::reply(
             axum::http::StatusCode::OK,
             serde_json::json!({"ignored": parsed.event_name}),
-        );
+        ));
     };
-    record_reply(
+    Ok(record_reply(
         &state,
         hook,
         delivery_key(parsed.delivery, &body),
         AppEvent::Forgejo(event),
     )
-    .await
+    .await)
 }
 
 pub(super) fn routes(state: ApiState) -> axum::Router {

@@ -2,13 +2,12 @@
 //! secret token. Each alert opens (or finds) the run of its issue; a repeated delivery opens nothing.
 
 use async_trait::async_trait;
-use aws_lc_rs::{constant_time, digest};
+use aws_lc_rs::constant_time;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::routing::post;
 use loams_factory::Signal;
-use loams_platform::{Cond, Item};
 use serde::Deserialize;
 
 use super::reply;
@@ -16,7 +15,6 @@ use crate::{ApiError, ApiState};
 
 /// Largest webhook body read; GlitchTip's alerts are a few KiB.
 pub const MAX_WEBHOOK_BYTES: usize = 64 * 1024;
-use super::DEDUPE_MS;
 const MAX_ISSUE_ID: usize = 64;
 
 /// One configured GlitchTip webhook: its secret URL token opens runs in `org` / `env`.
@@ -137,23 +135,13 @@ async fn glitchtip(
     Path(token): Path<String>,
     headers: HeaderMap,
     body: axum::body::Body,
-) -> Response {
-    let Some(hook) = find_hook(&state.config.glitchtip_hooks, &token) else {
-        // Same answer as an unknown path: the URL is the secret.
-        return reply(
-            StatusCode::NOT_FOUND,
-            serde_json::json!({"error": "not found"}),
-        );
-    };
-    let body = match super::read_body(&headers, body, MAX_WEBHOOK_BYTES).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let signal = match parse_glitchtip(&body, &hook.origin) {
-        Ok(s) => s,
-        Err(e) => return super::error_reply(e),
-    };
-    match deliver(&state, state.opener.as_ref(), hook, &body, signal).await {
+) -> Result<Response, Response> {
+    // An unknown token gets the same answer as an unknown path: the URL is the secret.
+    let hook = find_hook(&state.config.glitchtip_hooks, &token)
+        .ok_or_else(|| super::error_reply(ApiError::NotFound("glitchtip hook".into())))?;
+    let body = super::read_body(&headers, body, MAX_WEBHOOK_BYTES).await?;
+    let signal = parse_glitchtip(&body, &hook.origin).map_err(super::error_reply)?;
+    let answer = match deliver(&state, state.opener.as_ref(), hook, &body, signal).await {
         Ok(Some(run)) => reply(StatusCode::ACCEPTED, serde_json::json!({"run": run})),
         Ok(None) => reply(StatusCode::OK, serde_json::json!({"duplicate": true})),
         // Received and understood, and nothing to do (cooldown, kill switch): a 2xx so GlitchTip does not resend.
@@ -167,7 +155,8 @@ async fn glitchtip(
                 serde_json::json!({"error": "try again later"}),
             )
         }
-    }
+    };
+    Ok(answer)
 }
 
 /// Opens the run of a delivery; `None` for a delivery seen within the last minutes. Opening is idempotent by run
@@ -182,27 +171,19 @@ async fn deliver(
     signal: Signal,
 ) -> Result<Option<String>, ApiError> {
     // GlitchTip sends no delivery id; a redelivery carries the same bytes, so the body's hash identifies it.
-    let hash = digest::digest(&digest::SHA256, body);
-    let id = format!("glitchtip:{}", hex::encode(hash.as_ref()));
-    if state
-        .store
-        .get_item(&hook.org, "webhook", &id)
-        .await?
-        .is_some()
-    {
+    let id = format!("glitchtip:{}", super::body_hash(body));
+    if super::seen(state, &hook.org, &id).await? {
         return Ok(None);
     }
     let run = opener.open(&hook.org, &hook.env, signal).await?;
-    let item = Item {
-        org: hook.org.clone(),
-        kind: "webhook".into(),
+    super::mark(
+        state,
+        &hook.org,
         id,
-        version: 0,
-        index: None,
-        body: run.as_bytes().to_vec(),
-        expires_ms: Some(state.now_ms() + DEDUPE_MS),
-    };
-    state.store.put_item(&item, Cond::Any).await?;
+        run.as_bytes().to_vec(),
+        state.now_ms(),
+    )
+    .await?;
     Ok(Some(run))
 }
 

@@ -212,14 +212,54 @@ fn find_hook<'a>(hooks: &'a [AppHook], id: &str, app: &str) -> Result<&'a AppHoo
     Ok(hook)
 }
 
+/// The hook named by the path and its delivery's body, or the answer refusing the delivery.
+async fn hook_and_body<'a>(
+    hooks: &'a [AppHook],
+    id: &str,
+    app: &str,
+    headers: &HeaderMap,
+    body: axum::body::Body,
+    max: usize,
+) -> Result<(&'a AppHook, Vec<u8>), Response> {
+    let hook = find_hook(hooks, id, app).map_err(error_reply)?;
+    let body = read_body(headers, body, max).await?;
+    Ok((hook, body))
+}
+
+/// Hex SHA-256 of a body: what identifies a delivery the app sends no id for (a resend carries the same bytes).
+fn body_hash(body: &[u8]) -> String {
+    hex::encode(digest::digest(&digest::SHA256, body).as_ref())
+}
+
+/// Whether the `webhook` marker `id` of `org` is live: a delivery seen within the last [`DEDUPE_MS`].
+async fn seen(state: &ApiState, org: &str, id: &str) -> Result<bool, ApiError> {
+    Ok(state.store.get_item(org, "webhook", id).await?.is_some())
+}
+
+/// Writes the `webhook` marker `id` of `org`, remembered for [`DEDUPE_MS`] from `now`.
+async fn mark(
+    state: &ApiState,
+    org: &str,
+    id: String,
+    body: Vec<u8>,
+    now: i64,
+) -> Result<(), ApiError> {
+    let marker = Item {
+        org: org.to_owned(),
+        kind: "webhook".into(),
+        id,
+        version: 0,
+        index: None,
+        body,
+        expires_ms: Some(now + DEDUPE_MS),
+    };
+    state.store.put_item(&marker, Cond::Any).await?;
+    Ok(())
+}
+
 /// The dedupe key of a delivery: the app's delivery id, else the hash of the body (a resend carries the same bytes).
 fn delivery_key(delivery: Option<String>, body: &[u8]) -> String {
-    delivery.unwrap_or_else(|| {
-        format!(
-            "sha256-{}",
-            hex::encode(digest::digest(&digest::SHA256, body).as_ref())
-        )
-    })
+    delivery.unwrap_or_else(|| format!("sha256-{}", body_hash(body)))
 }
 
 /// Records an authenticated event once: `Ok(true)` when recorded now, `Ok(false)` for a delivery already seen.
@@ -235,12 +275,7 @@ async fn record(
 ) -> Result<bool, ApiError> {
     let app = event.app();
     let id = format!("{app}:{}:{delivery}", hook.id);
-    if state
-        .store
-        .get_item(&hook.org, "webhook", &id)
-        .await?
-        .is_some()
-    {
+    if seen(state, &hook.org, &id).await? {
         return Ok(false);
     }
     let now = state.now_ms();
@@ -266,16 +301,7 @@ async fn record(
         Err(StoreError::Conflict) => false,
         Err(e) => return Err(e.into()),
     };
-    let marker = Item {
-        org: hook.org.clone(),
-        kind: "webhook".into(),
-        id,
-        version: 0,
-        index: None,
-        body: Vec::new(),
-        expires_ms: Some(now + DEDUPE_MS),
-    };
-    state.store.put_item(&marker, Cond::Any).await?;
+    mark(state, &hook.org, id, Vec::new(), now).await?;
     Ok(fresh)
 }
 

@@ -171,27 +171,25 @@ async fn plane(
     Path(id): Path<String>,
     headers: HeaderMap,
     body: axum::body::Body,
-) -> Response {
-    let hook = match super::find_hook(&state.config.plane_hooks, &id, "plane") {
-        Ok(h) => h,
-        Err(e) => return super::error_reply(e),
-    };
-    let body = match super::read_body(&headers, body, PLANE_MAX_BYTES).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    match parse_plane(&headers, &body, hook.secret.as_bytes()) {
-        Ok(parsed) => {
-            record_reply(
-                &state,
-                hook,
-                delivery_key(parsed.delivery, &body),
-                AppEvent::Plane(parsed.event),
-            )
-            .await
-        }
-        Err(e) => super::error_reply(e),
-    }
+) -> Result<Response, Response> {
+    let (hook, body) = super::hook_and_body(
+        &state.config.plane_hooks,
+        &id,
+        "plane",
+        &headers,
+        body,
+        PLANE_MAX_BYTES,
+    )
+    .await?;
+    let parsed =
+        parse_plane(&headers, &body, hook.secret.as_bytes()).map_err(super::error_reply)?;
+    Ok(record_reply(
+        &state,
+        hook,
+        delivery_key(parsed.delivery, &body),
+        AppEvent::Plane(parsed.event),
+    )
+    .await)
 }
 
 pub(super) fn routes(state: ApiState) -> axum::Router {

@@ -113,34 +113,30 @@ async fn zulip(
     Path(id): Path<String>,
     headers: HeaderMap,
     body: axum::body::Body,
-) -> Response {
-    let hook = match super::find_hook(&state.config.zulip_hooks, &id, "zulip") {
-        Ok(h) => h,
-        Err(e) => return super::error_reply(e),
-    };
-    let body = match super::read_body(&headers, body, ZULIP_MAX_BYTES).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let event = match parse_zulip(&body, &hook.secret) {
-        Ok(e) => e,
-        Err(e) => return super::error_reply(e),
-    };
+) -> Result<Response, Response> {
+    let (hook, body) = super::hook_and_body(
+        &state.config.zulip_hooks,
+        &id,
+        "zulip",
+        &headers,
+        body,
+        ZULIP_MAX_BYTES,
+    )
+    .await?;
+    let event = parse_zulip(&body, &hook.secret).map_err(super::error_reply)?;
     // Zulip shows any other answer than a 200 in the channel; a duplicate is answered the same way.
-    match record(
+    let fresh = record(
         &state,
         hook,
         delivery_key(None, &body),
         AppEvent::Zulip(event),
     )
     .await
-    {
-        Ok(fresh) => super::reply(
-            StatusCode::OK,
-            serde_json::json!({"response_not_required": true, "duplicate": !fresh}),
-        ),
-        Err(e) => super::error_reply(e),
-    }
+    .map_err(super::error_reply)?;
+    Ok(super::reply(
+        StatusCode::OK,
+        serde_json::json!({"response_not_required": true, "duplicate": !fresh}),
+    ))
 }
 
 pub(super) fn routes(state: ApiState) -> axum::Router {
