@@ -1,6 +1,7 @@
 """The official A2A Python SDK's client against our echo agent, over both bindings.
 
-Run through ./run, which builds the agent and sets A2A_ECHO_AGENT to its binary.
+Run through ./run, which builds the agent and sets A2A_SERVE_AGENT to its binary (served as
+`serve_agent --agent echo`).
 """
 
 import asyncio
@@ -48,13 +49,13 @@ LIMITS_EXTENSION = "https://loams.dev/a2a/extensions/caller-limits/v1"
 @pytest.fixture(scope="module")
 def agent():
     """Starts the echo agent; yields (url, jwks) and stops it afterwards."""
-    binary = os.environ["A2A_ECHO_AGENT"]
+    binary = os.environ["A2A_SERVE_AGENT"]
     proc = subprocess.Popen(
-        [binary],
+        # Push notifications go to a receiver on 127.0.0.1, which the agent refuses by default.
+        [binary, "--agent", "echo", "--allow-private-push"],
         stdout=subprocess.PIPE,
         text=True,
-        # Push notifications go to a receiver on 127.0.0.1, which the agent refuses by default.
-        env={**os.environ, "ECHO_AGENT_TOKEN": TOKEN, "ECHO_AGENT_ALLOW_PRIVATE_PUSH": "1"},
+        env={**os.environ, "SERVE_AGENT_TOKEN": TOKEN},
     )
     try:
         url = proc.stdout.readline().strip().removeprefix("A2A_URL=")
@@ -199,7 +200,7 @@ def test_extended_card(agent, binding):
             )
             ext = card.capabilities.extensions[0]
             assert ext.uri == LIMITS_EXTENSION
-            assert ext.params["subject"] == "interop-client"
+            assert ext.params["subject"] == "client"
 
     run(go())
 

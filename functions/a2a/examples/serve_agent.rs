@@ -1,10 +1,12 @@
 //! Serves one agent on 127.0.0.1 for the A2A TCK and the benchmark (docs/conformance.md,
 //! docs/benchmarks.md, A2A section): one of the five real agents (`zulip`, `plane`, `forgejo`,
 //! `glitchtip`, `analytics`, their apps pointed at an unreachable address, so only the protocol
-//! is exercised) or `echo` (the skill `echo`: `{"text": t}` -> `{"echo": t}`).
+//! is exercised) or `echo` (the skill `echo`: `{"text": t}` -> `{"echo": t}`, and `sleep`: waits
+//! `ms` milliseconds, at most ten seconds, then answers `{"slept": ms}`).
 //!
 //! ```text
 //! serve_agent --agent NAME [--port N] [--store FILE.db [--sync normal]] [--conformance] [--sandbox]
+//!             [--allow-private-push]
 //! ```
 //!
 //! - `--sandbox`: starts the sandbox apps (loams-sandbox) in this process and points the agent at
@@ -15,7 +17,10 @@
 //!   (`Sqlite::open_synchronous_normal`: commits survive a process crash, not a power loss).
 //! - `--conformance`: the server's conformance mode (ServerOptions::conformance) and, because the
 //!   TCK sends no credentials, every caller is accepted as the subject `tck`. Without it callers
-//!   need `Authorization: Bearer <SERVE_AGENT_TOKEN>` (default `bench`).
+//!   need `Authorization: Bearer <SERVE_AGENT_TOKEN>` (default `bench`) and are the subject
+//!   `client`.
+//! - `--allow-private-push`: push notifications may go to private and loopback webhooks (a local
+//!   test receiver); `--conformance` implies it.
 //!
 //! Prints `A2A_URL=http://127.0.0.1:PORT` on the first line of stdout and the card's signing
 //! keys as `A2A_JWKS=<json>` on the second; runs until killed.
@@ -24,6 +29,7 @@
 
 use std::io::Write;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use loams_a2a::{
@@ -38,7 +44,9 @@ use serde_json::{Value, json};
 const ORG: &str = "local";
 /// Where the real agents' apps are said to be: nothing listens there.
 const NO_APP: &str = "http://127.0.0.1:9";
-const USAGE: &str = "usage: serve_agent --agent echo|zulip|plane|forgejo|glitchtip|analytics [--port N] [--store FILE.db] [--conformance]";
+const USAGE: &str = "usage: serve_agent --agent echo|zulip|plane|forgejo|glitchtip|analytics [--port N] [--store FILE.db [--sync normal|full]] [--conformance] [--sandbox] [--allow-private-push]";
+/// Longest wait of the echo agent's `sleep` skill.
+const MAX_SLEEP_MS: u64 = 10_000;
 
 struct Echo;
 
@@ -49,20 +57,42 @@ impl Skills for Echo {
             name: "echo".into(),
             description: "echoes text".into(),
             version: "1.0.0".into(),
-            skills: vec![SkillSpec {
-                id: "echo".into(),
-                name: "Echo".into(),
-                description: "returns {\"echo\": text}".into(),
-                risk: Risk::Read,
-                tags: vec!["echo".into()],
-                examples: vec!["{\"text\": \"hello\"}".into()],
-            }],
+            skills: vec![
+                SkillSpec {
+                    id: "echo".into(),
+                    name: "Echo".into(),
+                    description: "returns {\"echo\": text}".into(),
+                    risk: Risk::Read,
+                    tags: vec!["echo".into()],
+                    examples: vec!["{\"text\": \"hello\"}".into()],
+                },
+                SkillSpec {
+                    id: "sleep".into(),
+                    name: "Sleep".into(),
+                    description: "waits ms milliseconds, then returns {\"slept\": ms}".into(),
+                    risk: Risk::Read,
+                    tags: vec!["echo".into()],
+                    examples: vec!["{\"ms\": 100}".into()],
+                },
+            ],
         }
     }
 
     async fn invoke(&self, skill: &str, args: Value) -> Result<Value, SkillError> {
         match skill {
             "echo" => Ok(json!({"echo": args.get("text").cloned().unwrap_or(Value::Null)})),
+            "sleep" => {
+                // ProtoJSON peers send every number as a double (google.protobuf.Value).
+                let ms = args.get("ms").and_then(Value::as_f64).unwrap_or(0.0);
+                if !(0.0..=MAX_SLEEP_MS as f64).contains(&ms) {
+                    return Err(SkillError::permanent(format!(
+                        "ms must be 0..={MAX_SLEEP_MS}"
+                    )));
+                }
+                let ms = ms as u64;
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Ok(json!({"slept": ms}))
+            }
             other => Err(SkillError::permanent(format!("no skill {other}"))),
         }
     }
@@ -79,7 +109,7 @@ impl CallerAuth for LocalAuth {
         let subject = match (&self.token, bearer) {
             (None, _) => "tck",
             (Some(_), None) => return Err(AuthError::Missing),
-            (Some(t), Some(b)) if t == b => "bench",
+            (Some(t), Some(b)) if t == b => "client",
             (Some(_), Some(_)) => return Err(AuthError::Invalid),
         };
         Ok(Principal {
@@ -178,6 +208,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut conformance = false;
     let mut sandbox = false;
     let mut sync_normal = false;
+    let mut allow_private_push = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -186,6 +217,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--store" => store_path = args.next(),
             "--conformance" => conformance = true,
             "--sandbox" => sandbox = true,
+            "--allow-private-push" => allow_private_push = true,
             "--sync" => match args.next().as_deref() {
                 Some("normal") => sync_normal = true,
                 Some("full") => sync_normal = false,
@@ -224,7 +256,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let options = ServerOptions {
         conformance,
         push: PushOptions {
-            allow_private_targets: conformance,
+            allow_private_targets: conformance || allow_private_push,
             ..PushOptions::default()
         },
         ..ServerOptions::default()
