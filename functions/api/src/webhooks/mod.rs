@@ -33,7 +33,7 @@ pub use zulip::{ZULIP_MAX_BYTES, ZulipEvent, parse_zulip};
 /// How long a delivery id is remembered as a `webhook` item (the apps resend within minutes).
 const DEDUPE_MS: i64 = 10 * 60 * 1000;
 /// Shortest secret or token accepted from config: a short HMAC key or token can be guessed.
-const MIN_SECRET: usize = 16;
+pub const MIN_SECRET: usize = 16;
 /// Longest delivery id taken from a header or body; the apps send UUIDs.
 const MAX_DELIVERY: usize = 128;
 
