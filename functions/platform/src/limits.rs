@@ -1,7 +1,7 @@
 //! Formats and size limits of everything the ports accept. The numbers follow the AWS services the other
 //! adapters sit on, so an input the embedded store accepts is one DynamoDB/SQS accept too.
 
-use crate::{Result, StoreError};
+use crate::{Item, Result, StoreError};
 
 /// Largest snapshot, event, item body, idempotency result or timer payload. DynamoDB caps an item at 400 KiB
 /// including its keys and attribute names; this leaves room for those.
@@ -109,4 +109,133 @@ pub fn duration(what: &str, value: u64, max: u64) -> Result<i64> {
     }
     // max is far below i64::MAX, so this cannot fail after the check above.
     i64::try_from(value).map_err(|_| invalid(format!("{what} out of range")))
+}
+
+/// What `Store::create_run` and `Store::append` write: the run's org and id, its state, its snapshot and its new
+/// events (1..=MAX_EVENTS_PER_APPEND of at most MAX_BODY bytes each, at most MAX_APPEND_BYTES with the snapshot).
+pub fn run_write<E: AsRef<[u8]>>(
+    org: &str,
+    id: &str,
+    state: &str,
+    snapshot: &[u8],
+    events: &[E],
+) -> Result<()> {
+    self::org(org)?;
+    key("run id", id)?;
+    name("state", state)?;
+    body("snapshot", snapshot, MAX_BODY)?;
+    if events.is_empty() || events.len() > MAX_EVENTS_PER_APPEND {
+        return Err(invalid(format!(
+            "an append takes 1..={MAX_EVENTS_PER_APPEND} events, got {}",
+            events.len()
+        )));
+    }
+    let mut total = snapshot.len();
+    for e in events {
+        body("event", e.as_ref(), MAX_BODY)?;
+        total += e.as_ref().len();
+    }
+    if total > MAX_APPEND_BYTES {
+        return Err(invalid(format!(
+            "append of {total} bytes exceeds {MAX_APPEND_BYTES}"
+        )));
+    }
+    Ok(())
+}
+
+/// The item `Store::put_item` writes: its org, kind, id, index value and body.
+pub fn item(item: &Item) -> Result<()> {
+    org(&item.org)?;
+    name("kind", &item.kind)?;
+    key("item id", &item.id)?;
+    if let Some(idx) = &item.index {
+        key("index", idx)?;
+    }
+    body("item body", &item.body, MAX_BODY)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn invalid<T: std::fmt::Debug>(r: Result<T>) -> bool {
+        matches!(r, Err(StoreError::Invalid(_)))
+    }
+
+    #[test]
+    fn run_writes_take_1_to_99_events_within_the_append_bytes() {
+        let one = [b"e".to_vec()];
+        assert_eq!(run_write("acme", "r-1", "open", b"s", &one), Ok(()));
+        assert_eq!(run_write("acme", "r-1", "open", b"s", &[b"e"]), Ok(()));
+        assert!(invalid(run_write::<Vec<u8>>(
+            "acme",
+            "r-1",
+            "open",
+            b"s",
+            &[]
+        )));
+        let most = vec![b"e".to_vec(); MAX_EVENTS_PER_APPEND];
+        assert_eq!(run_write("acme", "r-1", "open", b"s", &most), Ok(()));
+        let too_many = vec![b"e".to_vec(); MAX_EVENTS_PER_APPEND + 1];
+        assert!(invalid(run_write("acme", "r-1", "open", b"s", &too_many)));
+        // Every body within MAX_BODY, the sum at and just past MAX_APPEND_BYTES.
+        let body = vec![0u8; MAX_BODY];
+        let fits = vec![body.clone(); MAX_APPEND_BYTES / MAX_BODY - 1];
+        assert_eq!(run_write("acme", "r-1", "open", &body, &fits), Ok(()));
+        let mut over = fits;
+        over.push(vec![0u8; 1]);
+        assert!(invalid(run_write("acme", "r-1", "open", &body, &over)));
+        assert!(invalid(run_write(
+            "acme",
+            "r-1",
+            "open",
+            b"s",
+            &[vec![0u8; MAX_BODY + 1]]
+        )));
+        assert!(invalid(run_write("ACME", "r-1", "open", b"s", &one)));
+        assert!(invalid(run_write("acme", "", "open", b"s", &one)));
+        assert!(invalid(run_write("acme", "r-1", "open state", b"s", &one)));
+    }
+
+    #[test]
+    fn items_are_checked_field_by_field() {
+        let ok = Item {
+            org: "acme".into(),
+            kind: "approval".into(),
+            id: "a-1".into(),
+            version: 0,
+            index: Some("pending".into()),
+            body: vec![0u8; MAX_BODY],
+            expires_ms: None,
+        };
+        assert_eq!(item(&ok), Ok(()));
+        for bad in [
+            Item {
+                org: "-acme".into(),
+                ..ok.clone()
+            },
+            Item {
+                kind: "a/b".into(),
+                ..ok.clone()
+            },
+            Item {
+                id: String::new(),
+                ..ok.clone()
+            },
+            Item {
+                index: Some(String::new()),
+                ..ok.clone()
+            },
+            Item {
+                body: vec![0u8; MAX_BODY + 1],
+                ..ok.clone()
+            },
+        ] {
+            assert!(
+                invalid(item(&bad)),
+                "{:?}",
+                (&bad.org, &bad.kind, &bad.id, &bad.index)
+            );
+        }
+    }
 }

@@ -47,9 +47,7 @@ use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 
 use super::{TTL_ATTRIBUTE, build_err, sdk_err};
-use crate::limits::{
-    self, MAX_APPEND_BYTES, MAX_BODY, MAX_EVENTS_PER_APPEND, MAX_LEASE_MS, MAX_PAGE,
-};
+use crate::limits::{self, MAX_BODY, MAX_LEASE_MS, MAX_PAGE};
 use crate::{
     Claim, Clock, Cond, EventRow, Item, Page, Paged, Result, RunRow, Store, StoreError, Timer,
     Timers,
@@ -138,9 +136,9 @@ impl DynamoStore {
         Ok(out.item)
     }
 
-    /// Runs a transaction, retrying transient cancellations. `Ok(Some(codes))` when a condition failed
-    /// (the per-item cancellation codes), `Ok(None)` when it committed.
-    async fn transact(&self, items: Vec<TransactWriteItem>) -> Result<Option<Vec<String>>> {
+    /// Runs a transaction, retrying transient cancellations: `Ok(true)` when it committed, `Ok(false)` when a
+    /// condition failed.
+    async fn transact(&self, items: Vec<TransactWriteItem>) -> Result<bool> {
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -151,7 +149,7 @@ impl DynamoStore {
                 .send()
                 .await;
             let err = match sent {
-                Ok(_) => return Ok(None),
+                Ok(_) => return Ok(true),
                 Err(e) => e,
             };
             let Some(TransactWriteItemsError::TransactionCanceledException(c)) =
@@ -165,7 +163,7 @@ impl DynamoStore {
                 .map(|r| r.code().unwrap_or("None").to_owned())
                 .collect();
             match cancelled(&codes) {
-                Cancelled::ConditionFailed => return Ok(Some(codes)),
+                Cancelled::ConditionFailed => return Ok(false),
                 Cancelled::Transient if attempt < TX_ATTEMPTS => {
                     tokio::time::sleep(backoff(attempt)).await;
                 }
@@ -286,24 +284,44 @@ impl DynamoStore {
         Ok(opt_n::<i64>(record, EXPIRES)?.is_none_or(|e| e > self.clock.now_ms()))
     }
 
-    async fn put_item_once(&self, item: &Item, cond: Cond, now: i64) -> Result<u64> {
-        let (version, condition, values) = match cond {
-            Cond::Absent => (
+    /// `put_item` with `Cond::Any`. DynamoDB cannot express "version + 1, or 1 if absent or expired" in one
+    /// write, so this reads the current version and writes conditionally on it; a concurrent writer in between
+    /// makes it read again.
+    async fn put_item_any(&self, item: &Item) -> Result<u64> {
+        for _ in 0..ANY_ATTEMPTS {
+            let now = self.clock.now_ms();
+            let current = match self.get(item_pk(&item.org, &item.kind), &item.id).await? {
+                Some(a) if self.visible(&a)? => Some(get_n(&a, VERSION)?),
+                _ => None,
+            };
+            match self.put_item_once(item, current, now).await {
+                Err(StoreError::Conflict) => continue,
+                other => return other,
+            }
+        }
+        Err(StoreError::Backend(format!(
+            "put_item(Any) lost {ANY_ATTEMPTS} races with concurrent writers"
+        )))
+    }
+
+    /// One conditional write of `item`: only if it is absent or expired (`expected` `None`), or unexpired at
+    /// version `expected`; `Conflict` otherwise.
+    async fn put_item_once(&self, item: &Item, expected: Option<u64>, now: i64) -> Result<u64> {
+        // DynamoDB rejects names an expression does not use, hence `#pk` or `#v` by condition.
+        let (version, condition, (name, attr), values) = match expected {
+            None => (
                 1,
                 "attribute_not_exists(#pk) OR #exp <= :now",
+                ("#pk", PK),
                 vec![(":now", n(now))],
             ),
-            Cond::Version(v) => (
+            Some(v) => (
                 v.checked_add(1)
                     .ok_or_else(|| StoreError::Invalid("expected version overflows".into()))?,
                 "#v = :v AND (attribute_not_exists(#exp) OR #exp > :now)",
+                ("#v", VERSION),
                 vec![(":now", n(now)), (":v", n(v))],
             ),
-            Cond::Any => {
-                return Err(StoreError::Backend(
-                    "put_item_once takes a definite condition".into(),
-                ));
-            }
         };
         let mut rec: Attrs = HashMap::from([
             (PK.into(), s(item_pk(&item.org, &item.kind))),
@@ -326,12 +344,8 @@ impl DynamoStore {
             .table_name(&self.table)
             .set_item(Some(rec))
             .condition_expression(condition)
-            .expression_attribute_names("#exp", EXPIRES);
-        // DynamoDB rejects names an expression does not use.
-        req = match cond {
-            Cond::Version(_) => req.expression_attribute_names("#v", VERSION),
-            _ => req.expression_attribute_names("#pk", PK),
-        };
+            .expression_attribute_names("#exp", EXPIRES)
+            .expression_attribute_names(name, attr);
         for (k, v) in values {
             req = req.expression_attribute_values(k, v);
         }
@@ -620,11 +634,7 @@ impl Store for DynamoStore {
         first_event: &[u8],
         now_ms: i64,
     ) -> Result<bool> {
-        limits::org(org)?;
-        limits::key("run id", id)?;
-        limits::name("state", state)?;
-        limits::body("snapshot", snapshot, MAX_BODY)?;
-        limits::body("event", first_event, MAX_BODY)?;
+        limits::run_write(org, id, state, snapshot, &[first_event])?;
         let listed = format!("{}#{id}", ord(now_ms));
         let meta = HashMap::from([
             (PK.into(), s(run_pk(org, id))),
@@ -649,7 +659,7 @@ impl Store for DynamoStore {
             put(&self.table, entry, absent)?,
         ];
         // A failed condition can only be the run row or its first event: the run exists, and stays as is.
-        Ok(self.transact(tx).await?.is_none())
+        self.transact(tx).await
     }
 
     async fn append(
@@ -662,26 +672,7 @@ impl Store for DynamoStore {
         events: &[Vec<u8>],
         now_ms: i64,
     ) -> Result<u64> {
-        limits::org(org)?;
-        limits::key("run id", id)?;
-        limits::name("state", state)?;
-        limits::body("snapshot", snapshot, MAX_BODY)?;
-        if events.is_empty() || events.len() > MAX_EVENTS_PER_APPEND {
-            return Err(StoreError::Invalid(format!(
-                "an append takes 1..={MAX_EVENTS_PER_APPEND} events, got {}",
-                events.len()
-            )));
-        }
-        let mut total = snapshot.len();
-        for e in events {
-            limits::body("event", e, MAX_BODY)?;
-            total += e.len();
-        }
-        if total > MAX_APPEND_BYTES {
-            return Err(StoreError::Invalid(format!(
-                "append of {total} bytes exceeds {MAX_APPEND_BYTES}"
-            )));
-        }
+        limits::run_write(org, id, state, snapshot, events)?;
         // At most 99 events, so this only overflows for an expected version near u64::MAX.
         let new_version = expected_version
             .checked_add(events.len() as u64)
@@ -716,13 +707,13 @@ impl Store for DynamoStore {
             ]);
             tx.push(put(&self.table, event, "attribute_not_exists(#pk)")?);
         }
-        match self.transact(tx).await? {
-            None => Ok(new_version),
-            // The version check failed: tell a missing run from a stale version.
-            Some(_) => match self.get(pk, META).await? {
-                None => Err(StoreError::NotFound),
-                Some(_) => Err(StoreError::Conflict),
-            },
+        if self.transact(tx).await? {
+            return Ok(new_version);
+        }
+        // The version check failed: tell a missing run from a stale version.
+        match self.get(pk, META).await? {
+            None => Err(StoreError::NotFound),
+            Some(_) => Err(StoreError::Conflict),
         }
     }
 
@@ -836,32 +827,14 @@ impl Store for DynamoStore {
     }
 
     async fn put_item(&self, item: &Item, cond: Cond) -> Result<u64> {
-        limits::org(&item.org)?;
-        limits::name("kind", &item.kind)?;
-        limits::key("item id", &item.id)?;
-        if let Some(idx) = &item.index {
-            limits::key("index", idx)?;
-        }
-        limits::body("item body", &item.body, MAX_BODY)?;
-        if cond != Cond::Any {
-            return self.put_item_once(item, cond, self.clock.now_ms()).await;
-        }
-        // DynamoDB cannot express "version + 1, or 1 if absent or expired" in one write, so read the current
-        // version and write conditionally on it; a concurrent writer in between makes us read again.
-        for _ in 0..ANY_ATTEMPTS {
-            let now = self.clock.now_ms();
-            let current = match self.get(item_pk(&item.org, &item.kind), &item.id).await? {
-                Some(a) if self.visible(&a)? => Cond::Version(get_n(&a, VERSION)?),
-                _ => Cond::Absent,
-            };
-            match self.put_item_once(item, current, now).await {
-                Err(StoreError::Conflict) => continue,
-                other => return other,
-            }
-        }
-        Err(StoreError::Backend(format!(
-            "put_item(Any) lost {ANY_ATTEMPTS} races with concurrent writers"
-        )))
+        limits::item(item)?;
+        let expected = match cond {
+            Cond::Absent => None,
+            Cond::Version(v) => Some(v),
+            Cond::Any => return self.put_item_any(item).await,
+        };
+        self.put_item_once(item, expected, self.clock.now_ms())
+            .await
     }
 
     async fn delete_item(&self, org: &str, kind: &str, id: &str) -> Result<()> {

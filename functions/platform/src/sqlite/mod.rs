@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::Duration;
 
-use rusqlite::{Connection, TransactionBehavior};
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 use tokio::sync::oneshot;
 
 use crate::{Clock, Result, StoreError};
@@ -110,7 +110,12 @@ impl Sqlite {
         }
     }
 
-    fn init(mut conn: Connection, path: Option<&Path>, clock: Arc<dyn Clock>, sync: Synchronous) -> Result<Self> {
+    fn init(
+        mut conn: Connection,
+        path: Option<&Path>,
+        clock: Arc<dyn Clock>,
+        sync: Synchronous,
+    ) -> Result<Self> {
         conn.busy_timeout(BUSY_TIMEOUT).map_err(db)?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         // WAL lets readers (ours, and other processes such as a CLI inspecting the file) run beside the writer. An
@@ -124,15 +129,14 @@ impl Sqlite {
             Synchronous::Full => "FULL",
             Synchronous::Normal => "NORMAL",
         };
-        conn.pragma_update(None, "synchronous", sync)
-            .map_err(db)?;
+        conn.pragma_update(None, "synchronous", sync).map_err(db)?;
         migrate(&mut conn)?;
         // Only a file in WAL mode has readers: without WAL a reader would block on (and block) the writer, and a
         // ":memory:" path or URI opened again would be a different, empty database.
         let readers = match path {
-            Some(path) if journal.eq_ignore_ascii_case("wal") => {
-                (0..READERS).map(|_| open_reader(path)).collect::<Result<Vec<_>>>()?
-            }
+            Some(path) if journal.eq_ignore_ascii_case("wal") => (0..READERS)
+                .map(|_| open_reader(path))
+                .collect::<Result<Vec<_>>>()?,
             _ => Vec::new(),
         };
         let (jobs, queue) = mpsc::channel();
@@ -152,7 +156,8 @@ impl Sqlite {
     }
 
     /// Runs `f` on the writer thread, inside a group transaction, and answers once that group is committed.
-    /// Every write, and every read that a write depends on, goes through here.
+    /// Every write, and every read that a write depends on, goes through here. `f` runs in a savepoint of its
+    /// own: when it returns an error, everything it wrote is rolled back, so it needs no transaction itself.
     async fn with_conn<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
@@ -318,6 +323,28 @@ fn migrate(conn: &mut Connection) -> Result<()> {
     }
 }
 
+/// Runs one statement through the connection's statement cache; returns how many rows it changed.
+fn exec(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> Result<usize> {
+    conn.prepare_cached(sql)
+        .map_err(db)?
+        .execute(params)
+        .map_err(db)
+}
+
+/// The first row of a query run through the connection's statement cache, if there is one.
+fn first_row<T>(
+    conn: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+    row: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+) -> Result<Option<T>> {
+    conn.prepare_cached(sql)
+        .map_err(db)?
+        .query_row(params, row)
+        .optional()
+        .map_err(db)
+}
+
 fn db(e: rusqlite::Error) -> StoreError {
     StoreError::Backend(e.to_string())
 }
@@ -337,7 +364,11 @@ mod tests {
     use crate::{ManualClock, Store};
 
     fn file_db(dir: &tempfile::TempDir) -> Sqlite {
-        Sqlite::open(dir.path().join("loams.db"), Arc::new(ManualClock::new(1_000))).expect("open a temp file")
+        Sqlite::open(
+            dir.path().join("loams.db"),
+            Arc::new(ManualClock::new(1_000)),
+        )
+        .expect("open a temp file")
     }
 
     #[tokio::test]
@@ -345,7 +376,11 @@ mod tests {
         let dir = tempfile::TempDir::new().expect("temp dir");
         let db = file_db(&dir);
         assert_eq!(db.inner.readers.len(), READERS);
-        assert!(db.create_run("o", "r", "running", b"{}", b"e", 1).await.expect("create"));
+        assert!(
+            db.create_run("o", "r", "running", b"{}", b"e", 1)
+                .await
+                .expect("create")
+        );
         // With the writer held (as during a slow commit), a read still answers, and sees the committed run.
         let (held_tx, held_rx) = std::sync::mpsc::channel();
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
@@ -353,18 +388,26 @@ mod tests {
         let holder = tokio::spawn(async move {
             writer
                 .with_conn(move |_, _| {
-                    held_tx.send(()).map_err(|e| StoreError::Backend(e.to_string()))?;
+                    held_tx
+                        .send(())
+                        .map_err(|e| StoreError::Backend(e.to_string()))?;
                     // Returns when the test sends or drops its end.
                     let _ = release_rx.recv();
                     Ok(())
                 })
                 .await
         });
-        tokio::task::spawn_blocking(move || held_rx.recv()).await.expect("join").expect("writer taken");
+        tokio::task::spawn_blocking(move || held_rx.recv())
+            .await
+            .expect("join")
+            .expect("writer taken");
         let read = tokio::time::timeout(Duration::from_secs(5), db.get_run("o", "r")).await;
         drop(release_tx);
         holder.await.expect("holder task").expect("holder call");
-        let row = read.expect("the read waited for the writer").expect("get_run").expect("the run");
+        let row = read
+            .expect("the read waited for the writer")
+            .expect("get_run")
+            .expect("the run");
         assert_eq!(row.version, 1);
     }
 
@@ -373,7 +416,9 @@ mod tests {
         let dir = tempfile::TempDir::new().expect("temp dir");
         let db = file_db(&dir);
         let reader = db.inner.reader();
-        let err = reader.execute("DELETE FROM runs", []).expect_err("a reader wrote");
+        let err = reader
+            .execute("DELETE FROM runs", [])
+            .expect_err("a reader wrote");
         assert!(err.to_string().contains("readonly"), "{err}");
     }
 
@@ -381,14 +426,21 @@ mod tests {
     async fn memory_keeps_one_connection() {
         let db = Sqlite::memory(Arc::new(ManualClock::new(1_000))).expect("memory");
         assert!(db.inner.readers.is_empty());
-        assert!(db.create_run("o", "r", "running", b"{}", b"e", 1).await.expect("create"));
+        assert!(
+            db.create_run("o", "r", "running", b"{}", b"e", 1)
+                .await
+                .expect("create")
+        );
         assert!(db.get_run("o", "r").await.expect("get_run").is_some());
     }
 
     async fn synchronous(db: &Sqlite) -> i64 {
-        db.with_conn(|conn, _| conn.pragma_query_value(None, "synchronous", |r| r.get(0)).map_err(db_err))
-            .await
-            .expect("pragma")
+        db.with_conn(|conn, _| {
+            conn.pragma_query_value(None, "synchronous", |r| r.get(0))
+                .map_err(db_err)
+        })
+        .await
+        .expect("pragma")
     }
 
     fn db_err(e: rusqlite::Error) -> StoreError {
@@ -400,7 +452,8 @@ mod tests {
         let dir = tempfile::TempDir::new().expect("temp dir");
         assert_eq!(synchronous(&file_db(&dir)).await, 2, "FULL");
         let clock = Arc::new(ManualClock::new(1_000));
-        let db = Sqlite::open_synchronous_normal(dir.path().join("loams.db"), clock).expect("open relaxed");
+        let db = Sqlite::open_synchronous_normal(dir.path().join("loams.db"), clock)
+            .expect("open relaxed");
         assert_eq!(synchronous(&db).await, 1, "NORMAL");
     }
 
@@ -408,12 +461,27 @@ mod tests {
     async fn concurrent_writes_commit_in_groups_and_each_stays_conditional() {
         let dir = tempfile::TempDir::new().expect("temp dir");
         let db = file_db(&dir);
-        assert!(db.create_run("o", "r", "running", b"{}", b"e", 1).await.expect("create"));
+        assert!(
+            db.create_run("o", "r", "running", b"{}", b"e", 1)
+                .await
+                .expect("create")
+        );
         // 20 appends race for version 1: exactly one wins, even when they share a group transaction, and the
         // losers' savepoints leave nothing behind.
         let appends = (0..20).map(|i| {
             let db = db.clone();
-            tokio::spawn(async move { db.append("o", "r", 1, "running", b"{}", &[format!("{i}").into_bytes()], 2).await })
+            tokio::spawn(async move {
+                db.append(
+                    "o",
+                    "r",
+                    1,
+                    "running",
+                    b"{}",
+                    &[format!("{i}").into_bytes()],
+                    2,
+                )
+                .await
+            })
         });
         let mut won = 0;
         for append in futures_join(appends).await {

@@ -3,7 +3,7 @@ use std::collections::HashSet;
 use async_trait::async_trait;
 use rusqlite::params;
 
-use super::{Sqlite, db};
+use super::{Sqlite, db, exec};
 use crate::limits::{
     self, MAX_BODY, MAX_DELAY_MS, MAX_MESSAGE, MAX_PAGE, MAX_RECEIVE, MAX_VISIBILITY_MS,
 };
@@ -22,9 +22,11 @@ impl Queue for Sqlite {
         let body = body.to_vec();
         self.with_conn(move |conn, inner| {
             let now = inner.clock.now_ms();
-            conn.prepare_cached("INSERT INTO queue (body, visible_at_ms, sent_ms) VALUES (?1, ?2, ?3)").map_err(db)?.execute(params![body, now.saturating_add(delay), now],
-            )
-            .map_err(db)?;
+            exec(
+                conn,
+                "INSERT INTO queue (body, visible_at_ms, sent_ms) VALUES (?1, ?2, ?3)",
+                params![body, now.saturating_add(delay), now],
+            )?;
             Ok(())
         })
         .await
@@ -36,7 +38,6 @@ impl Queue for Sqlite {
         let max_receives = i64::from(self.max_receives);
         self.with_conn(move |conn, inner| {
             let now = inner.clock.now_ms();
-            let tx = conn.savepoint().map_err(db)?;
             let mut out = Vec::new();
             // Messages delivered by this call; with a zero visibility timeout they are visible again at once and
             // must not be picked up (or dead-lettered) a second time within the same batch.
@@ -46,7 +47,7 @@ impl Queue for Sqlite {
             loop {
                 let want = i64::try_from(max - out.len() + taken.len()).unwrap_or(i64::MAX);
                 let candidates: Vec<(i64, Vec<u8>, i64)> = {
-                    let mut stmt = tx
+                    let mut stmt = conn
                         .prepare_cached(
                             "SELECT id, body, receive_count FROM queue WHERE visible_at_ms <= ?1
                              ORDER BY visible_at_ms, id LIMIT ?2",
@@ -68,19 +69,23 @@ impl Queue for Sqlite {
                         break;
                     }
                     if count >= max_receives {
-                        tx.prepare_cached("INSERT INTO dead_letters (id, body, receive_count, dead_ms) VALUES (?1, ?2, ?3, ?4)").map_err(db)?.execute(params![id, body, count, now],
-                        )
-                        .map_err(db)?;
-                        tx.prepare_cached("DELETE FROM queue WHERE id = ?1").map_err(db)?.execute(params![id]).map_err(db)?;
+                        exec(
+                            conn,
+                            "INSERT INTO dead_letters (id, body, receive_count, dead_ms) VALUES (?1, ?2, ?3, ?4)",
+                            params![id, body, count, now],
+                        )?;
+                        exec(conn, "DELETE FROM queue WHERE id = ?1", params![id])?;
                         tracing::warn!(message = id, receives = count, "queue message dead-lettered");
                         continue;
                     }
                     let count = count + 1;
                     // The receipt names this receive: it goes stale when the count moves on.
                     let receipt = format!("{id}.{count}");
-                    tx.prepare_cached("UPDATE queue SET visible_at_ms = ?2, receive_count = ?3, receipt = ?4 WHERE id = ?1").map_err(db)?.execute(params![id, now.saturating_add(visibility), count, receipt],
-                    )
-                    .map_err(db)?;
+                    exec(
+                        conn,
+                        "UPDATE queue SET visible_at_ms = ?2, receive_count = ?3, receipt = ?4 WHERE id = ?1",
+                        params![id, now.saturating_add(visibility), count, receipt],
+                    )?;
                     taken.insert(id);
                     out.push(Delivery { id: id.to_string(), receipt, body, receive_count: count_u32(count)? });
                 }
@@ -88,7 +93,6 @@ impl Queue for Sqlite {
                     break;
                 }
             }
-            tx.commit().map_err(db)?;
             Ok(out)
         })
         .await
@@ -98,8 +102,11 @@ impl Queue for Sqlite {
         limits::token("receipt", receipt)?;
         let receipt = receipt.to_owned();
         self.with_conn(move |conn, _| {
-            conn.prepare_cached("DELETE FROM queue WHERE receipt = ?1").map_err(db)?.execute(params![receipt])
-                .map_err(db)?;
+            exec(
+                conn,
+                "DELETE FROM queue WHERE receipt = ?1",
+                params![receipt],
+            )?;
             Ok(())
         })
         .await
@@ -111,9 +118,11 @@ impl Queue for Sqlite {
         let receipt = receipt.to_owned();
         self.with_conn(move |conn, inner| {
             let now = inner.clock.now_ms();
-            conn.prepare_cached("UPDATE queue SET visible_at_ms = ?2 WHERE receipt = ?1").map_err(db)?.execute(params![receipt, now.saturating_add(delay)],
-            )
-            .map_err(db)?;
+            exec(
+                conn,
+                "UPDATE queue SET visible_at_ms = ?2 WHERE receipt = ?1",
+                params![receipt, now.saturating_add(delay)],
+            )?;
             Ok(())
         })
         .await
@@ -147,10 +156,12 @@ impl Timers for Sqlite {
         limits::body("timer payload", payload, MAX_BODY)?;
         let (org, id, payload) = (org.to_owned(), id.to_owned(), payload.to_vec());
         self.with_conn(move |conn, _| {
-            conn.prepare_cached("INSERT INTO timers (org, id, due_ms, payload) VALUES (?1, ?2, ?3, ?4)
-                 ON CONFLICT (org, id) DO UPDATE SET due_ms = excluded.due_ms, payload = excluded.payload").map_err(db)?.execute(params![org, id, due_ms, payload],
-            )
-            .map_err(db)?;
+            exec(
+                conn,
+                "INSERT INTO timers (org, id, due_ms, payload) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (org, id) DO UPDATE SET due_ms = excluded.due_ms, payload = excluded.payload",
+                params![org, id, due_ms, payload],
+            )?;
             Ok(())
         })
         .await
@@ -161,9 +172,11 @@ impl Timers for Sqlite {
         limits::key("timer id", id)?;
         let (org, id) = (org.to_owned(), id.to_owned());
         self.with_conn(move |conn, _| {
-            conn.prepare_cached("DELETE FROM timers WHERE org = ?1 AND id = ?2").map_err(db)?.execute(params![org, id],
-            )
-            .map_err(db)?;
+            exec(
+                conn,
+                "DELETE FROM timers WHERE org = ?1 AND id = ?2",
+                params![org, id],
+            )?;
             Ok(())
         })
         .await

@@ -1,10 +1,8 @@
 use async_trait::async_trait;
-use rusqlite::{OptionalExtension, params};
+use rusqlite::params;
 
-use super::{Sqlite, db, to_i64, to_u64};
-use crate::limits::{
-    self, MAX_APPEND_BYTES, MAX_BODY, MAX_EVENTS_PER_APPEND, MAX_LEASE_MS, MAX_PAGE,
-};
+use super::{Sqlite, db, exec, first_row, to_i64, to_u64};
+use crate::limits::{self, MAX_BODY, MAX_LEASE_MS, MAX_PAGE};
 use crate::{Claim, Cond, EventRow, Item, Page, Paged, Result, RunRow, Store, StoreError};
 
 const RUN_COLUMNS: &str = "org, id, version, state, snapshot, updated_ms, created_ms";
@@ -80,11 +78,7 @@ impl Store for Sqlite {
         first_event: &[u8],
         now_ms: i64,
     ) -> Result<bool> {
-        limits::org(org)?;
-        limits::key("run id", id)?;
-        limits::name("state", state)?;
-        limits::body("snapshot", snapshot, MAX_BODY)?;
-        limits::body("event", first_event, MAX_BODY)?;
+        limits::run_write(org, id, state, snapshot, &[first_event])?;
         let (org, id, state, snapshot, event) = (
             org.to_owned(),
             id.to_owned(),
@@ -93,20 +87,20 @@ impl Store for Sqlite {
             first_event.to_vec(),
         );
         self.with_conn(move |conn, _| {
-            let tx = conn.savepoint()
-                .map_err(db)?;
-            let inserted = tx
-                .prepare_cached("INSERT INTO runs (org, id, version, state, snapshot, created_ms, updated_ms)
-                     VALUES (?1, ?2, 1, ?3, ?4, ?5, ?5) ON CONFLICT (org, id) DO NOTHING").map_err(db)?.execute(params![org, id, state, snapshot, now_ms],
-                )
-                .map_err(db)?;
+            let inserted = exec(
+                conn,
+                "INSERT INTO runs (org, id, version, state, snapshot, created_ms, updated_ms)
+                 VALUES (?1, ?2, 1, ?3, ?4, ?5, ?5) ON CONFLICT (org, id) DO NOTHING",
+                params![org, id, state, snapshot, now_ms],
+            )?;
             if inserted == 0 {
                 return Ok(false);
             }
-            tx.prepare_cached("INSERT INTO events (org, run, seq, body) VALUES (?1, ?2, 1, ?3)").map_err(db)?.execute(params![org, id, event],
-            )
-            .map_err(db)?;
-            tx.commit().map_err(db)?;
+            exec(
+                conn,
+                "INSERT INTO events (org, run, seq, body) VALUES (?1, ?2, 1, ?3)",
+                params![org, id, event],
+            )?;
             Ok(true)
         })
         .await
@@ -122,26 +116,7 @@ impl Store for Sqlite {
         events: &[Vec<u8>],
         now_ms: i64,
     ) -> Result<u64> {
-        limits::org(org)?;
-        limits::key("run id", id)?;
-        limits::name("state", state)?;
-        limits::body("snapshot", snapshot, MAX_BODY)?;
-        if events.is_empty() || events.len() > MAX_EVENTS_PER_APPEND {
-            return Err(StoreError::Invalid(format!(
-                "an append takes 1..={MAX_EVENTS_PER_APPEND} events, got {}",
-                events.len()
-            )));
-        }
-        let mut total = snapshot.len();
-        for e in events {
-            limits::body("event", e, MAX_BODY)?;
-            total += e.len();
-        }
-        if total > MAX_APPEND_BYTES {
-            return Err(StoreError::Invalid(format!(
-                "append of {total} bytes exceeds {MAX_APPEND_BYTES}"
-            )));
-        }
+        limits::run_write(org, id, state, snapshot, events)?;
         let expected = to_i64("expected version", expected_version)?;
         // events.len() <= 99, so the sum only overflows for an expected version near i64::MAX.
         let new_version = expected
@@ -155,27 +130,33 @@ impl Store for Sqlite {
             events.to_vec(),
         );
         self.with_conn(move |conn, _| {
-            let tx = conn.savepoint().map_err(db)?;
-            let current: Option<i64> = tx
-                .prepare_cached("SELECT version FROM runs WHERE org = ?1 AND id = ?2").map_err(db)?.query_row(params![org, id], |r| r.get(0))
-                .optional()
-                .map_err(db)?;
+            let current: Option<i64> = first_row(
+                conn,
+                "SELECT version FROM runs WHERE org = ?1 AND id = ?2",
+                params![org, id],
+                |r| r.get(0),
+            )?;
             match current {
                 None => return Err(StoreError::NotFound),
                 Some(v) if v != expected => return Err(StoreError::Conflict),
                 Some(_) => {}
             }
             {
-                let mut insert =
-                    tx.prepare_cached("INSERT INTO events (org, run, seq, body) VALUES (?1, ?2, ?3, ?4)").map_err(db)?;
+                let mut insert = conn
+                    .prepare_cached(
+                        "INSERT INTO events (org, run, seq, body) VALUES (?1, ?2, ?3, ?4)",
+                    )
+                    .map_err(db)?;
                 for (seq, body) in (expected + 1..).zip(&events) {
                     insert.execute(params![org, id, seq, body]).map_err(db)?;
                 }
             }
-            tx.prepare_cached("UPDATE runs SET version = ?3, state = ?4, snapshot = ?5, updated_ms = ?6 WHERE org = ?1 AND id = ?2").map_err(db)?.execute(params![org, id, new_version, state, snapshot, now_ms],
-            )
-            .map_err(db)?;
-            tx.commit().map_err(db)?;
+            exec(
+                conn,
+                "UPDATE runs SET version = ?3, state = ?4, snapshot = ?5, updated_ms = ?6
+                 WHERE org = ?1 AND id = ?2",
+                params![org, id, new_version, state, snapshot, now_ms],
+            )?;
             to_u64("run version", new_version)
         })
         .await
@@ -186,13 +167,12 @@ impl Store for Sqlite {
         limits::key("run id", id)?;
         let (org, id) = (org.to_owned(), id.to_owned());
         self.with_reader(move |conn, _| {
-            conn.query_row(
+            first_row(
+                conn,
                 &format!("SELECT {RUN_COLUMNS} FROM runs WHERE org = ?1 AND id = ?2"),
                 params![org, id],
                 run_row,
-            )
-            .optional()
-            .map_err(db)?
+            )?
             .map(finish_run)
             .transpose()
         })
@@ -215,7 +195,11 @@ impl Store for Sqlite {
         let (org, state) = (org.to_owned(), state.map(str::to_owned));
         self.with_reader(move |conn, _| {
             // As in `list_items`: one statement per shape, so a state filter uses `runs_by_state`.
-            let by_state = if state.is_some() { "AND state = ?2" } else { "AND ?2 IS NULL" };
+            let by_state = if state.is_some() {
+                "AND state = ?2"
+            } else {
+                "AND ?2 IS NULL"
+            };
             let sql = format!(
                 "SELECT {RUN_COLUMNS} FROM runs
                  WHERE org = ?1 {by_state}
@@ -284,16 +268,15 @@ impl Store for Sqlite {
         let (org, kind, id) = (org.to_owned(), kind.to_owned(), id.to_owned());
         self.with_reader(move |conn, inner| {
             let now = inner.clock.now_ms();
-            conn.query_row(
+            first_row(
+                conn,
                 &format!(
                     "SELECT {ITEM_COLUMNS} FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3
                      AND (expires_ms IS NULL OR expires_ms > ?4)"
                 ),
                 params![org, kind, id, now],
                 item_row,
-            )
-            .optional()
-            .map_err(db)?
+            )?
             .map(finish_item)
             .transpose()
         })
@@ -301,13 +284,7 @@ impl Store for Sqlite {
     }
 
     async fn put_item(&self, item: &Item, cond: Cond) -> Result<u64> {
-        limits::org(&item.org)?;
-        limits::name("kind", &item.kind)?;
-        limits::key("item id", &item.id)?;
-        if let Some(idx) = &item.index {
-            limits::key("index", idx)?;
-        }
-        limits::body("item body", &item.body, MAX_BODY)?;
+        limits::item(item)?;
         let expected = match cond {
             Cond::Version(v) => Some(to_i64("expected version", v)?),
             Cond::Absent | Cond::Any => None,
@@ -315,15 +292,14 @@ impl Store for Sqlite {
         let item = item.clone();
         self.with_conn(move |conn, inner| {
             let now = inner.clock.now_ms();
-            let tx = conn.savepoint().map_err(db)?;
             // An expired row counts as absent: it is invisible to reads, so it must not block a fresh put either.
-            let current: Option<i64> = tx
-                .prepare_cached("SELECT version FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3
-                     AND (expires_ms IS NULL OR expires_ms > ?4)").map_err(db)?.query_row(params![item.org, item.kind, item.id, now],
-                    |r| r.get(0),
-                )
-                .optional()
-                .map_err(db)?;
+            let current: Option<i64> = first_row(
+                conn,
+                "SELECT version FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3
+                 AND (expires_ms IS NULL OR expires_ms > ?4)",
+                params![item.org, item.kind, item.id, now],
+                |r| r.get(0),
+            )?;
             let holds = match cond {
                 Cond::Absent => current.is_none(),
                 Cond::Version(_) => current.is_some() && current == expected,
@@ -335,13 +311,14 @@ impl Store for Sqlite {
             let version = current.map_or(Ok(1), |v| {
                 v.checked_add(1).ok_or_else(|| StoreError::Backend("item version overflow".into()))
             })?;
-            tx.prepare_cached("INSERT INTO items (org, kind, id, version, idx, body, expires_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+            exec(
+                conn,
+                "INSERT INTO items (org, kind, id, version, idx, body, expires_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
                  ON CONFLICT (org, kind, id) DO UPDATE SET
                    version = excluded.version, idx = excluded.idx, body = excluded.body,
-                   expires_ms = excluded.expires_ms").map_err(db)?.execute(params![item.org, item.kind, item.id, version, item.index, item.body, item.expires_ms],
-            )
-            .map_err(db)?;
-            tx.commit().map_err(db)?;
+                   expires_ms = excluded.expires_ms",
+                params![item.org, item.kind, item.id, version, item.index, item.body, item.expires_ms],
+            )?;
             to_u64("item version", version)
         })
         .await
@@ -353,9 +330,11 @@ impl Store for Sqlite {
         limits::key("item id", id)?;
         let (org, kind, id) = (org.to_owned(), kind.to_owned(), id.to_owned());
         self.with_conn(move |conn, _| {
-            conn.prepare_cached("DELETE FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3").map_err(db)?.execute(params![org, kind, id],
-            )
-            .map_err(db)?;
+            exec(
+                conn,
+                "DELETE FROM items WHERE org = ?1 AND kind = ?2 AND id = ?3",
+                params![org, kind, id],
+            )?;
             Ok(())
         })
         .await
@@ -385,7 +364,11 @@ impl Store for Sqlite {
             let now = inner.clock.now_ms();
             // Two statements rather than `(?3 IS NULL OR idx = ?3)`: a statement is planned once for every
             // binding, so that form cannot use the (partial) index and scans every item of the kind.
-            let by_index = if index.is_some() { "AND idx = ?3" } else { "AND ?3 IS NULL" };
+            let by_index = if index.is_some() {
+                "AND idx = ?3"
+            } else {
+                "AND ?3 IS NULL"
+            };
             let sql = format!(
                 "SELECT {ITEM_COLUMNS} FROM items
                  WHERE org = ?1 AND kind = ?2 {by_index} AND (?4 IS NULL OR id > ?4)
@@ -399,8 +382,16 @@ impl Store for Sqlite {
                 .collect::<rusqlite::Result<Vec<_>>>()
                 .map_err(db)?;
             let more = rows.len() as i64 > limit;
-            let items = rows.into_iter().take(limit as usize).map(finish_item).collect::<Result<Vec<_>>>()?;
-            let next = if more { items.last().map(|i| i.id.clone()) } else { None };
+            let items = rows
+                .into_iter()
+                .take(limit as usize)
+                .map(finish_item)
+                .collect::<Result<Vec<_>>>()?;
+            let next = if more {
+                items.last().map(|i| i.id.clone())
+            } else {
+                None
+            };
             Ok(Paged { items, next })
         })
         .await
@@ -413,27 +404,27 @@ impl Store for Sqlite {
         let lease_until = now_ms.saturating_add(lease);
         let (org, key) = (org.to_owned(), key.to_owned());
         self.with_conn(move |conn, _| {
-            let tx = conn.savepoint().map_err(db)?;
-            let current: Option<(String, Option<Vec<u8>>, i64)> = tx
-                .prepare_cached("SELECT status, result, lease_until_ms FROM idempotency WHERE org = ?1 AND key = ?2").map_err(db)?.query_row(params![org, key],
-                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-                )
-                .optional()
-                .map_err(db)?;
+            let current: Option<(String, Option<Vec<u8>>, i64)> = first_row(
+                conn,
+                "SELECT status, result, lease_until_ms FROM idempotency WHERE org = ?1 AND key = ?2",
+                params![org, key],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )?;
             match current {
                 Some((status, result, _)) if status == "done" => return Ok(Claim::Done(result.unwrap_or_default())),
                 Some((_, _, until)) if until > now_ms => return Ok(Claim::InProgress),
                 // Unknown, or the previous holder's lease ran out (it crashed or stalled): take over.
                 _ => {}
             }
-            tx.prepare_cached("INSERT INTO idempotency (org, key, status, result, lease_until_ms, updated_ms)
+            exec(
+                conn,
+                "INSERT INTO idempotency (org, key, status, result, lease_until_ms, updated_ms)
                  VALUES (?1, ?2, 'in_progress', NULL, ?3, ?4)
                  ON CONFLICT (org, key) DO UPDATE SET
                    status = 'in_progress', result = NULL, lease_until_ms = excluded.lease_until_ms,
-                   updated_ms = excluded.updated_ms").map_err(db)?.execute(params![org, key, lease_until, now_ms],
-            )
-            .map_err(db)?;
-            tx.commit().map_err(db)?;
+                   updated_ms = excluded.updated_ms",
+                params![org, key, lease_until, now_ms],
+            )?;
             Ok(Claim::New)
         })
         .await
@@ -445,13 +436,15 @@ impl Store for Sqlite {
         limits::body("idempotency result", result, MAX_BODY)?;
         let (org, key, result) = (org.to_owned(), key.to_owned(), result.to_vec());
         self.with_conn(move |conn, _| {
-            conn.prepare_cached("INSERT INTO idempotency (org, key, status, result, lease_until_ms, updated_ms)
+            exec(
+                conn,
+                "INSERT INTO idempotency (org, key, status, result, lease_until_ms, updated_ms)
                  VALUES (?1, ?2, 'done', ?3, 0, ?4)
                  ON CONFLICT (org, key) DO UPDATE SET
                    status = 'done', result = excluded.result, updated_ms = excluded.updated_ms
-                 WHERE idempotency.status <> 'done'").map_err(db)?.execute(params![org, key, result, now_ms],
-            )
-            .map_err(db)?;
+                 WHERE idempotency.status <> 'done'",
+                params![org, key, result, now_ms],
+            )?;
             Ok(())
         })
         .await
@@ -462,9 +455,11 @@ impl Store for Sqlite {
         limits::key("idempotency key", key)?;
         let (org, key) = (org.to_owned(), key.to_owned());
         self.with_conn(move |conn, _| {
-            conn.prepare_cached("DELETE FROM idempotency WHERE org = ?1 AND key = ?2 AND status = 'in_progress'").map_err(db)?.execute(params![org, key],
-            )
-            .map_err(db)?;
+            exec(
+                conn,
+                "DELETE FROM idempotency WHERE org = ?1 AND key = ?2 AND status = 'in_progress'",
+                params![org, key],
+            )?;
             Ok(())
         })
         .await
