@@ -66,14 +66,23 @@ where
     }
 }
 
-async fn table(what: &str) -> (aws_sdk_dynamodb::Client, String) {
+/// Runs `body` with a client and a fresh table named after `what`, then deletes the table, also when `body`
+/// panics.
+async fn with_table<B, Fut>(what: &str, body: B)
+where
+    B: FnOnce(aws_sdk_dynamodb::Client, String) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     let conf = aws::local_config(&endpoint()).await;
     let ddb = aws_sdk_dynamodb::Client::new(&conf);
     let name = unique(what);
     aws::provision_table(&ddb, &name)
         .await
         .expect("provision the table on moto");
-    (ddb, name)
+    with_cleanup(body(ddb.clone(), name.clone()), async {
+        aws::delete_table(&ddb, &name).await.expect("delete table");
+    })
+    .await;
 }
 
 /// Real time for SQS, whose visibility timeouts and delays run on the server's clock: `elapse` sleeps. It
@@ -96,38 +105,22 @@ impl TimeControl for RealTime {
 
 #[tokio::test]
 async fn dynamodb_store_conformance() {
-    let (ddb, name) = table("store").await;
-    let client = ddb.clone();
-    let table = name.clone();
-    with_cleanup(
-        async move {
-            // DynamoDB decides no expiry itself: the adapter compares with its clock, so a manual clock is
-            // an honest stand-in for time here.
-            let clock = Arc::new(ManualClock::new(START));
-            let store = DynamoStore::new(client, table, clock.clone());
-            store_suite(&store, &*clock).await;
-        },
-        async {
-            aws::delete_table(&ddb, &name).await.expect("delete table");
-        },
-    )
+    with_table("store", |client, table| async move {
+        // DynamoDB decides no expiry itself: the adapter compares with its clock, so a manual clock is an
+        // honest stand-in for time here.
+        let clock = Arc::new(ManualClock::new(START));
+        let store = DynamoStore::new(client, table, clock.clone());
+        store_suite(&store, &*clock).await;
+    })
     .await;
 }
 
 #[tokio::test]
 async fn dynamodb_timers_conformance() {
-    let (ddb, name) = table("timers").await;
-    let client = ddb.clone();
-    let table = name.clone();
-    with_cleanup(
-        async move {
-            let store = DynamoStore::new(client, table, Arc::new(ManualClock::new(START)));
-            timers_suite(&store).await;
-        },
-        async {
-            aws::delete_table(&ddb, &name).await.expect("delete table");
-        },
-    )
+    with_table("timers", |client, table| async move {
+        let store = DynamoStore::new(client, table, Arc::new(ManualClock::new(START)));
+        timers_suite(&store).await;
+    })
     .await;
 }
 
@@ -177,75 +170,67 @@ async fn sqs_queue_conformance() {
 /// records leave it between pages.
 #[tokio::test]
 async fn dynamodb_pending_index_pages_past_settled_items() {
-    let (ddb, name) = table("pending").await;
-    let client = ddb.clone();
-    let table = name.clone();
-    with_cleanup(
-        async move {
-            let clock = Arc::new(ManualClock::new(START));
-            let store = DynamoStore::new(client, table, clock);
-            for i in 0..25 {
-                let it = Item {
-                    org: "acme".into(),
-                    kind: "approval".into(),
-                    id: format!("a{i:02}"),
-                    version: 0,
-                    index: Some("pending".into()),
-                    body: vec![u8::try_from(i).expect("small"); 3],
-                    expires_ms: None,
-                };
-                store.put_item(&it, Cond::Absent).await.expect("put");
-            }
-            let first = store
-                .list_items("acme", "approval", Some("pending"), Page::first(10))
+    with_table("pending", |client, table| async move {
+        let clock = Arc::new(ManualClock::new(START));
+        let store = DynamoStore::new(client, table, clock);
+        for i in 0..25 {
+            let it = Item {
+                org: "acme".into(),
+                kind: "approval".into(),
+                id: format!("a{i:02}"),
+                version: 0,
+                index: Some("pending".into()),
+                body: vec![u8::try_from(i).expect("small"); 3],
+                expires_ms: None,
+            };
+            store.put_item(&it, Cond::Absent).await.expect("put");
+        }
+        let first = store
+            .list_items("acme", "approval", Some("pending"), Page::first(10))
+            .await
+            .expect("first page");
+        assert_eq!(first.items.len(), 10);
+        // Settle two approvals on the next page: they must not show up any more.
+        for id in ["a10", "a12"] {
+            let settled = Item {
+                org: "acme".into(),
+                kind: "approval".into(),
+                id: id.into(),
+                version: 0,
+                index: None,
+                body: b"done".to_vec(),
+                expires_ms: None,
+            };
+            store
+                .put_item(&settled, Cond::Version(1))
                 .await
-                .expect("first page");
-            assert_eq!(first.items.len(), 10);
-            // Settle two approvals on the next page: they must not show up any more.
-            for id in ["a10", "a12"] {
-                let settled = Item {
-                    org: "acme".into(),
-                    kind: "approval".into(),
-                    id: id.into(),
-                    version: 0,
-                    index: None,
-                    body: b"done".to_vec(),
-                    expires_ms: None,
-                };
-                store
-                    .put_item(&settled, Cond::Version(1))
-                    .await
-                    .expect("settle");
-            }
-            let mut seen: Vec<String> = first.items.into_iter().map(|i| i.id).collect();
-            let mut cursor = first.next;
-            while let Some(c) = cursor {
-                let page = store
-                    .list_items(
-                        "acme",
-                        "approval",
-                        Some("pending"),
-                        Page {
-                            cursor: Some(c),
-                            limit: 10,
-                        },
-                    )
-                    .await
-                    .expect("next page");
-                assert!(page.items.len() <= 10);
-                seen.extend(page.items.into_iter().map(|i| i.id));
-                cursor = page.next;
-            }
-            let want: Vec<String> = (0..25)
-                .filter(|i| *i != 10 && *i != 12)
-                .map(|i| format!("a{i:02}"))
-                .collect();
-            assert_eq!(seen, want);
-        },
-        async {
-            aws::delete_table(&ddb, &name).await.expect("delete table");
-        },
-    )
+                .expect("settle");
+        }
+        let mut seen: Vec<String> = first.items.into_iter().map(|i| i.id).collect();
+        let mut cursor = first.next;
+        while let Some(c) = cursor {
+            let page = store
+                .list_items(
+                    "acme",
+                    "approval",
+                    Some("pending"),
+                    Page {
+                        cursor: Some(c),
+                        limit: 10,
+                    },
+                )
+                .await
+                .expect("next page");
+            assert!(page.items.len() <= 10);
+            seen.extend(page.items.into_iter().map(|i| i.id));
+            cursor = page.next;
+        }
+        let want: Vec<String> = (0..25)
+            .filter(|i| *i != 10 && *i != 12)
+            .map(|i| format!("a{i:02}"))
+            .collect();
+        assert_eq!(seen, want);
+    })
     .await;
 }
 

@@ -230,21 +230,15 @@ pub async fn provision_queue(
             spec.max_receives
         )));
     }
-    let dlq_name = format!("{name}-dlq");
-    let dead_letter_url = sqs
-        .create_queue()
-        .queue_name(&dlq_name)
-        .attributes(
+    let dead_letter_url = create_queue(
+        sqs,
+        &format!("{name}-dlq"),
+        [(
             QueueAttributeName::MessageRetentionPeriod,
-            DEAD_LETTER_RETENTION_S,
-        )
-        .attributes(QueueAttributeName::MaximumMessageSize, MAX_MESSAGE_SIZE)
-        .send()
-        .await
-        .map_err(|e| sqs_err("CreateQueue", e))?
-        .queue_url()
-        .ok_or_else(|| StoreError::Backend("CreateQueue returned no queue url".into()))?
-        .to_owned();
+            DEAD_LETTER_RETENTION_S.to_owned(),
+        )],
+    )
+    .await?;
     let attrs = sqs
         .get_queue_attributes()
         .queue_url(&dead_letter_url)
@@ -260,25 +254,44 @@ pub async fn provision_queue(
         r#"{{"deadLetterTargetArn":"{arn}","maxReceiveCount":{}}}"#,
         spec.max_receives
     );
-    let queue_url = sqs
-        .create_queue()
-        .queue_name(name)
-        .attributes(QueueAttributeName::RedrivePolicy, redrive)
-        .attributes(
-            QueueAttributeName::VisibilityTimeout,
-            spec.visibility_timeout_s.to_string(),
-        )
-        .attributes(QueueAttributeName::MaximumMessageSize, MAX_MESSAGE_SIZE)
-        .send()
-        .await
-        .map_err(|e| sqs_err("CreateQueue", e))?
-        .queue_url()
-        .ok_or_else(|| StoreError::Backend("CreateQueue returned no queue url".into()))?
-        .to_owned();
+    let queue_url = create_queue(
+        sqs,
+        name,
+        [
+            (QueueAttributeName::RedrivePolicy, redrive),
+            (
+                QueueAttributeName::VisibilityTimeout,
+                spec.visibility_timeout_s.to_string(),
+            ),
+        ],
+    )
+    .await?;
     Ok(QueueUrls {
         queue_url,
         dead_letter_url,
     })
+}
+
+/// Creates (or finds) the queue `name` with `attributes`, and with the largest message size, which the queue
+/// and its dead-letter queue must share: a dead letter is a message the queue took. Returns its url.
+async fn create_queue(
+    sqs: &aws_sdk_sqs::Client,
+    name: &str,
+    attributes: impl IntoIterator<Item = (QueueAttributeName, String)>,
+) -> Result<String> {
+    let mut req = sqs
+        .create_queue()
+        .queue_name(name)
+        .attributes(QueueAttributeName::MaximumMessageSize, MAX_MESSAGE_SIZE);
+    for (k, v) in attributes {
+        req = req.attributes(k, v);
+    }
+    req.send()
+        .await
+        .map_err(|e| sqs_err("CreateQueue", e))?
+        .queue_url()
+        .map(str::to_owned)
+        .ok_or_else(|| StoreError::Backend("CreateQueue returned no queue url".into()))
 }
 
 /// Deletes a queue and its dead-letter queue (tests and teardown); missing queues are not an error.

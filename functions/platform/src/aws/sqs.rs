@@ -204,6 +204,23 @@ impl SqsQueue {
         Ok((self.clock.now_ms() < until).then_some(handle))
     }
 
+    /// A receive of up to `max` (1..=MAX_RECEIVE) messages from `url`, hidden for `visibility_s`, asking for
+    /// what [`delivery`] reads: the receive count and the body's encoding.
+    fn receive_from(
+        &self,
+        url: &str,
+        max: usize,
+        visibility_s: i32,
+    ) -> aws_sdk_sqs::operation::receive_message::builders::ReceiveMessageFluentBuilder {
+        self.client
+            .receive_message()
+            .queue_url(url)
+            .max_number_of_messages(i32::try_from(max).unwrap_or(10))
+            .visibility_timeout(visibility_s)
+            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+            .message_attribute_names(BODY_ENCODING_ATTRIBUTE)
+    }
+
     /// Records the deadline set by a successful visibility change, and drops the entries whose receipts are
     /// stale for good (both their receive's deadline and their remembered one passed), so that dropping them
     /// changes no answer.
@@ -250,19 +267,12 @@ impl Queue for SqsQueue {
     }
 
     async fn receive(&self, max: u32, visibility_ms: u64) -> Result<Vec<Delivery>> {
-        let max = limits::count("receive max", max, MAX_RECEIVE)?;
+        let max = limits::count("receive max", max, MAX_RECEIVE)? as usize;
         limits::duration("visibility", visibility_ms, MAX_VISIBILITY_MS)?;
-        let visibility_s = seconds(visibility_ms);
         let valid_until = deadline_after(self.clock.now_ms(), visibility_ms);
         let out = self
-            .client
-            .receive_message()
-            .queue_url(&self.queue_url)
-            .max_number_of_messages(i32::try_from(max).unwrap_or(10))
-            .visibility_timeout(visibility_s)
+            .receive_from(&self.queue_url, max, seconds(visibility_ms))
             .wait_time_seconds(self.wait_time_s)
-            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
-            .message_attribute_names(BODY_ENCODING_ATTRIBUTE)
             .send()
             .await
             .map_err(|e| sqs_err("ReceiveMessage", e))?;
@@ -337,19 +347,13 @@ impl Queue for SqsQueue {
     /// or lose a dead letter.
     async fn dead_letters(&self, limit: u32) -> Result<Vec<Delivery>> {
         let limit = limits::count("dead letter limit", limit, MAX_PAGE)? as usize;
-        let mut seen: HashMap<String, (i64, Delivery, String)> = HashMap::new();
+        let mut seen: HashMap<String, (i64, Delivery)> = HashMap::new();
         let mut handles = Vec::new();
         while seen.len() < limit {
             let want = (limit - seen.len()).min(MAX_RECEIVE as usize);
             let out = self
-                .client
-                .receive_message()
-                .queue_url(&self.dead_letter_url)
-                .max_number_of_messages(i32::try_from(want).unwrap_or(10))
-                .visibility_timeout(PEEK_VISIBILITY_S)
-                .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+                .receive_from(&self.dead_letter_url, want, PEEK_VISIBILITY_S)
                 .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp)
-                .message_attribute_names(BODY_ENCODING_ATTRIBUTE)
                 .send()
                 .await
                 .map_err(|e| sqs_err("ReceiveMessage", e))?;
@@ -364,8 +368,8 @@ impl Queue for SqsQueue {
                     .and_then(|t| t.parse().ok())
                     .unwrap_or(i64::MAX);
                 let d = delivery(m, String::new())?;
-                handles.push(handle.clone());
-                seen.insert(d.id.clone(), (sent, d, handle));
+                handles.push(handle);
+                seen.insert(d.id.clone(), (sent, d));
             }
         }
         // Give them back at once rather than after the peek timeout.
@@ -390,7 +394,7 @@ impl Queue for SqsQueue {
                 .await
                 .map_err(|e| sqs_err("ChangeMessageVisibilityBatch", e))?;
         }
-        let mut dead: Vec<(i64, Delivery)> = seen.into_values().map(|(t, d, _)| (t, d)).collect();
+        let mut dead: Vec<(i64, Delivery)> = seen.into_values().collect();
         dead.sort_by(|a, b| (a.0, &a.1.id).cmp(&(b.0, &b.1.id)));
         Ok(dead.into_iter().map(|(_, d)| d).take(limit).collect())
     }
