@@ -8,8 +8,9 @@ use loams_proto::bot::v1 as pb;
 use loams_proto::connect::Code;
 
 use crate::cache::messages_stream;
-use crate::client::{Inner, SyncMode, TaskHandle, check_id, idempotency_key, now_ms};
+use crate::client::{Inner, STREAM_BATCH, TaskHandle, check_id, idempotency_key, now_ms};
 use crate::error::{Error, Result};
+use crate::follow::{Follower, Report, Step, follow};
 use crate::types::{Message, Thread};
 
 const SERVICE: &str = "/loams.bot.v1.BotService/";
@@ -120,97 +121,78 @@ impl Bot {
         check_id("thread_id", thread_id)?;
         let messages = self.inner.cache.messages(thread_id, 0, SNAPSHOT_MESSAGES)?;
         listener.on_update(ThreadUpdate::Snapshot { messages });
-        let inner = self.inner.clone();
-        let thread_id = thread_id.to_owned();
+        let follower = ThreadFollower {
+            thread_id: thread_id.to_owned(),
+            listener,
+        };
         Ok(TaskHandle::new(tokio::spawn(follow(
-            inner, thread_id, listener,
+            self.inner.clone(),
+            follower,
         ))))
     }
 }
 
-async fn follow(inner: Arc<Inner>, thread_id: String, listener: Arc<dyn ThreadListener>) {
-    let mut mode = inner.config.sync_mode;
-    let mut connected: Option<bool> = None;
-    let mut report = |ok: bool, detail: String| {
-        if connected != Some(ok) {
-            connected = Some(ok);
-            listener.on_update(ThreadUpdate::Connection {
-                connected: ok,
-                detail,
-            });
-        }
-    };
-    loop {
-        if !inner.network_available() {
-            report(false, "no network connection".into());
-            tokio::time::sleep(inner.config.reconnect_delay).await;
-            continue;
-        }
-        let result = match mode {
-            SyncMode::Stream => stream_once(&inner, &thread_id, &*listener, &mut report).await,
-            SyncMode::Poll => poll_once(&inner, &thread_id).await.map(|fresh| {
-                report(true, "polling".into());
-                if !fresh.is_empty() {
-                    listener.on_update(ThreadUpdate::Messages { messages: fresh });
-                }
-                false
-            }),
-        };
-        match result {
-            Ok(true) => {
-                mode = SyncMode::Poll;
-                report(true, "streaming unavailable; polling".into());
-            }
-            Ok(false) if mode == SyncMode::Poll => {
-                tokio::time::sleep(inner.config.poll_interval).await
-            }
-            Ok(false) => tokio::time::sleep(inner.config.reconnect_delay).await,
-            Err(
-                e @ (Error::NotFound(_) | Error::PermissionDenied(_) | Error::Unauthenticated(_)),
-            ) => {
-                report(false, e.to_string());
-                return;
-            }
-            Err(e) => {
-                report(false, e.to_string());
-                tokio::time::sleep(inner.config.reconnect_delay).await;
-            }
-        }
-    }
+/// Follows one thread for a watch.
+struct ThreadFollower {
+    thread_id: String,
+    listener: Arc<dyn ThreadListener>,
 }
 
-/// One Watch connection from the cursor. `Ok(true)`: the server cannot stream.
-async fn stream_once(
-    inner: &Inner,
-    thread_id: &str,
-    listener: &dyn ThreadListener,
-    report: &mut impl FnMut(bool, String),
-) -> Result<bool> {
-    let after_seq = inner.cache.cursor(&messages_stream(thread_id))?;
-    let req = pb::WatchRequest {
-        thread_id: thread_id.to_owned(),
-        after_seq,
-    };
-    let mut stream = inner
-        .server_stream::<_, pb::WatchResponse>(&format!("{SERVICE}Watch"), &req)
-        .await?;
-    while let Some(item) = stream.recv().await {
-        let item = match item {
-            Ok(item) => item,
-            Err(e) if e.code == Code::Unimplemented => return Ok(true),
-            Err(e) => return Err(e.into()),
+impl Follower for ThreadFollower {
+    fn connection(&self, connected: bool, detail: String) {
+        self.listener
+            .on_update(ThreadUpdate::Connection { connected, detail });
+    }
+
+    /// One Watch connection from the cursor.
+    async fn stream_once(&self, inner: &Inner, report: &mut Report<'_>) -> Result<Step> {
+        let thread_id = self.thread_id.as_str();
+        let after_seq = inner.cache.cursor(&messages_stream(thread_id))?;
+        let req = pb::WatchRequest {
+            thread_id: thread_id.to_owned(),
+            after_seq,
         };
-        report(true, "live".into());
-        if let Some(message) = item.message {
-            let fresh = inner
-                .cache
-                .append_messages(thread_id, &[message], now_ms())?;
-            if !fresh.is_empty() {
-                listener.on_update(ThreadUpdate::Messages { messages: fresh });
+        let mut stream = inner
+            .server_stream::<_, pb::WatchResponse>(&format!("{SERVICE}Watch"), &req)
+            .await?;
+        while let Some(item) = stream.recv().await {
+            let item = match item {
+                Ok(item) => item,
+                Err(e) if e.code == Code::Unimplemented => return Ok(Step::Unsupported),
+                Err(e) => return Err(e.into()),
+            };
+            report(true, "live".into());
+            if let Some(message) = item.message {
+                // Messages that have already arrived behind this one are stored in the same transaction.
+                let mut messages = vec![message];
+                while messages.len() < STREAM_BATCH
+                    && let Some(pb::WatchResponse {
+                        message: Some(message),
+                    }) = stream.ready(|r| r.message.is_some())
+                {
+                    messages.push(message);
+                }
+                let fresh = inner
+                    .cache
+                    .append_messages(thread_id, &messages, now_ms())?;
+                if !fresh.is_empty() {
+                    self.listener
+                        .on_update(ThreadUpdate::Messages { messages: fresh });
+                }
             }
         }
+        Ok(Step::Again)
     }
-    Ok(false)
+
+    async fn poll_once(&self, inner: &Inner, report: &mut Report<'_>) -> Result<Step> {
+        let fresh = poll_once(inner, &self.thread_id).await?;
+        report(true, "polling".into());
+        if !fresh.is_empty() {
+            self.listener
+                .on_update(ThreadUpdate::Messages { messages: fresh });
+        }
+        Ok(Step::Again)
+    }
 }
 
 /// ListMessages has page tokens, not a seq cursor, so polling reads the thread from its start; the cache keeps

@@ -64,6 +64,10 @@ impl Cache {
     fn init(mut conn: Connection, server_url: &str, org: &str) -> Result<Cache> {
         // WAL cannot be switched inside a transaction; readers then never wait for the sync writer.
         conn.pragma_update(None, "journal_mode", "wal")?;
+        // NORMAL is durable enough for a cache in WAL mode: a crash cannot corrupt it, it can only lose the last
+        // commits, and each commit stores rows together with their cursor, so a watch re-syncs what was lost from
+        // the server. FULL would sync the disk on every commit of a stream.
+        conn.pragma_update(None, "synchronous", "normal")?;
         conn.pragma_update(None, "foreign_keys", "on")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         migrate(&mut conn)?;

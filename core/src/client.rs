@@ -219,7 +219,7 @@ impl Inner {
         &self,
         path: &str,
         req: &Req,
-    ) -> Result<mpsc::Receiver<Result<Resp, ConnectError>>> {
+    ) -> Result<ItemStream<Resp>> {
         let client = self.connect().await?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let (path, req) = (path.to_owned(), req.clone());
@@ -236,7 +236,44 @@ impl Inner {
                 }
             }
         });
-        Ok(rx)
+        Ok(ItemStream { rx, held: None })
+    }
+}
+
+/// Most items a watch stores in one transaction: a long burst is split so that readers of the cache (the UI) wait
+/// for no more than one batch.
+pub(crate) const STREAM_BATCH: usize = 1_000;
+
+/// The items of a server stream, as `Inner::server_stream` passes them on.
+pub(crate) struct ItemStream<T> {
+    rx: mpsc::Receiver<Result<T, ConnectError>>,
+    /// An item looked at by `ready` but not taken: the next `recv` returns it.
+    held: Option<Result<T, ConnectError>>,
+}
+
+impl<T> ItemStream<T> {
+    /// The next item; `None` when the stream has ended.
+    pub(crate) async fn recv(&mut self) -> Option<Result<T, ConnectError>> {
+        match self.held.take() {
+            Some(item) => Some(item),
+            None => self.rx.recv().await,
+        }
+    }
+
+    /// The next item if it has already arrived and `wanted` accepts it; a refused item is returned by the next
+    /// `recv`. A watch stores a burst of items in one transaction this way, without waiting for more.
+    pub(crate) fn ready(&mut self, wanted: impl FnOnce(&T) -> bool) -> Option<T> {
+        let item = match self.held.take() {
+            Some(item) => item,
+            None => self.rx.try_recv().ok()?,
+        };
+        match item {
+            Ok(item) if wanted(&item) => Some(item),
+            other => {
+                self.held = Some(other);
+                None
+            }
+        }
     }
 }
 
@@ -345,6 +382,29 @@ mod tests {
                 .await,
             Err(Error::NotRegistered)
         ));
+    }
+
+    #[tokio::test]
+    async fn ready_takes_only_arrived_items_that_it_accepts_and_keeps_the_rest_in_order() {
+        let (tx, rx) = mpsc::channel(8);
+        let mut stream = ItemStream { rx, held: None };
+        let even = |n: &u32| n.is_multiple_of(2);
+        for n in [2, 4, 5] {
+            tx.send(Ok(n)).await.unwrap();
+        }
+        tx.send(Err(ConnectError::unavailable("cut")))
+            .await
+            .unwrap();
+        assert_eq!(stream.ready(even), Some(2));
+        assert_eq!(stream.ready(even), Some(4));
+        assert_eq!(stream.ready(even), None, "5 is refused");
+        assert_eq!(stream.ready(even), None, "and stays refused");
+        assert_eq!(stream.recv().await.unwrap().unwrap(), 5, "then received");
+        assert_eq!(stream.ready(even), None, "an error is never taken");
+        assert!(stream.recv().await.unwrap().is_err());
+        assert_eq!(stream.ready(even), None, "nothing has arrived");
+        drop(tx);
+        assert!(stream.recv().await.is_none());
     }
 
     #[test]

@@ -12,6 +12,7 @@ mod cache;
 mod client;
 mod devices;
 mod error;
+mod follow;
 mod route;
 mod runs;
 mod signer;

@@ -9,9 +9,10 @@ use loams_proto::factory::v1 as pf;
 use pf::watch_run_response::Item as WatchItem;
 
 use crate::cache::timeline_stream;
-use crate::client::{Inner, SyncMode, TaskHandle, check_id, idempotency_key, now_ms};
+use crate::client::{Inner, STREAM_BATCH, TaskHandle, check_id, idempotency_key, now_ms};
 use crate::error::{Error, Result};
-use crate::types::{Run, TimelineEvent};
+use crate::follow::{Follower, Report, Step, follow};
+use crate::types::{Run, TimelineEvent, is_terminal};
 
 const SERVICE: &str = "/loams.factory.v1.FactoryService/";
 /// Runs per ListRuns page, and pages read by one refresh (the newest 1,000 runs).
@@ -139,10 +140,9 @@ impl Runs {
         let run = resp
             .run
             .ok_or_else(|| Error::Server("KillRun returned no run".into()))?;
-        self.inner
-            .cache
-            .put_runs(std::slice::from_ref(&run), now_ms())?;
-        Ok(Run::from_proto(run, now_ms()))
+        let at = now_ms();
+        self.inner.cache.put_runs(std::slice::from_ref(&run), at)?;
+        Ok(Run::from_proto(run, at))
     }
 
     /// Delivers the cached snapshot to `listener` before returning, then follows the run from the stored cursor
@@ -153,156 +153,114 @@ impl Runs {
         let run = self.inner.cache.run(run_id)?;
         let events = self.inner.cache.events(run_id, 0, SNAPSHOT_EVENTS)?;
         listener.on_update(RunUpdate::Snapshot { run, events });
-        let inner = self.inner.clone();
-        let run_id = run_id.to_owned();
+        let follower = RunFollower {
+            run_id: run_id.to_owned(),
+            listener,
+        };
         Ok(TaskHandle::new(tokio::spawn(follow(
-            inner, run_id, listener,
+            self.inner.clone(),
+            follower,
         ))))
     }
 }
 
-/// How one stream connection ended.
-enum StreamEnd {
-    /// The run is finished and everything up to its end is stored.
-    Finished,
-    /// The server closed a still-running run's stream (its lifetime cap): reconnect from the cursor.
-    Closed,
-    /// The server or a proxy cannot stream: poll instead.
-    Unsupported,
+/// Follows one run for a watch.
+struct RunFollower {
+    run_id: String,
+    listener: Arc<dyn RunListener>,
 }
 
-async fn follow(inner: Arc<Inner>, run_id: String, listener: Arc<dyn RunListener>) {
-    let mut mode = inner.config.sync_mode;
-    // Only transitions are reported, so a flapping network does not flood the UI.
-    let mut connected: Option<bool> = None;
-    let mut report = |ok: bool, detail: String| {
-        if connected != Some(ok) {
-            connected = Some(ok);
-            listener.on_update(RunUpdate::Connection {
-                connected: ok,
-                detail,
-            });
-        }
-    };
-    loop {
-        if !inner.network_available() {
-            report(false, "no network connection".into());
-            tokio::time::sleep(inner.config.reconnect_delay).await;
-            continue;
-        }
-        let outcome = match mode {
-            SyncMode::Stream => stream_once(&inner, &run_id, &*listener, &mut report).await,
-            SyncMode::Poll => match poll_once(&inner, &run_id).await {
-                Ok((run, events, finished)) => {
-                    report(true, "polling".into());
-                    listener.on_update(RunUpdate::Run { run });
-                    if !events.is_empty() {
-                        listener.on_update(RunUpdate::Events { events });
-                    }
-                    if finished {
-                        Ok(StreamEnd::Finished)
-                    } else {
-                        Ok(StreamEnd::Closed)
-                    }
-                }
-                Err(e) => Err(e),
-            },
-        };
-        match outcome {
-            Ok(StreamEnd::Finished) => {
-                listener.on_update(RunUpdate::Finished);
-                return;
-            }
-            Ok(StreamEnd::Closed) if mode == SyncMode::Poll => {
-                tokio::time::sleep(inner.config.poll_interval).await
-            }
-            // A pause even after a clean close, so a proxy that cuts every stream at once cannot make this spin.
-            Ok(StreamEnd::Closed) => tokio::time::sleep(inner.config.reconnect_delay).await,
-            Ok(StreamEnd::Unsupported) => {
-                mode = SyncMode::Poll;
-                report(true, "streaming unavailable; polling".into());
-            }
-            Err(
-                e @ (Error::NotFound(_) | Error::PermissionDenied(_) | Error::Unauthenticated(_)),
-            ) => {
-                // Retrying cannot help; the screen shows the cache and the reason.
-                report(false, e.to_string());
-                return;
-            }
-            Err(e) => {
-                report(false, e.to_string());
-                tokio::time::sleep(inner.config.reconnect_delay).await;
-            }
-        }
+impl Follower for RunFollower {
+    fn connection(&self, connected: bool, detail: String) {
+        self.listener
+            .on_update(RunUpdate::Connection { connected, detail });
     }
-}
 
-async fn stream_once(
-    inner: &Inner,
-    run_id: &str,
-    listener: &dyn RunListener,
-    report: &mut impl FnMut(bool, String),
-) -> Result<StreamEnd> {
-    let after_seq = inner.cache.cursor(&timeline_stream(run_id))?;
-    let req = pf::WatchRunRequest {
-        run_id: run_id.to_owned(),
-        after_seq,
-    };
-    let mut stream = inner
-        .server_stream::<_, pf::WatchRunResponse>(&format!("{SERVICE}WatchRun"), &req)
-        .await?;
-    let mut finished_at_start = false;
-    let mut last_run_read = Instant::now();
-    while let Some(item) = stream.recv().await {
-        let item = match item {
-            Ok(item) => item,
-            Err(e) if e.code == Code::Unimplemented => return Ok(StreamEnd::Unsupported),
-            Err(e) => return Err(e.into()),
+    async fn stream_once(&self, inner: &Inner, report: &mut Report<'_>) -> Result<Step> {
+        let (run_id, listener) = (self.run_id.as_str(), &*self.listener);
+        let after_seq = inner.cache.cursor(&timeline_stream(run_id))?;
+        let req = pf::WatchRunRequest {
+            run_id: run_id.to_owned(),
+            after_seq,
         };
-        report(true, "live".into());
-        match item.item {
-            Some(WatchItem::Snapshot(run)) => {
-                finished_at_start = run_finished(&run);
-                let run = store_run(inner, run)?;
-                last_run_read = Instant::now();
-                listener.on_update(RunUpdate::Run { run });
-            }
-            Some(WatchItem::Event(event)) => {
-                let fresh =
-                    inner
-                        .cache
-                        .append_events(run_id, std::slice::from_ref(&event), now_ms())?;
-                if !fresh.is_empty() {
-                    listener.on_update(RunUpdate::Events { events: fresh });
-                }
-                // The stream carries events, not the run's new state; re-read it now and then so the stage and
-                // state on screen follow the timeline.
-                if last_run_read.elapsed() >= inner.config.poll_interval {
+        let mut stream = inner
+            .server_stream::<_, pf::WatchRunResponse>(&format!("{SERVICE}WatchRun"), &req)
+            .await?;
+        let mut finished_at_start = false;
+        let mut last_run_read = Instant::now();
+        while let Some(item) = stream.recv().await {
+            let item = match item {
+                Ok(item) => item,
+                Err(e) if e.code == Code::Unimplemented => return Ok(Step::Unsupported),
+                Err(e) => return Err(e.into()),
+            };
+            report(true, "live".into());
+            match item.item {
+                Some(WatchItem::Snapshot(run)) => {
+                    finished_at_start = is_terminal(&run.state);
+                    let run = store_run(inner, run)?;
                     last_run_read = Instant::now();
-                    if let Ok(run) = get_run(inner, run_id).await {
-                        listener.on_update(RunUpdate::Run { run });
+                    listener.on_update(RunUpdate::Run { run });
+                }
+                Some(WatchItem::Event(event)) => {
+                    // The events that have already arrived behind this one are stored in the same transaction: a
+                    // long timeline replayed from the cursor arrives as one burst.
+                    let mut events = vec![event];
+                    while events.len() < STREAM_BATCH
+                        && let Some(pf::WatchRunResponse {
+                            item: Some(WatchItem::Event(event)),
+                        }) = stream.ready(|r| matches!(r.item, Some(WatchItem::Event(_))))
+                    {
+                        events.push(event);
+                    }
+                    let fresh = inner.cache.append_events(run_id, &events, now_ms())?;
+                    if !fresh.is_empty() {
+                        listener.on_update(RunUpdate::Events { events: fresh });
+                    }
+                    // The stream carries events, not the run's new state; re-read it now and then so the stage and
+                    // state on screen follow the timeline.
+                    if last_run_read.elapsed() >= inner.config.poll_interval {
+                        last_run_read = Instant::now();
+                        if let Ok(run) = get_run(inner, run_id).await {
+                            listener.on_update(RunUpdate::Run { run });
+                        }
                     }
                 }
+                Some(WatchItem::Heartbeat(_)) => {
+                    let at_ms = now_ms();
+                    inner.cache.confirm_run(run_id, at_ms)?;
+                    listener.on_update(RunUpdate::Confirmed { at_ms });
+                }
+                None => {}
             }
-            Some(WatchItem::Heartbeat(_)) => {
-                let at_ms = now_ms();
-                inner.cache.confirm_run(run_id, at_ms)?;
-                listener.on_update(RunUpdate::Confirmed { at_ms });
-            }
-            None => {}
         }
+        // The server ends a stream early only for a finished run whose events are all sent; a run that was finished
+        // when this stream began is therefore complete. Otherwise (the stream's lifetime cap) the next stream's
+        // snapshot tells.
+        Ok(if finished_at_start {
+            Step::Finished
+        } else {
+            Step::Again
+        })
     }
-    // The server ends a stream early only for a finished run whose events are all sent; a run that was finished
-    // when this stream began is therefore complete. Otherwise the next stream's snapshot tells.
-    Ok(if finished_at_start {
-        StreamEnd::Finished
-    } else {
-        StreamEnd::Closed
-    })
-}
 
-fn run_finished(run: &pf::Run) -> bool {
-    Run::from_proto(run.clone(), 0).is_finished()
+    async fn poll_once(&self, inner: &Inner, report: &mut Report<'_>) -> Result<Step> {
+        let (run, events, finished) = poll_once(inner, &self.run_id).await?;
+        report(true, "polling".into());
+        self.listener.on_update(RunUpdate::Run { run });
+        if !events.is_empty() {
+            self.listener.on_update(RunUpdate::Events { events });
+        }
+        Ok(if finished {
+            Step::Finished
+        } else {
+            Step::Again
+        })
+    }
+
+    fn finished(&self) {
+        self.listener.on_update(RunUpdate::Finished);
+    }
 }
 
 fn store_run(inner: &Inner, run: pf::Run) -> Result<Run> {

@@ -9,6 +9,11 @@ use loams_proto::factory::v1 as pf;
 /// Run states after which nothing more happens.
 const TERMINAL_STATES: [&str; 3] = ["succeeded", "failed", "killed"];
 
+/// True for a run state that can change no more.
+pub(crate) fn is_terminal(state: &str) -> bool {
+    TERMINAL_STATES.contains(&state)
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct Signal {
     pub source: String,
@@ -93,7 +98,7 @@ impl Run {
 
     /// True once the run can change no more.
     pub fn is_finished(&self) -> bool {
-        TERMINAL_STATES.contains(&self.state.as_str())
+        is_terminal(&self.state)
     }
 }
 
