@@ -54,9 +54,7 @@ pub struct Scenario {
 impl Scenario {
     /// The demo: auto-triage, a short observe window, fast CI polling, the phone approves.
     pub fn demo(data_dir: PathBuf) -> Scenario {
-        let mut config = Config::default();
-        config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
-        config.data_dir = data_dir;
+        let mut config = Config { listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)), data_dir, ..Config::default() };
         config.policy.auto_triage = true;
         config.factory.observe_window_ms = 1_500;
         config.factory.ci_poll_ms = 100;
@@ -181,10 +179,10 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
                     event.summary
                 )?;
             }
-            if let Some(last) = timeline.events.last() {
-                if let Some(entry) = seen.iter_mut().find(|(id, _)| *id == run.id) {
-                    entry.1 = last.seq;
-                }
+            if let Some(last) = timeline.events.last()
+                && let Some(entry) = seen.iter_mut().find(|(id, _)| *id == run.id)
+            {
+                entry.1 = last.seq;
             }
             if !is_ended(&run.state) {
                 all_ended = false;

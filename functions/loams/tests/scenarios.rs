@@ -95,7 +95,7 @@ async fn budget_exhausted_stops_before_paying_more() {
         "stopped for budget: {events:?}\n{out}"
     );
     assert_eq!(count(&report.sandbox_state, "forgejo", "merges"), 0);
-    let budget = run.budget.clone().unwrap();
+    let budget = run.budget.unwrap();
     assert_eq!(budget.tokens_spent, 976 + 1_205, "exactly the two fix calls were paid: {budget:?}");
     assert!(!events.contains(&"lead_reviewed".to_string()), "no review after the budget ran out: {out}");
 }
