@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use loams_core::{Client, ClientConfig, DeviceSigner, RunListener, RunUpdate, SyncMode, TokenProvider};
+use loams_core::{
+    Client, ClientConfig, DeviceSigner, RunListener, RunUpdate, SyncMode, TokenProvider,
+};
 use loams_proto::connect::{CallContext, ConnectError, Router};
 use loams_proto::factory::v1 as pf;
 use tokio::sync::mpsc;
@@ -28,7 +30,11 @@ const PAGE: u64 = 200;
 
 fn run(i: usize) -> pf::Run {
     pf::Run {
-        id: if i == 0 { BIG_RUN.into() } else { format!("r-{i:016x}") },
+        id: if i == 0 {
+            BIG_RUN.into()
+        } else {
+            format!("r-{i:016x}")
+        },
         org: ORG.into(),
         env: "production".into(),
         generation: 1,
@@ -66,50 +72,74 @@ async fn serve() -> String {
     let f = "/loams.factory.v1.FactoryService/";
     let r = Router::new();
     let all = runs.clone();
-    let r = r.unary(&format!("{f}ListRuns"), move |_: CallContext, req: pf::ListRunsRequest| {
-        let all = all.clone();
-        async move {
-            let from: usize = req.page_token.parse().unwrap_or(0);
-            let to = (from + req.page_size as usize).min(all.len());
-            Ok::<_, ConnectError>(pf::ListRunsResponse {
-                runs: all[from..to].to_vec(),
-                next_page_token: if to < all.len() { to.to_string() } else { String::new() },
-            })
-        }
-    });
+    let r = r.unary(
+        &format!("{f}ListRuns"),
+        move |_: CallContext, req: pf::ListRunsRequest| {
+            let all = all.clone();
+            async move {
+                let from: usize = req.page_token.parse().unwrap_or(0);
+                let to = (from + req.page_size as usize).min(all.len());
+                Ok::<_, ConnectError>(pf::ListRunsResponse {
+                    runs: all[from..to].to_vec(),
+                    next_page_token: if to < all.len() {
+                        to.to_string()
+                    } else {
+                        String::new()
+                    },
+                })
+            }
+        },
+    );
     let big = runs[0].clone();
-    let r = r.unary(&format!("{f}GetRun"), move |_: CallContext, _: pf::GetRunRequest| {
-        let big = big.clone();
-        async move { Ok::<_, ConnectError>(pf::GetRunResponse { run: Some(big) }) }
-    });
+    let r = r.unary(
+        &format!("{f}GetRun"),
+        move |_: CallContext, _: pf::GetRunRequest| {
+            let big = big.clone();
+            async move { Ok::<_, ConnectError>(pf::GetRunResponse { run: Some(big) }) }
+        },
+    );
     let all = events.clone();
-    let r = r.unary(&format!("{f}GetTimeline"), move |_: CallContext, req: pf::GetTimelineRequest| {
-        let all = all.clone();
-        async move {
-            let from = req.after_seq as usize;
-            let to = (from + (req.page_size as u64).min(PAGE) as usize).min(all.len());
-            Ok::<_, ConnectError>(pf::GetTimelineResponse {
-                events: all[from..to].to_vec(),
-                has_more: to < all.len(),
-            })
-        }
-    });
+    let r = r.unary(
+        &format!("{f}GetTimeline"),
+        move |_: CallContext, req: pf::GetTimelineRequest| {
+            let all = all.clone();
+            async move {
+                let from = req.after_seq as usize;
+                let to = (from + (req.page_size as u64).min(PAGE) as usize).min(all.len());
+                Ok::<_, ConnectError>(pf::GetTimelineResponse {
+                    events: all[from..to].to_vec(),
+                    has_more: to < all.len(),
+                })
+            }
+        },
+    );
     let big = runs[0].clone();
     let all = events.clone();
-    let r = r.server_stream(&format!("{f}WatchRun"), move |_: CallContext, req: pf::WatchRunRequest| {
-        let (big, all) = (big.clone(), all.clone());
-        async move {
-            let snapshot = pf::WatchRunResponse { item: Some(pf::watch_run_response::Item::Snapshot(big)) };
-            let items: Vec<_> = std::iter::once(snapshot)
-                .chain(all[req.after_seq as usize..].iter().map(|e| pf::WatchRunResponse {
-                    item: Some(pf::watch_run_response::Item::Event(e.clone())),
-                }))
-                .map(Ok)
-                .collect();
-            Ok(futures::stream::iter(items))
-        }
-    });
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.expect("bind 127.0.0.1:0");
+    let r = r.server_stream(
+        &format!("{f}WatchRun"),
+        move |_: CallContext, req: pf::WatchRunRequest| {
+            let (big, all) = (big.clone(), all.clone());
+            async move {
+                let snapshot = pf::WatchRunResponse {
+                    item: Some(pf::watch_run_response::Item::Snapshot(big)),
+                };
+                let items: Vec<_> = std::iter::once(snapshot)
+                    .chain(
+                        all[req.after_seq as usize..]
+                            .iter()
+                            .map(|e| pf::WatchRunResponse {
+                                item: Some(pf::watch_run_response::Item::Event(e.clone())),
+                            }),
+                    )
+                    .map(Ok)
+                    .collect();
+                Ok(futures::stream::iter(items))
+            }
+        },
+    );
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+        .await
+        .expect("bind 127.0.0.1:0");
     let url = format!("http://{}", listener.local_addr().expect("local address"));
     tokio::spawn(async move { axum::serve(listener, r.into_axum_router()).await });
     url
@@ -157,7 +187,13 @@ fn ms(d: Duration) -> f64 {
 
 fn stats(mut xs: Vec<Duration>) -> String {
     xs.sort();
-    format!("median {:.2} ms, min {:.2} ms, max {:.2} ms (n={})", ms(xs[xs.len() / 2]), ms(xs[0]), ms(xs[xs.len() - 1]), xs.len())
+    format!(
+        "median {:.2} ms, min {:.2} ms, max {:.2} ms (n={})",
+        ms(xs[xs.len() / 2]),
+        ms(xs[0]),
+        ms(xs[xs.len() - 1]),
+        xs.len()
+    )
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -168,9 +204,16 @@ async fn main() {
     // 1. Fill a cache with 1,000 runs, then open it and list them, again and again.
     let db = dir.path().join("phone.db");
     let t = Instant::now();
-    let refreshed = client(&url, &db, SyncMode::Stream).runs().refresh().await.expect("refresh");
+    let refreshed = client(&url, &db, SyncMode::Stream)
+        .runs()
+        .refresh()
+        .await
+        .expect("refresh");
     assert_eq!(refreshed.len(), RUNS);
-    println!("refresh 1,000 runs (10 ListRuns pages, loopback): {:.2} ms", ms(t.elapsed()));
+    println!(
+        "refresh 1,000 runs (10 ListRuns pages, loopback): {:.2} ms",
+        ms(t.elapsed())
+    );
     let mut open_list = Vec::new();
     let mut open_only = Vec::new();
     let mut list_only = Vec::new();
@@ -199,14 +242,21 @@ async fn main() {
         poll.push(t.elapsed());
         assert_eq!(synced.new_events.len() as u64, EVENTS);
     }
-    println!("apply a 10,000-event snapshot, poll path (GetRun + 50 GetTimeline pages): {}", stats(poll));
+    println!(
+        "apply a 10,000-event snapshot, poll path (GetRun + 50 GetTimeline pages): {}",
+        stats(poll)
+    );
     let mut stream = Vec::new();
     for i in 0..5 {
         let db = dir.path().join(format!("stream-{i}.db"));
         let c = client(&url, &db, SyncMode::Stream);
         let (tx, mut rx) = mpsc::unbounded_channel();
         let t = Instant::now();
-        let _watch = c.runs().watch(BIG_RUN, Arc::new(Counter(tx))).await.expect("watch");
+        let _watch = c
+            .runs()
+            .watch(BIG_RUN, Arc::new(Counter(tx)))
+            .await
+            .expect("watch");
         let mut got = 0u64;
         while let Some(u) = rx.recv().await {
             match u {
@@ -218,7 +268,10 @@ async fn main() {
         stream.push(t.elapsed());
         assert_eq!(got, EVENTS);
     }
-    println!("apply a 10,000-event snapshot, stream path (one WatchRun): {}", stats(stream));
+    println!(
+        "apply a 10,000-event snapshot, stream path (one WatchRun): {}",
+        stats(stream)
+    );
 
     // 3. Reading it back: what the next watch delivers as its snapshot.
     let db = dir.path().join("poll-0.db");
@@ -226,7 +279,10 @@ async fn main() {
     let mut read = Vec::new();
     for _ in 0..10 {
         let t = Instant::now();
-        let events = c.runs().cached_timeline(BIG_RUN, 0, EVENTS as u32).expect("read");
+        let events = c
+            .runs()
+            .cached_timeline(BIG_RUN, 0, EVENTS as u32)
+            .expect("read");
         read.push(t.elapsed());
         assert_eq!(events.len() as u64, EVENTS);
     }

@@ -162,11 +162,17 @@ struct Signer(Arc<dyn DeviceSigner>);
 #[async_trait]
 impl core::DeviceSigner for Signer {
     async fn public_key(&self) -> core::Result<Vec<u8>> {
-        self.0.public_key().await.map_err(|e| into_core(e, core::Error::Signer))
+        self.0
+            .public_key()
+            .await
+            .map_err(|e| into_core(e, core::Error::Signer))
     }
 
     async fn sign(&self, message: Vec<u8>) -> core::Result<Vec<u8>> {
-        self.0.sign(message).await.map_err(|e| into_core(e, core::Error::Signer))
+        self.0
+            .sign(message)
+            .await
+            .map_err(|e| into_core(e, core::Error::Signer))
     }
 }
 
@@ -304,7 +310,9 @@ impl Runs {
         after_seq: u64,
         limit: u32,
     ) -> Result<Vec<TimelineEvent>> {
-        Ok(self.0.cached_timeline(&run_id, after_seq, self::limit(limit)?)?)
+        Ok(self
+            .0
+            .cached_timeline(&run_id, after_seq, self::limit(limit)?)?)
     }
 
     pub async fn refresh(&self) -> Result<Vec<Run>> {
@@ -360,7 +368,10 @@ impl Approvals {
         decision: Decision,
         typed_confirmation: Option<String>,
     ) -> Result<Approval> {
-        Ok(self.0.decide(&approval_id, decision, typed_confirmation).await?)
+        Ok(self
+            .0
+            .decide(&approval_id, decision, typed_confirmation)
+            .await?)
     }
 
     pub async fn watch_pending(
@@ -406,7 +417,9 @@ impl Bot {
         after_seq: u64,
         limit: u32,
     ) -> Result<Vec<Message>> {
-        Ok(self.0.cached_messages(&thread_id, after_seq, self::limit(limit)?)?)
+        Ok(self
+            .0
+            .cached_messages(&thread_id, after_seq, self::limit(limit)?)?)
     }
 
     pub async fn create_thread(&self, title: String) -> Result<Thread> {
@@ -422,7 +435,10 @@ impl Bot {
         thread_id: String,
         listener: Arc<dyn ThreadListener>,
     ) -> Result<Arc<TaskHandle>> {
-        let handle = self.0.watch(&thread_id, Arc::new(Listener(listener))).await?;
+        let handle = self
+            .0
+            .watch(&thread_id, Arc::new(Listener(listener)))
+            .await?;
         Ok(Arc::new(TaskHandle(handle)))
     }
 }
@@ -469,17 +485,23 @@ mod tests {
     #[async_trait]
     impl DeviceSigner for FailingPlatform {
         async fn public_key(&self) -> Result<Vec<u8>> {
-            Err(LoamsError::Platform { detail: "Keystore locked".into() })
+            Err(LoamsError::Platform {
+                detail: "Keystore locked".into(),
+            })
         }
         async fn sign(&self, _: Vec<u8>) -> Result<Vec<u8>> {
-            Err(LoamsError::Offline { detail: "typed errors pass through".into() })
+            Err(LoamsError::Offline {
+                detail: "typed errors pass through".into(),
+            })
         }
     }
 
     #[async_trait]
     impl TokenProvider for FailingPlatform {
         async fn access_token(&self) -> Result<String> {
-            Err(LoamsError::Platform { detail: "session expired".into() })
+            Err(LoamsError::Platform {
+                detail: "session expired".into(),
+            })
         }
     }
 
@@ -521,16 +543,28 @@ mod tests {
             Err(core::Error::Unauthenticated("session expired".into()))
         );
         let unexpected = LoamsError::from(uniffi::UnexpectedUniFFICallbackError::new("boom"));
-        assert_eq!(unexpected, LoamsError::Platform { detail: "boom".into() });
+        assert_eq!(
+            unexpected,
+            LoamsError::Platform {
+                detail: "boom".into()
+            }
+        );
     }
 
     #[test]
     fn core_errors_keep_their_kind_and_detail() {
         assert_eq!(
-            LoamsError::from(core::Error::ConfirmationMismatch { phrase: "merge #1".into() }),
-            LoamsError::ConfirmationMismatch { phrase: "merge #1".into() }
+            LoamsError::from(core::Error::ConfirmationMismatch {
+                phrase: "merge #1".into()
+            }),
+            LoamsError::ConfirmationMismatch {
+                phrase: "merge #1".into()
+            }
         );
-        assert_eq!(LoamsError::from(core::Error::NotRegistered), LoamsError::NotRegistered);
+        assert_eq!(
+            LoamsError::from(core::Error::NotRegistered),
+            LoamsError::NotRegistered
+        );
         let offline = LoamsError::from(core::Error::Offline("connection refused".into()));
         assert_eq!(offline.to_string(), "offline: connection refused");
     }
@@ -547,10 +581,17 @@ mod tests {
         .unwrap();
         client.set_network_available(false);
         let seen = Arc::new(Seen::default());
-        let handle = client.runs().watch("r-1".into(), seen.clone()).await.unwrap();
+        let handle = client
+            .runs()
+            .watch("r-1".into(), seen.clone())
+            .await
+            .unwrap();
         assert_eq!(
             seen.0.lock().unwrap().first(),
-            Some(&RunUpdate::Snapshot { run: None, events: vec![] })
+            Some(&RunUpdate::Snapshot {
+                run: None,
+                events: vec![]
+            })
         );
         assert!(!handle.is_finished());
         handle.cancel();
@@ -584,14 +625,22 @@ mod tests {
             client.runs().cached(MAX_LIMIT + 1),
             Err(LoamsError::InvalidInput { .. })
         ));
-        let many = vec![AllowedApp { env: "e".into(), app: "a".into() }; MAX_ALLOWLIST + 1];
+        let many = vec![
+            AllowedApp {
+                env: "e".into(),
+                app: "a".into()
+            };
+            MAX_ALLOWLIST + 1
+        ];
         assert!(matches!(
             parse_link("loams://runs/r-1".into(), many),
             Err(LoamsError::InvalidInput { .. })
         ));
         assert_eq!(
             parse_link("loams://runs/r-1".into(), vec![]),
-            Ok(Route::Run { run_id: "r-1".into() })
+            Ok(Route::Run {
+                run_id: "r-1".into()
+            })
         );
     }
 }

@@ -199,8 +199,18 @@ pub struct AllowedApp {
 
 #[uniffi::remote(Enum)]
 pub enum Route {
-    Run { run_id: String },
-    Approval { approval_id: String },
-    BotThread { thread_id: String },
-    App { env: String, app: String, path: String },
+    Run {
+        run_id: String,
+    },
+    Approval {
+        approval_id: String,
+    },
+    BotThread {
+        thread_id: String,
+    },
+    App {
+        env: String,
+        app: String,
+        path: String,
+    },
 }

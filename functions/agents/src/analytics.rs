@@ -103,7 +103,13 @@ impl OpenPanelClient {
     }
 
     /// `GET /export/charts`: daily counts of `event` in `[from_ms, to_ms]` (UTC, custom range).
-    pub async fn daily_counts(&self, project_id: &str, event: &str, from_ms: i64, to_ms: i64) -> Result<Series, AgentError> {
+    pub async fn daily_counts(
+        &self,
+        project_id: &str,
+        event: &str,
+        from_ms: i64,
+        to_ms: i64,
+    ) -> Result<Series, AgentError> {
         let series = json!([{"id": "A", "name": event}]).to_string();
         let query = [
             ("projectId", project_id.to_string()),
@@ -113,11 +119,20 @@ impl OpenPanelClient {
             ("startDate", format_utc_seconds(from_ms)),
             ("endDate", format_utc_seconds(to_ms)),
         ];
-        let rb = self.http.request(Method::GET, self.http.url(&["export", "charts"])).query(&query);
+        let rb = self
+            .http
+            .request(Method::GET, self.http.url(&["export", "charts"]))
+            .query(&query);
         let chart: FinalChart = self.http.json(rb).await?;
         Ok(match chart.series.into_iter().next() {
-            Some(s) => Series { points: s.data, total: s.metrics.sum },
-            None => Series { points: Vec::new(), total: 0.0 },
+            Some(s) => Series {
+                points: s.data,
+                total: s.metrics.sum,
+            },
+            None => Series {
+                points: Vec::new(),
+                total: 0.0,
+            },
         })
     }
 }
@@ -139,14 +154,20 @@ pub struct AnalyticsAgent {
 
 impl AnalyticsAgent {
     pub fn new(config: &AnalyticsConfig) -> Result<Self, AgentError> {
-        Ok(Self { client: OpenPanelClient::new(config)?, default_project: config.project_id.clone() })
+        Ok(Self {
+            client: OpenPanelClient::new(config)?,
+            default_project: config.project_id.clone(),
+        })
     }
 
     async fn run(&self, skill: &str, value: Value) -> Result<Value, AgentError> {
         match skill {
             "series" => {
                 let a: SeriesArgs = args(skill, value)?;
-                let project = a.project_id.filter(|p| !p.is_empty()).unwrap_or_else(|| self.default_project.clone());
+                let project = a
+                    .project_id
+                    .filter(|p| !p.is_empty())
+                    .unwrap_or_else(|| self.default_project.clone());
                 require("project_id", &project, MAX_PROJECT_ID)?;
                 require("event", &a.event, MAX_EVENT_NAME)?;
                 let now = now_ms();
@@ -155,11 +176,22 @@ impl AnalyticsAgent {
                 if a.since_ms > now {
                     return Ok(json!({"points": [], "total": 0}));
                 }
-                let s = self.client.daily_counts(&project, &a.event, a.since_ms, now).await?;
-                let points: Vec<Value> = s.points.iter().map(|p| json!({"date": p.date, "count": p.count})).collect();
+                let s = self
+                    .client
+                    .daily_counts(&project, &a.event, a.since_ms, now)
+                    .await?;
+                let points: Vec<Value> = s
+                    .points
+                    .iter()
+                    .map(|p| json!({"date": p.date, "count": p.count}))
+                    .collect();
                 // Counts of events are whole numbers; OpenPanel sends them as JSON numbers that may carry a
                 // fraction, so the skill's contract (`total` a non-negative integer) is kept here.
-                let total = if s.total.is_finite() && s.total > 0.0 { s.total.round() as u64 } else { 0 };
+                let total = if s.total.is_finite() && s.total > 0.0 {
+                    s.total.round() as u64
+                } else {
+                    0
+                };
                 Ok(json!({"points": points, "total": total}))
             }
             other => Err(AgentError::UnknownSkill(other.into())),

@@ -15,7 +15,11 @@ pub enum AgentError {
     Transport { app: &'static str, message: String },
     /// The app answered with a non-success status; `body` is a short excerpt.
     #[error("{app}: HTTP {status}: {body}")]
-    Status { app: &'static str, status: u16, body: String },
+    Status {
+        app: &'static str,
+        status: u16,
+        body: String,
+    },
     /// A success status with a body we cannot use (bad JSON, too large, missing fields).
     #[error("{app}: bad response: {message}")]
     BadResponse { app: &'static str, message: String },
@@ -37,6 +41,9 @@ impl AgentError {
 
 impl From<AgentError> for SkillError {
     fn from(e: AgentError) -> Self {
-        SkillError { retryable: e.retryable(), message: e.to_string() }
+        SkillError {
+            retryable: e.retryable(),
+            message: e.to_string(),
+        }
     }
 }

@@ -58,7 +58,12 @@ impl std::fmt::Debug for ForgejoConfig {
 }
 
 impl ForgejoConfig {
-    pub fn new(base_url: impl Into<String>, token: impl Into<String>, owner: impl Into<String>, repo: impl Into<String>) -> Self {
+    pub fn new(
+        base_url: impl Into<String>,
+        token: impl Into<String>,
+        owner: impl Into<String>,
+        repo: impl Into<String>,
+    ) -> Self {
         Self {
             base_url: base_url.into(),
             token: token.into(),
@@ -131,7 +136,9 @@ pub struct CombinedStatus {
     pub statuses: Vec<CommitStatus>,
 }
 
-fn null_as_empty<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+fn null_as_empty<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Vec<T>, D::Error> {
     Ok(Option::<Vec<T>>::deserialize(d)?.unwrap_or_default())
 }
 
@@ -187,7 +194,9 @@ pub struct ForgejoClient {
 impl ForgejoClient {
     pub fn new(config: &ForgejoConfig) -> Result<Self, AgentError> {
         if config.owner.is_empty() || config.repo.is_empty() {
-            return Err(AgentError::Config("forgejo: owner and repo are required".into()));
+            return Err(AgentError::Config(
+                "forgejo: owner and repo are required".into(),
+            ));
         }
         let http = AppHttp::new(
             "forgejo",
@@ -196,7 +205,11 @@ impl ForgejoClient {
             config.timeout,
             vec![config.token.clone()],
         )?;
-        Ok(Self { http, owner: config.owner.clone(), repo: config.repo.clone() })
+        Ok(Self {
+            http,
+            owner: config.owner.clone(),
+            repo: config.repo.clone(),
+        })
     }
 
     /// `/api/v1/repos/{owner}/{repo}/` + `rest`; entries containing `/` (file paths, branch names) become several
@@ -210,8 +223,15 @@ impl ForgejoClient {
     }
 
     /// `GET /contents/{path}?ref=`; `None` if the file does not exist at that ref.
-    pub async fn get_file(&self, path: &str, git_ref: &str) -> Result<Option<RepoFile>, AgentError> {
-        let rb = self.http.request(Method::GET, self.repo_url(&["contents", path])).query(&[("ref", git_ref)]);
+    pub async fn get_file(
+        &self,
+        path: &str,
+        git_ref: &str,
+    ) -> Result<Option<RepoFile>, AgentError> {
+        let rb = self
+            .http
+            .request(Method::GET, self.repo_url(&["contents", path]))
+            .query(&[("ref", git_ref)]);
         let reply = self.http.send(rb).await?;
         if reply.status == 404 {
             return Ok(None);
@@ -220,27 +240,50 @@ impl ForgejoClient {
         // A directory answers with an array.
         let value: Value = self.http.decode(&reply.body)?;
         if value.is_array() {
-            return Err(AgentError::Refused(format!("forgejo: `{path}` is a directory")));
+            return Err(AgentError::Refused(format!(
+                "forgejo: `{path}` is a directory"
+            )));
         }
-        let c: Contents = serde_json::from_value(value).map_err(|e| self.http.bad(format!("contents: {e}")))?;
+        let c: Contents =
+            serde_json::from_value(value).map_err(|e| self.http.bad(format!("contents: {e}")))?;
         if c.kind != "file" {
-            return Err(AgentError::Refused(format!("forgejo: `{path}` is a {}, not a file", c.kind)));
+            return Err(AgentError::Refused(format!(
+                "forgejo: `{path}` is a {}, not a file",
+                c.kind
+            )));
         }
         if c.encoding.as_deref().is_some_and(|e| e != "base64") {
-            return Err(self.http.bad(format!("contents of `{path}`: unexpected encoding")));
+            return Err(self
+                .http
+                .bad(format!("contents of `{path}`: unexpected encoding")));
         }
-        let raw: String = c.content.unwrap_or_default().chars().filter(|ch| !ch.is_ascii_whitespace()).collect();
+        let raw: String = c
+            .content
+            .unwrap_or_default()
+            .chars()
+            .filter(|ch| !ch.is_ascii_whitespace())
+            .collect();
         let content = base64::engine::general_purpose::STANDARD
             .decode(raw)
             .map_err(|e| self.http.bad(format!("contents of `{path}`: {e}")))?;
-        Ok(Some(RepoFile { sha: c.sha, content }))
+        Ok(Some(RepoFile {
+            sha: c.sha,
+            content,
+        }))
     }
 
     /// `POST /branches` from `from`; `false` if the branch already existed (409).
     pub async fn create_branch(&self, name: &str, from: &str) -> Result<bool, AgentError> {
         // `old_ref_name` is current; `old_branch_name` is the deprecated field older servers read.
         let body = json!({"new_branch_name": name, "old_ref_name": from, "old_branch_name": from});
-        let reply = self.http.send(self.http.request(Method::POST, self.repo_url(&["branches"])).json(&body)).await?;
+        let reply = self
+            .http
+            .send(
+                self.http
+                    .request(Method::POST, self.repo_url(&["branches"]))
+                    .json(&body),
+            )
+            .await?;
         if reply.status == 409 {
             return Ok(false);
         }
@@ -250,13 +293,25 @@ impl ForgejoClient {
 
     /// `GET /branches/{branch}`: the head commit sha.
     pub async fn branch_head(&self, branch: &str) -> Result<String, AgentError> {
-        let b: Branch = self.http.json(self.http.request(Method::GET, self.repo_url(&["branches", branch]))).await?;
+        let b: Branch = self
+            .http
+            .json(
+                self.http
+                    .request(Method::GET, self.repo_url(&["branches", branch])),
+            )
+            .await?;
         Ok(b.commit.id)
     }
 
     /// Like [`Self::branch_head`], `None` if the branch does not exist.
     pub async fn find_branch_head(&self, branch: &str) -> Result<Option<String>, AgentError> {
-        let reply = self.http.send(self.http.request(Method::GET, self.repo_url(&["branches", branch]))).await?;
+        let reply = self
+            .http
+            .send(
+                self.http
+                    .request(Method::GET, self.repo_url(&["branches", branch])),
+            )
+            .await?;
         if reply.status == 404 {
             return Ok(None);
         }
@@ -267,7 +322,13 @@ impl ForgejoClient {
 
     /// `DELETE /branches/{branch}`; a branch already gone is fine.
     pub async fn delete_branch(&self, branch: &str) -> Result<(), AgentError> {
-        let reply = self.http.send(self.http.request(Method::DELETE, self.repo_url(&["branches", branch]))).await?;
+        let reply = self
+            .http
+            .send(
+                self.http
+                    .request(Method::DELETE, self.repo_url(&["branches", branch])),
+            )
+            .await?;
         if reply.status == 404 {
             return Ok(());
         }
@@ -276,7 +337,11 @@ impl ForgejoClient {
 
     /// The repoChangeFiles operations that bring the files at `at` (a branch or commit) to `changes`; files already
     /// in that state are left out.
-    async fn pending_ops(&self, at: &str, changes: &[FileChange]) -> Result<Vec<Value>, AgentError> {
+    async fn pending_ops(
+        &self,
+        at: &str,
+        changes: &[FileChange],
+    ) -> Result<Vec<Value>, AgentError> {
         let b64 = base64::engine::general_purpose::STANDARD;
         let mut ops = Vec::new();
         for change in changes {
@@ -296,13 +361,22 @@ impl ForgejoClient {
     /// Brings `branch`, which stands at commit `head`, to the given file states in one commit (`POST /contents`,
     /// repoChangeFiles). The files are read at `head`, not at the branch name, so a push in between cannot make a
     /// foreign commit look like ours; if nothing changes no commit is made and `head` is returned.
-    pub async fn apply_changes(&self, branch: &str, head: &str, message: &str, changes: &[FileChange]) -> Result<String, AgentError> {
+    pub async fn apply_changes(
+        &self,
+        branch: &str,
+        head: &str,
+        message: &str,
+        changes: &[FileChange],
+    ) -> Result<String, AgentError> {
         let ops = self.pending_ops(head, changes).await?;
         if ops.is_empty() {
             return Ok(head.to_string());
         }
         let body = json!({"branch": branch, "message": message, "files": ops});
-        let rb = self.http.request(Method::POST, self.repo_url(&["contents"])).json(&body);
+        let rb = self
+            .http
+            .request(Method::POST, self.repo_url(&["contents"]))
+            .json(&body);
         let r: FilesResponse = self.http.json(rb).await?;
         Ok(r.commit.sha)
     }
@@ -310,19 +384,45 @@ impl ForgejoClient {
     /// The open PR from `head` into `base`, if any: `GET /pulls/{base}/{head}` answers the newest PR between the
     /// two branches whatever its state (404 when there is none), so one request finds it however many PRs the
     /// repository has.
-    pub async fn open_pr_for(&self, base: &str, head: &str) -> Result<Option<PullRequest>, AgentError> {
-        let reply = self.http.send(self.http.request(Method::GET, self.repo_url(&["pulls", base, head]))).await?;
+    pub async fn open_pr_for(
+        &self,
+        base: &str,
+        head: &str,
+    ) -> Result<Option<PullRequest>, AgentError> {
+        let reply = self
+            .http
+            .send(
+                self.http
+                    .request(Method::GET, self.repo_url(&["pulls", base, head])),
+            )
+            .await?;
         if reply.status == 404 {
             return Ok(None);
         }
         let pr: PullRequest = self.http.decode(&self.http.ok(reply)?.body)?;
-        Ok(Some(pr).filter(|pr| pr.state == "open" && pr.head.name == head && pr.base.name == base))
+        Ok(
+            Some(pr)
+                .filter(|pr| pr.state == "open" && pr.head.name == head && pr.base.name == base),
+        )
     }
 
     /// `POST /pulls`; `None` on 409 (a PR for these branches exists).
-    pub async fn create_pr(&self, head: &str, base: &str, title: &str, body: &str) -> Result<Option<PullRequest>, AgentError> {
+    pub async fn create_pr(
+        &self,
+        head: &str,
+        base: &str,
+        title: &str,
+        body: &str,
+    ) -> Result<Option<PullRequest>, AgentError> {
         let req = json!({"head": head, "base": base, "title": title, "body": body});
-        let reply = self.http.send(self.http.request(Method::POST, self.repo_url(&["pulls"])).json(&req)).await?;
+        let reply = self
+            .http
+            .send(
+                self.http
+                    .request(Method::POST, self.repo_url(&["pulls"]))
+                    .json(&req),
+            )
+            .await?;
         if reply.status == 409 {
             return Ok(None);
         }
@@ -332,18 +432,32 @@ impl ForgejoClient {
 
     pub async fn get_pr(&self, number: u64) -> Result<PullRequest, AgentError> {
         let n = number.to_string();
-        self.http.json(self.http.request(Method::GET, self.repo_url(&["pulls", &n]))).await
+        self.http
+            .json(
+                self.http
+                    .request(Method::GET, self.repo_url(&["pulls", &n])),
+            )
+            .await
     }
 
     /// `PATCH /pulls/{n}` (the spec answers 201).
     pub async fn edit_pr(&self, number: u64, patch: &Value) -> Result<PullRequest, AgentError> {
         let n = number.to_string();
-        self.http.json(self.http.request(Method::PATCH, self.repo_url(&["pulls", &n])).json(patch)).await
+        self.http
+            .json(
+                self.http
+                    .request(Method::PATCH, self.repo_url(&["pulls", &n]))
+                    .json(patch),
+            )
+            .await
     }
 
     /// Label ids for `names`, creating the missing labels.
     pub async fn ensure_labels(&self, names: &[String]) -> Result<Vec<i64>, AgentError> {
-        let rb = self.http.request(Method::GET, self.repo_url(&["labels"])).query(&[("limit", "50")]);
+        let rb = self
+            .http
+            .request(Method::GET, self.repo_url(&["labels"]))
+            .query(&[("limit", "50")]);
         let existing: Vec<Label> = self.http.json(rb).await?;
         let mut ids = Vec::new();
         for name in names {
@@ -351,7 +465,10 @@ impl ForgejoClient {
                 ids.push(l.id);
                 continue;
             }
-            let rb = self.http.request(Method::POST, self.repo_url(&["labels"])).json(&json!({"name": name, "color": LABEL_COLOR}));
+            let rb = self
+                .http
+                .request(Method::POST, self.repo_url(&["labels"]))
+                .json(&json!({"name": name, "color": LABEL_COLOR}));
             let created: Label = self.http.json(rb).await?;
             ids.push(created.id);
         }
@@ -361,34 +478,61 @@ impl ForgejoClient {
     /// `POST /issues/{n}/labels` (adds; existing labels stay).
     pub async fn add_labels(&self, number: u64, ids: &[i64]) -> Result<(), AgentError> {
         let n = number.to_string();
-        let rb = self.http.request(Method::POST, self.repo_url(&["issues", &n, "labels"])).json(&json!({"labels": ids}));
+        let rb = self
+            .http
+            .request(Method::POST, self.repo_url(&["issues", &n, "labels"]))
+            .json(&json!({"labels": ids}));
         self.http.ok(self.http.send(rb).await?).map(drop)
     }
 
     /// `GET /commits/{sha}/status` (combined).
     pub async fn combined_status(&self, sha: &str) -> Result<CombinedStatus, AgentError> {
-        self.http.json(self.http.request(Method::GET, self.repo_url(&["commits", sha, "status"]))).await
+        self.http
+            .json(
+                self.http
+                    .request(Method::GET, self.repo_url(&["commits", sha, "status"])),
+            )
+            .await
     }
 
     /// `POST /pulls/{n}/merge` with `Do: merge`, pinned to `head_sha`. Returns the raw reply so the caller can tell
     /// "not mergeable" (405) and conflicts (409) from success.
-    async fn merge_request(&self, number: u64, head_sha: &str) -> Result<crate::http::Reply, AgentError> {
+    async fn merge_request(
+        &self,
+        number: u64,
+        head_sha: &str,
+    ) -> Result<crate::http::Reply, AgentError> {
         let n = number.to_string();
         let body = json!({"Do": "merge", "head_commit_id": head_sha});
-        self.http.send(self.http.request(Method::POST, self.repo_url(&["pulls", &n, "merge"])).json(&body)).await
+        self.http
+            .send(
+                self.http
+                    .request(Method::POST, self.repo_url(&["pulls", &n, "merge"]))
+                    .json(&body),
+            )
+            .await
     }
 
     /// `GET /git/commits/{sha}.diff`.
     pub async fn commit_diff(&self, sha: &str) -> Result<String, AgentError> {
         let file = format!("{sha}.diff");
-        let reply = self.http.send(self.http.request(Method::GET, self.repo_url(&["git", "commits", &file]))).await?;
+        let reply = self
+            .http
+            .send(
+                self.http
+                    .request(Method::GET, self.repo_url(&["git", "commits", &file])),
+            )
+            .await?;
         let reply = self.http.ok(reply)?;
         String::from_utf8(reply.body).map_err(|_| self.http.bad("diff is not UTF-8"))
     }
 
     /// `GET /git/commits/{sha}`: the parents' shas, first parent first.
     pub async fn commit_parents(&self, sha: &str) -> Result<Vec<String>, AgentError> {
-        let rb = self.http.request(Method::GET, self.repo_url(&["git", "commits", sha])).query(&[("stat", "false")]);
+        let rb = self
+            .http
+            .request(Method::GET, self.repo_url(&["git", "commits", sha]))
+            .query(&[("stat", "false")]);
         let c: Commit = self.http.json(rb).await?;
         Ok(c.parents.into_iter().map(|p| p.sha).collect())
     }
@@ -403,12 +547,18 @@ fn diff_paths(diff: &str) -> Result<BTreeSet<String>, AgentError> {
         if let Some(rest) = line.strip_prefix("diff --git ") {
             in_header = true;
             if rest.starts_with('"') {
-                return Err(AgentError::Refused("forgejo: revert of quoted (unusual) file names is not supported".into()));
+                return Err(AgentError::Refused(
+                    "forgejo: revert of quoted (unusual) file names is not supported".into(),
+                ));
             }
             // `a/P b/P`: recoverable when both names are equal (binary files have no ---/+++ lines).
             if let Some(p) = rest.strip_prefix("a/") {
                 let half = p.len().saturating_sub(2) / 2;
-                if p.len() >= 3 && p.is_char_boundary(half) && p[half..].starts_with(" b/") && p[..half] == p[half + 3..] {
+                if p.len() >= 3
+                    && p.is_char_boundary(half)
+                    && p[half..].starts_with(" b/")
+                    && p[..half] == p[half + 3..]
+                {
                     paths.insert(p[..half].to_string());
                 }
             }
@@ -429,7 +579,9 @@ fn diff_paths(diff: &str) -> Result<BTreeSet<String>, AgentError> {
             .or_else(|| line.strip_prefix("copy to "));
         if let Some(name) = name {
             if name.starts_with('"') {
-                return Err(AgentError::Refused("forgejo: revert of quoted (unusual) file names is not supported".into()));
+                return Err(AgentError::Refused(
+                    "forgejo: revert of quoted (unusual) file names is not supported".into(),
+                ));
             }
             paths.insert(name.to_string());
         }
@@ -441,14 +593,22 @@ fn check_sha(field: &str, sha: &str) -> Result<(), AgentError> {
     if (4..=64).contains(&sha.len()) && sha.bytes().all(|b| b.is_ascii_hexdigit()) {
         Ok(())
     } else {
-        Err(AgentError::InvalidArgs(format!("`{field}` is not a commit sha")))
+        Err(AgentError::InvalidArgs(format!(
+            "`{field}` is not a commit sha"
+        )))
     }
 }
 
 fn check_path(path: &str) -> Result<(), AgentError> {
     require("path", path, MAX_PATH)?;
-    if path.starts_with('/') || path.split('/').any(|s| s.is_empty() || s == "." || s == "..") {
-        return Err(AgentError::InvalidArgs(format!("`{path}` is not a clean relative path")));
+    if path.starts_with('/')
+        || path
+            .split('/')
+            .any(|s| s.is_empty() || s == "." || s == "..")
+    {
+        return Err(AgentError::InvalidArgs(format!(
+            "`{path}` is not a clean relative path"
+        )));
     }
     Ok(())
 }
@@ -462,8 +622,16 @@ fn check_branch(field: &str, name: &str) -> Result<(), AgentError> {
         || name.contains("..")
         || name.contains("//")
         || name.contains("@{")
-        || name.bytes().any(|b| b.is_ascii_control() || b" ~^:?*[\\".contains(&b));
-    if bad { Err(AgentError::InvalidArgs(format!("`{field}` is not a valid branch name"))) } else { Ok(()) }
+        || name
+            .bytes()
+            .any(|b| b.is_ascii_control() || b" ~^:?*[\\".contains(&b));
+    if bad {
+        Err(AgentError::InvalidArgs(format!(
+            "`{field}` is not a valid branch name"
+        )))
+    } else {
+        Ok(())
+    }
 }
 
 #[derive(Deserialize)]
@@ -544,8 +712,12 @@ pub struct ForgejoAgent {
 
 impl ForgejoAgent {
     pub fn new(config: &ForgejoConfig) -> Result<Self, AgentError> {
-        check_branch("base_branch", &config.base_branch).map_err(|e| AgentError::Config(e.to_string()))?;
-        Ok(Self { client: ForgejoClient::new(config)?, base_branch: config.base_branch.clone() })
+        check_branch("base_branch", &config.base_branch)
+            .map_err(|e| AgentError::Config(e.to_string()))?;
+        Ok(Self {
+            client: ForgejoClient::new(config)?,
+            base_branch: config.base_branch.clone(),
+        })
     }
 
     /// Writes only ever go to a work branch, never to the protected base.
@@ -553,7 +725,9 @@ impl ForgejoAgent {
         check_branch("branch", branch)?;
         check_branch("base", base)?;
         if branch == base || branch == self.base_branch {
-            return Err(AgentError::Refused(format!("forgejo: refusing to write to the base branch `{branch}`")));
+            return Err(AgentError::Refused(format!(
+                "forgejo: refusing to write to the base branch `{branch}`"
+            )));
         }
         Ok(())
     }
@@ -563,7 +737,14 @@ impl ForgejoAgent {
     /// a branch name is predictable, so a branch prepared by someone else (or pushed to since the caller's last
     /// commit) would otherwise carry their commits into the merge. A retry whose earlier answer was lost finds its
     /// own commit on the branch and gets it back.
-    async fn commit(&self, branch: &str, base: &str, expected_head: Option<&str>, message: &str, changes: &[FileChange]) -> Result<String, AgentError> {
+    async fn commit(
+        &self,
+        branch: &str,
+        base: &str,
+        expected_head: Option<&str>,
+        message: &str,
+        changes: &[FileChange],
+    ) -> Result<String, AgentError> {
         let parent = match expected_head {
             Some(sha) => sha.to_ascii_lowercase(),
             None => self.client.branch_head(base).await?.to_ascii_lowercase(),
@@ -584,13 +765,20 @@ impl ForgejoAgent {
             if self.is_own_commit(&head, &parent, changes).await? {
                 return Ok(head);
             }
-            let expected = if expected_head.is_some() { "the previous commit" } else { "the head of the base branch" };
+            let expected = if expected_head.is_some() {
+                "the previous commit"
+            } else {
+                "the head of the base branch"
+            };
             return Err(AgentError::Refused(format!(
                 "forgejo: branch `{branch}` is at {head}, not at {parent} ({expected}); refusing to commit on top of \
                  commits this caller did not make"
             )));
         }
-        let sha = self.client.apply_changes(branch, &parent, message, changes).await?;
+        let sha = self
+            .client
+            .apply_changes(branch, &parent, message, changes)
+            .await?;
         // A push between the check above and the commit ends up under our commit.
         if !sha.eq_ignore_ascii_case(&parent) {
             let parents = self.client.commit_parents(&sha).await?;
@@ -605,7 +793,12 @@ impl ForgejoAgent {
 
     /// Whether `head` is exactly the commit `changes` make on top of `parent`: its only parent is `parent`, it
     /// touches no other file, and every changed file is in the wanted state.
-    async fn is_own_commit(&self, head: &str, parent: &str, changes: &[FileChange]) -> Result<bool, AgentError> {
+    async fn is_own_commit(
+        &self,
+        head: &str,
+        parent: &str,
+        changes: &[FileChange],
+    ) -> Result<bool, AgentError> {
         let parents = self.client.commit_parents(head).await?;
         if !matches!(parents.as_slice(), [p] if p.eq_ignore_ascii_case(parent)) {
             return Ok(false);
@@ -622,28 +815,42 @@ impl ForgejoAgent {
         self.check_work_branch(&a.branch, &a.base)?;
         require("title", &a.title, MAX_TITLE)?;
         if a.body.len() > MAX_BODY || a.labels.len() > MAX_LABELS {
-            return Err(AgentError::InvalidArgs(format!("body over {MAX_BODY} bytes or more than {MAX_LABELS} labels")));
+            return Err(AgentError::InvalidArgs(format!(
+                "body over {MAX_BODY} bytes or more than {MAX_LABELS} labels"
+            )));
         }
         for l in &a.labels {
             require("labels[]", l, 100)?;
         }
-        let title = if a.draft && !a.title.starts_with(DRAFT_PREFIX) { format!("{DRAFT_PREFIX}{}", a.title) } else { a.title.clone() };
+        let title = if a.draft && !a.title.starts_with(DRAFT_PREFIX) {
+            format!("{DRAFT_PREFIX}{}", a.title)
+        } else {
+            a.title.clone()
+        };
         let existing = self.client.open_pr_for(&a.base, &a.branch).await?;
         let pr = match existing {
             Some(pr) => pr,
-            None => match self.client.create_pr(&a.branch, &a.base, &title, &a.body).await? {
+            None => match self
+                .client
+                .create_pr(&a.branch, &a.base, &title, &a.body)
+                .await?
+            {
                 Some(pr) => pr,
                 // 409: created concurrently (or by an earlier attempt whose answer was lost).
                 None => self
                     .client
                     .open_pr_for(&a.base, &a.branch)
                     .await?
-                    .ok_or_else(|| AgentError::Refused("forgejo: PR exists (409) but cannot be found".into()))?,
+                    .ok_or_else(|| {
+                        AgentError::Refused("forgejo: PR exists (409) but cannot be found".into())
+                    })?,
             },
         };
         // Open-or-update: bring title and body to what was asked.
         let pr = if pr.title != title || pr.body.as_deref().unwrap_or("") != a.body {
-            self.client.edit_pr(pr.number, &json!({"title": title, "body": a.body})).await?
+            self.client
+                .edit_pr(pr.number, &json!({"title": title, "body": a.body}))
+                .await?
         } else {
             pr
         };
@@ -659,7 +866,9 @@ impl ForgejoAgent {
             let ids = self.client.ensure_labels(&a.labels).await?;
             self.client.add_labels(pr.number, &ids).await?;
         }
-        Ok(json!({"number": pr.number, "url": pr.html_url, "head_sha": pr.head.sha, "base": pr.base.name}))
+        Ok(
+            json!({"number": pr.number, "url": pr.html_url, "head_sha": pr.head.sha, "base": pr.base.name}),
+        )
     }
 
     async fn merge(&self, a: MergeArgs) -> Result<Value, AgentError> {
@@ -669,7 +878,10 @@ impl ForgejoAgent {
             return Ok(json!({"merge_sha": sha}));
         }
         if pr.state != "open" {
-            return Err(AgentError::Refused(format!("forgejo: PR #{} is closed without merge", a.number)));
+            return Err(AgentError::Refused(format!(
+                "forgejo: PR #{} is closed without merge",
+                a.number
+            )));
         }
         if pr.head.sha != a.head_sha {
             // The approval covered a specific commit; anything else needs a new approval.
@@ -682,9 +894,10 @@ impl ForgejoAgent {
         let pr = self.client.get_pr(a.number).await?;
         match merged_sha(&pr) {
             Some(sha) => Ok(json!({"merge_sha": sha})),
-            None if (200..300).contains(&reply.status) => {
-                Err(self.client.http.bad(format!("PR #{} reported merged but has no merge commit", a.number)))
-            }
+            None if (200..300).contains(&reply.status) => Err(self.client.http.bad(format!(
+                "PR #{} reported merged but has no merge commit",
+                a.number
+            ))),
             None => Err(self.client.http.status_error(&reply)),
         }
     }
@@ -693,20 +906,32 @@ impl ForgejoAgent {
         check_branch("branch", &a.branch)?;
         let pr = self.client.get_pr(a.number).await?;
         if pr.head.name != a.branch {
-            return Err(AgentError::Refused(format!("forgejo: PR #{} is from `{}`, not `{}`", a.number, pr.head.name, a.branch)));
+            return Err(AgentError::Refused(format!(
+                "forgejo: PR #{} is from `{}`, not `{}`",
+                a.number, pr.head.name, a.branch
+            )));
         }
         if a.branch == self.base_branch || a.branch == pr.base.name {
-            return Err(AgentError::Refused(format!("forgejo: refusing to delete the base branch `{}`", a.branch)));
+            return Err(AgentError::Refused(format!(
+                "forgejo: refusing to delete the base branch `{}`",
+                a.branch
+            )));
         }
         // A merged PR cannot be closed, and its branch stays for the record. Saying so (with the merge commit) lets
         // a caller that never learned of the merge (its answer was lost) undo the merge instead.
         if pr.merged {
-            let sha = merged_sha(&pr)
-                .ok_or_else(|| self.client.http.bad(format!("PR #{} is merged but has no merge commit", a.number)))?;
+            let sha = merged_sha(&pr).ok_or_else(|| {
+                self.client.http.bad(format!(
+                    "PR #{} is merged but has no merge commit",
+                    a.number
+                ))
+            })?;
             return Ok(json!({"closed": false, "merged": true, "merge_sha": sha}));
         }
         if pr.state != "closed" {
-            self.client.edit_pr(a.number, &json!({"state": "closed"})).await?;
+            self.client
+                .edit_pr(a.number, &json!({"state": "closed"}))
+                .await?;
         }
         self.client.delete_branch(&a.branch).await?;
         Ok(json!({"closed": true}))
@@ -717,7 +942,11 @@ impl ForgejoAgent {
         self.check_work_branch(&a.branch, &a.base)?;
         let paths = diff_paths(&self.client.commit_diff(&a.merge_sha).await?)?;
         if paths.is_empty() || paths.len() > MAX_FILES {
-            return Err(AgentError::Refused(format!("forgejo: commit {} changes {} files", a.merge_sha, paths.len())));
+            return Err(AgentError::Refused(format!(
+                "forgejo: commit {} changes {} files",
+                a.merge_sha,
+                paths.len()
+            )));
         }
         let parent = self
             .client
@@ -725,18 +954,37 @@ impl ForgejoAgent {
             .await?
             .into_iter()
             .next()
-            .ok_or_else(|| AgentError::Refused(format!("forgejo: {} has no parent to revert to", a.merge_sha)))?;
+            .ok_or_else(|| {
+                AgentError::Refused(format!(
+                    "forgejo: {} has no parent to revert to",
+                    a.merge_sha
+                ))
+            })?;
         // The reverse change: every touched file back to its content before the merge (absent then = delete).
         let mut changes = Vec::new();
         for path in paths {
             let before = self.client.get_file(&path, &parent).await?;
-            changes.push(FileChange { path, content: before.map(|f| f.content) });
+            changes.push(FileChange {
+                path,
+                content: before.map(|f| f.content),
+            });
         }
-        let message = format!("Revert {}\n\nThis reverts commit {}.", a.merge_sha, a.merge_sha);
+        let message = format!(
+            "Revert {}\n\nThis reverts commit {}.",
+            a.merge_sha, a.merge_sha
+        );
         // The revert branch is as predictable as the work branch: it too must be new (or our own earlier revert).
-        self.commit(&a.branch, &a.base, None, &message, &changes).await?;
+        self.commit(&a.branch, &a.base, None, &message, &changes)
+            .await?;
         let body = format!("This reverts commit {}.", a.merge_sha);
-        let pr = PrArgs { branch: a.branch, base: a.base, title: a.title, body, draft: false, labels: Vec::new() };
+        let pr = PrArgs {
+            branch: a.branch,
+            base: a.base,
+            title: a.title,
+            body,
+            draft: false,
+            labels: Vec::new(),
+        };
         self.open_pr(&pr).await
     }
 
@@ -745,9 +993,14 @@ impl ForgejoAgent {
             "read_files" => {
                 let a: ReadArgs = args(skill, value)?;
                 if a.paths.is_empty() || a.paths.len() > MAX_FILES {
-                    return Err(AgentError::InvalidArgs(format!("`paths` must hold 1 to {MAX_FILES} paths")));
+                    return Err(AgentError::InvalidArgs(format!(
+                        "`paths` must hold 1 to {MAX_FILES} paths"
+                    )));
                 }
-                let git_ref = a.git_ref.filter(|r| !r.is_empty()).unwrap_or_else(|| self.base_branch.clone());
+                let git_ref = a
+                    .git_ref
+                    .filter(|r| !r.is_empty())
+                    .unwrap_or_else(|| self.base_branch.clone());
                 require("ref", &git_ref, MAX_BRANCH)?;
                 let mut files = Vec::new();
                 for path in a.paths {
@@ -769,17 +1022,33 @@ impl ForgejoAgent {
                 }
                 require("message", &a.message, MAX_BODY)?;
                 if a.files.is_empty() || a.files.len() > MAX_FILES {
-                    return Err(AgentError::InvalidArgs(format!("`files` must hold 1 to {MAX_FILES} files")));
+                    return Err(AgentError::InvalidArgs(format!(
+                        "`files` must hold 1 to {MAX_FILES} files"
+                    )));
                 }
                 let mut changes = Vec::new();
                 for f in a.files {
                     check_path(&f.path)?;
                     if f.content.as_ref().is_some_and(|c| c.len() > MAX_FILE_BYTES) {
-                        return Err(AgentError::InvalidArgs(format!("`{}` is larger than {MAX_FILE_BYTES} bytes", f.path)));
+                        return Err(AgentError::InvalidArgs(format!(
+                            "`{}` is larger than {MAX_FILE_BYTES} bytes",
+                            f.path
+                        )));
                     }
-                    changes.push(FileChange { path: f.path, content: f.content.map(String::into_bytes) });
+                    changes.push(FileChange {
+                        path: f.path,
+                        content: f.content.map(String::into_bytes),
+                    });
                 }
-                let sha = self.commit(&a.branch, &a.base, a.expected_head.as_deref(), &a.message, &changes).await?;
+                let sha = self
+                    .commit(
+                        &a.branch,
+                        &a.base,
+                        a.expected_head.as_deref(),
+                        &a.message,
+                        &changes,
+                    )
+                    .await?;
                 Ok(json!({"sha": sha}))
             }
             "open_pr" => self.open_pr(&args(skill, value)?).await,
@@ -798,7 +1067,11 @@ impl ForgejoAgent {
 }
 
 fn merged_sha(pr: &PullRequest) -> Option<String> {
-    if pr.merged { pr.merge_commit_sha.clone().filter(|s| !s.is_empty()) } else { None }
+    if pr.merged {
+        pr.merge_commit_sha.clone().filter(|s| !s.is_empty())
+    } else {
+        None
+    }
 }
 
 /// The contract's four states. No status yet means pending; Forgejo's `warning` does not block a merge, so it
@@ -824,7 +1097,10 @@ fn ci_log(status: &CombinedStatus) -> String {
         let line = if s.target_url.is_empty() {
             format!("[{}] {}: {}\n", s.status, s.context, s.description)
         } else {
-            format!("[{}] {}: {} ({})\n", s.status, s.context, s.description, s.target_url)
+            format!(
+                "[{}] {}: {} ({})\n",
+                s.status, s.context, s.description, s.target_url
+            )
         };
         if log.len() + line.len() > MAX_LOG_BYTES {
             break;
@@ -879,21 +1155,48 @@ diff --git a/new.txt b/new.txt\nnew file mode 100644\n--- /dev/null\n+++ b/new.t
 diff --git a/old name.md b/new name.md\nsimilarity index 90%\nrename from old name.md\nrename to new name.md\n\
 diff --git a/img.png b/img.png\nBinary files a/img.png and b/img.png differ\n";
         let got: Vec<String> = diff_paths(diff).unwrap().into_iter().collect();
-        assert_eq!(got, ["img.png", "new name.md", "new.txt", "old name.md", "src/app.js"]);
+        assert_eq!(
+            got,
+            [
+                "img.png",
+                "new name.md",
+                "new.txt",
+                "old name.md",
+                "src/app.js"
+            ]
+        );
         assert!(diff_paths("diff --git \"a/\\303\" \"b/\\303\"\n").is_err());
     }
 
     #[test]
     fn ci_state_and_log() {
         let st = |status: &str, ctx: &str, desc: &str| CommitStatus {
-            status: status.into(), context: ctx.into(), description: desc.into(), target_url: String::new(),
+            status: status.into(),
+            context: ctx.into(),
+            description: desc.into(),
+            target_url: String::new(),
         };
-        let empty = CombinedStatus { state: String::new(), statuses: vec![] };
+        let empty = CombinedStatus {
+            state: String::new(),
+            statuses: vec![],
+        };
         assert_eq!(ci_state(&empty), "pending");
-        let failing = CombinedStatus { state: "failure".into(), statuses: vec![st("success", "lint", "ok"), st("failure", "test", "1 failed: checkout")] };
+        let failing = CombinedStatus {
+            state: "failure".into(),
+            statuses: vec![
+                st("success", "lint", "ok"),
+                st("failure", "test", "1 failed: checkout"),
+            ],
+        };
         assert_eq!(ci_state(&failing), "failure");
-        assert_eq!(ci_log(&failing), "[failure] test: 1 failed: checkout\n[success] lint: ok\n");
-        let warn = CombinedStatus { state: "warning".into(), statuses: vec![st("warning", "x", "")] };
+        assert_eq!(
+            ci_log(&failing),
+            "[failure] test: 1 failed: checkout\n[success] lint: ok\n"
+        );
+        let warn = CombinedStatus {
+            state: "warning".into(),
+            statuses: vec![st("warning", "x", "")],
+        };
         assert_eq!(ci_state(&warn), "success");
     }
 

@@ -28,13 +28,25 @@ pub struct GlitchTipConfig {
 
 impl std::fmt::Debug for GlitchTipConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GlitchTipConfig").field("base_url", &self.base_url).field("org_slug", &self.org_slug).finish_non_exhaustive()
+        f.debug_struct("GlitchTipConfig")
+            .field("base_url", &self.base_url)
+            .field("org_slug", &self.org_slug)
+            .finish_non_exhaustive()
     }
 }
 
 impl GlitchTipConfig {
-    pub fn new(base_url: impl Into<String>, token: impl Into<String>, org_slug: impl Into<String>) -> Self {
-        Self { base_url: base_url.into(), token: token.into(), org_slug: org_slug.into(), timeout: DEFAULT_TIMEOUT }
+    pub fn new(
+        base_url: impl Into<String>,
+        token: impl Into<String>,
+        org_slug: impl Into<String>,
+    ) -> Self {
+        Self {
+            base_url: base_url.into(),
+            token: token.into(),
+            org_slug: org_slug.into(),
+            timeout: DEFAULT_TIMEOUT,
+        }
     }
 }
 
@@ -72,15 +84,26 @@ impl GlitchTipClient {
             config.timeout,
             vec![config.token.clone()],
         )?;
-        Ok(Self { http, org_slug: config.org_slug.clone() })
+        Ok(Self {
+            http,
+            org_slug: config.org_slug.clone(),
+        })
     }
 
     /// `GET /api/0/issues/{id}/events/`, following `Link: rel="next"` cursors while the pages (newest first, as in
     /// Sentry) still reach back to `since_ms`.
-    pub async fn count_events(&self, issue_id: u64, since_ms: i64) -> Result<EventCount, AgentError> {
+    pub async fn count_events(
+        &self,
+        issue_id: u64,
+        since_ms: i64,
+    ) -> Result<EventCount, AgentError> {
         let id = issue_id.to_string();
         let url = self.http.url(&["api", "0", "issues", &id, "events", ""]);
-        let mut out = EventCount { count: 0, last_seen_ms: None, truncated: false };
+        let mut out = EventCount {
+            count: 0,
+            last_seen_ms: None,
+            truncated: false,
+        };
         let mut cursor: Option<String> = None;
         for page in 0..MAX_PAGES {
             let limit = PAGE_SIZE.to_string();
@@ -88,20 +111,30 @@ impl GlitchTipClient {
             if let Some(c) = &cursor {
                 query.push(("cursor", c.clone()));
             }
-            let reply = self.http.send(self.http.request(Method::GET, url.clone()).query(&query)).await?;
+            let reply = self
+                .http
+                .send(self.http.request(Method::GET, url.clone()).query(&query))
+                .await?;
             let reply = self.http.ok(reply)?;
             let events: Vec<EventRow> = self.http.decode(&reply.body)?;
             let mut oldest = i64::MAX;
             for e in &events {
-                let t = parse_rfc3339_ms(&e.date_created)
-                    .ok_or_else(|| self.http.bad(format!("bad dateCreated `{}`", e.date_created)))?;
+                let t = parse_rfc3339_ms(&e.date_created).ok_or_else(|| {
+                    self.http
+                        .bad(format!("bad dateCreated `{}`", e.date_created))
+                })?;
                 out.last_seen_ms = Some(out.last_seen_ms.map_or(t, |l| l.max(t)));
                 oldest = oldest.min(t);
                 if t >= since_ms {
                     out.count += 1;
                 }
             }
-            let next = reply.headers.get_all("link").iter().filter_map(|v| v.to_str().ok()).find_map(next_cursor);
+            let next = reply
+                .headers
+                .get_all("link")
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .find_map(next_cursor);
             match next {
                 Some(c) if !events.is_empty() && oldest >= since_ms => {
                     if page + 1 == MAX_PAGES {
@@ -119,13 +152,24 @@ impl GlitchTipClient {
     pub async fn resolve(&self, issue_id: u64) -> Result<String, AgentError> {
         let id = issue_id.to_string();
         let url = self.http.url(&["api", "0", "issues", &id, ""]);
-        let issue: IssueRow = self.http.json(self.http.request(Method::PUT, url).json(&json!({"status": "resolved"}))).await?;
+        let issue: IssueRow = self
+            .http
+            .json(
+                self.http
+                    .request(Method::PUT, url)
+                    .json(&json!({"status": "resolved"})),
+            )
+            .await?;
         Ok(issue.status)
     }
 
     /// The issue's page in the GlitchTip web UI.
     pub fn issue_url(&self, issue_id: u64) -> String {
-        format!("{}/{}/issues/{issue_id}", self.http.base().as_str().trim_end_matches('/'), self.org_slug)
+        format!(
+            "{}/{}/issues/{issue_id}",
+            self.http.base().as_str().trim_end_matches('/'),
+            self.org_slug
+        )
     }
 }
 
@@ -134,7 +178,10 @@ fn next_cursor(header: &str) -> Option<String> {
     for link in header.split(", <").map(|l| l.trim_start_matches('<')) {
         let params: Vec<&str> = link.split(';').skip(1).map(str::trim).collect();
         let param = |name: &str| {
-            params.iter().find_map(|p| p.strip_prefix(name)?.strip_prefix('=')).map(|v| v.trim_matches('"'))
+            params
+                .iter()
+                .find_map(|p| p.strip_prefix(name)?.strip_prefix('='))
+                .map(|v| v.trim_matches('"'))
         };
         if param("rel") == Some("next") && param("results") == Some("true") {
             return param("cursor").map(str::to_string);
@@ -147,7 +194,11 @@ fn next_cursor(header: &str) -> Option<String> {
 fn issue_id(v: &Value) -> Result<u64, AgentError> {
     match v {
         Value::Number(n) => n.as_u64(),
-        Value::String(s) if !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit()) => s.parse().ok(),
+        Value::String(s)
+            if !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            s.parse().ok()
+        }
         _ => None,
     }
     .ok_or_else(|| AgentError::InvalidArgs("`issue_id` must be a positive integer".into()))
@@ -173,7 +224,9 @@ pub struct GlitchTipAgent {
 
 impl GlitchTipAgent {
     pub fn new(config: &GlitchTipConfig) -> Result<Self, AgentError> {
-        Ok(Self { client: GlitchTipClient::new(config)? })
+        Ok(Self {
+            client: GlitchTipClient::new(config)?,
+        })
     }
 
     async fn run(&self, skill: &str, value: Value) -> Result<Value, AgentError> {
@@ -182,7 +235,9 @@ impl GlitchTipAgent {
                 let a: EventsArgs = args(skill, value)?;
                 let id = issue_id(&a.issue_id)?;
                 let c = self.client.count_events(id, a.since_ms).await?;
-                Ok(json!({"count": c.count, "last_seen_ms": c.last_seen_ms, "truncated": c.truncated}))
+                Ok(
+                    json!({"count": c.count, "last_seen_ms": c.last_seen_ms, "truncated": c.truncated}),
+                )
             }
             "resolve" => {
                 let a: ResolveArgs = args(skill, value)?;

@@ -37,21 +37,31 @@ impl AppHttp {
         timeout: Duration,
         secrets: Vec<String>,
     ) -> Result<Self, AgentError> {
-        let base = Url::parse(base_url.trim_end_matches('/'))
-            .map_err(|e| AgentError::Config(format!("{app}: invalid base_url `{base_url}`: {e}")))?;
+        let base = Url::parse(base_url.trim_end_matches('/')).map_err(|e| {
+            AgentError::Config(format!("{app}: invalid base_url `{base_url}`: {e}"))
+        })?;
         if !matches!(base.scheme(), "http" | "https") || base.cannot_be_a_base() {
-            return Err(AgentError::Config(format!("{app}: base_url must be an http(s) URL, got `{base_url}`")));
+            return Err(AgentError::Config(format!(
+                "{app}: base_url must be an http(s) URL, got `{base_url}`"
+            )));
         }
         if timeout.is_zero() {
-            return Err(AgentError::Config(format!("{app}: timeout must be positive")));
+            return Err(AgentError::Config(format!(
+                "{app}: timeout must be positive"
+            )));
         }
         let mut headers = HeaderMap::new();
         for (name, value) in auth {
             if value.is_empty() {
-                return Err(AgentError::Config(format!("{app}: credential for `{name}` is empty")));
+                return Err(AgentError::Config(format!(
+                    "{app}: credential for `{name}` is empty"
+                )));
             }
-            let mut v = HeaderValue::from_str(&value)
-                .map_err(|_| AgentError::Config(format!("{app}: credential for `{name}` is not a valid header value")))?;
+            let mut v = HeaderValue::from_str(&value).map_err(|_| {
+                AgentError::Config(format!(
+                    "{app}: credential for `{name}` is not a valid header value"
+                ))
+            })?;
             // Keeps credentials out of reqwest/hyper debug output.
             v.set_sensitive(true);
             headers.insert(HeaderName::from_static(name), v);
@@ -62,7 +72,12 @@ impl AppHttp {
             .connect_timeout(timeout.min(Duration::from_secs(10)))
             .build()
             .map_err(|e| AgentError::Config(format!("{app}: cannot build HTTP client: {e}")))?;
-        Ok(Self { app, client, base, secrets: secrets.into_iter().filter(|s| !s.is_empty()).collect() })
+        Ok(Self {
+            app,
+            client,
+            base,
+            secrets: secrets.into_iter().filter(|s| !s.is_empty()).collect(),
+        })
     }
 
     pub fn base(&self) -> &Url {
@@ -88,7 +103,10 @@ impl AppHttp {
         let mut resp = rb.send().await.map_err(|e| self.transport(e))?;
         let status = resp.status().as_u16();
         let headers = resp.headers().clone();
-        if resp.content_length().is_some_and(|n| n > MAX_RESPONSE_BYTES as u64) {
+        if resp
+            .content_length()
+            .is_some_and(|n| n > MAX_RESPONSE_BYTES as u64)
+        {
             return Err(self.too_large());
         }
         let mut body = Vec::new();
@@ -98,7 +116,11 @@ impl AppHttp {
             }
             body.extend_from_slice(&chunk);
         }
-        Ok(Reply { status, headers, body })
+        Ok(Reply {
+            status,
+            headers,
+            body,
+        })
     }
 
     /// Sends, requires a 2xx, and decodes the JSON body.
@@ -110,7 +132,11 @@ impl AppHttp {
 
     /// Turns a non-2xx reply into [`AgentError::Status`].
     pub fn ok(&self, reply: Reply) -> Result<Reply, AgentError> {
-        if (200..300).contains(&reply.status) { Ok(reply) } else { Err(self.status_error(&reply)) }
+        if (200..300).contains(&reply.status) {
+            Ok(reply)
+        } else {
+            Err(self.status_error(&reply))
+        }
     }
 
     pub fn status_error(&self, reply: &Reply) -> AgentError {
@@ -119,7 +145,11 @@ impl AppHttp {
         for s in &self.secrets {
             body = body.replace(s.as_str(), "<redacted>");
         }
-        AgentError::Status { app: self.app, status: reply.status, body }
+        AgentError::Status {
+            app: self.app,
+            status: reply.status,
+            body,
+        }
     }
 
     pub fn decode<T: DeserializeOwned>(&self, body: &[u8]) -> Result<T, AgentError> {
@@ -127,13 +157,25 @@ impl AppHttp {
     }
 
     pub fn bad(&self, message: impl Into<String>) -> AgentError {
-        AgentError::BadResponse { app: self.app, message: message.into() }
+        AgentError::BadResponse {
+            app: self.app,
+            message: message.into(),
+        }
     }
 
     fn transport(&self, e: reqwest::Error) -> AgentError {
         // without_url: query strings may carry caller data; the app name says enough.
-        let kind = if e.is_timeout() { "timeout" } else if e.is_connect() { "connect" } else { "request" };
-        AgentError::Transport { app: self.app, message: format!("{kind}: {}", e.without_url()) }
+        let kind = if e.is_timeout() {
+            "timeout"
+        } else if e.is_connect() {
+            "connect"
+        } else {
+            "request"
+        };
+        AgentError::Transport {
+            app: self.app,
+            message: format!("{kind}: {}", e.without_url()),
+        }
     }
 
     fn too_large(&self) -> AgentError {

@@ -27,7 +27,13 @@ use serde::de::DeserializeOwned;
 /// Version advertised on every agent card.
 pub(crate) const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
-pub(crate) fn skill(id: &str, name: &str, description: &str, risk: Risk, examples: &[&str]) -> SkillSpec {
+pub(crate) fn skill(
+    id: &str,
+    name: &str,
+    description: &str,
+    risk: Risk,
+    examples: &[&str],
+) -> SkillSpec {
     SkillSpec {
         id: id.into(),
         name: name.into(),
@@ -41,8 +47,12 @@ pub(crate) fn skill(id: &str, name: &str, description: &str, risk: Risk, example
 /// Decodes a skill's `args`; unknown fields are refused by the arg structs so a typo is not silently ignored.
 /// ProtoJSON peers (the A2A SDKs carry a data part as `google.protobuf.Struct`) send every number as a
 /// double, so an integral `42.0` is read as the integer 42; a fraction where an integer is due stays an error.
-pub(crate) fn args<T: DeserializeOwned>(skill: &str, value: serde_json::Value) -> Result<T, AgentError> {
-    serde_json::from_value(integral_floats_as_ints(value)).map_err(|e| AgentError::InvalidArgs(format!("{skill}: {e}")))
+pub(crate) fn args<T: DeserializeOwned>(
+    skill: &str,
+    value: serde_json::Value,
+) -> Result<T, AgentError> {
+    serde_json::from_value(integral_floats_as_ints(value))
+        .map_err(|e| AgentError::InvalidArgs(format!("{skill}: {e}")))
 }
 
 /// Largest magnitude up to which every integer is exact in an f64 (2^53).
@@ -55,8 +65,14 @@ fn integral_floats_as_ints(value: serde_json::Value) -> serde_json::Value {
             Some(f) if f.fract() == 0.0 && f.abs() <= MAX_EXACT_F64 => Value::from(f as i64),
             _ => Value::Number(n),
         },
-        Value::Array(items) => Value::Array(items.into_iter().map(integral_floats_as_ints).collect()),
-        Value::Object(map) => Value::Object(map.into_iter().map(|(k, v)| (k, integral_floats_as_ints(v))).collect()),
+        Value::Array(items) => {
+            Value::Array(items.into_iter().map(integral_floats_as_ints).collect())
+        }
+        Value::Object(map) => Value::Object(
+            map.into_iter()
+                .map(|(k, v)| (k, integral_floats_as_ints(v)))
+                .collect(),
+        ),
         other => other,
     }
 }
@@ -67,7 +83,9 @@ pub(crate) fn require(field: &str, value: &str, max: usize) -> Result<(), AgentE
         return Err(AgentError::InvalidArgs(format!("`{field}` is empty")));
     }
     if value.len() > max {
-        return Err(AgentError::InvalidArgs(format!("`{field}` is longer than {max} bytes")));
+        return Err(AgentError::InvalidArgs(format!(
+            "`{field}` is longer than {max} bytes"
+        )));
     }
     Ok(())
 }
@@ -76,7 +94,11 @@ pub(crate) fn require(field: &str, value: &str, max: usize) -> Result<(), AgentE
 pub(crate) fn text_to_html(text: &str) -> String {
     text.lines()
         .map(|l| {
-            let escaped = l.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;");
+            let escaped = l
+                .replace('&', "&amp;")
+                .replace('<', "&lt;")
+                .replace('>', "&gt;")
+                .replace('"', "&quot;");
             format!("<p>{escaped}</p>")
         })
         .collect()
@@ -97,8 +119,19 @@ mod tests {
 
     #[test]
     fn protojson_doubles_decode_as_integers_when_integral() {
-        let got: Args = args("s", json!({"since_ms": 1764500000000.0, "ids": [1.0, 2], "ratio": 3.0})).unwrap();
-        assert_eq!(got, Args { since_ms: 1_764_500_000_000, ids: vec![1, 2], ratio: 3.0 });
+        let got: Args = args(
+            "s",
+            json!({"since_ms": 1764500000000.0, "ids": [1.0, 2], "ratio": 3.0}),
+        )
+        .unwrap();
+        assert_eq!(
+            got,
+            Args {
+                since_ms: 1_764_500_000_000,
+                ids: vec![1, 2],
+                ratio: 3.0
+            }
+        );
         assert!(args::<Args>("s", json!({"since_ms": 1.5, "ids": [], "ratio": 0})).is_err());
     }
 }

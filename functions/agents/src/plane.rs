@@ -128,7 +128,9 @@ pub struct PlaneClient {
 impl PlaneClient {
     pub fn new(config: &PlaneConfig) -> Result<Self, AgentError> {
         if config.workspace_slug.is_empty() || config.project_id.is_empty() {
-            return Err(AgentError::Config("plane: workspace_slug and project_id are required".into()));
+            return Err(AgentError::Config(
+                "plane: workspace_slug and project_id are required".into(),
+            ));
         }
         let http = AppHttp::new(
             "plane",
@@ -137,46 +139,79 @@ impl PlaneClient {
             config.timeout,
             vec![config.api_key.clone()],
         )?;
-        let web_url = config.web_url.clone().unwrap_or_else(|| config.base_url.clone()).trim_end_matches('/').to_string();
+        let web_url = config
+            .web_url
+            .clone()
+            .unwrap_or_else(|| config.base_url.clone())
+            .trim_end_matches('/')
+            .to_string();
         Ok(Self {
             http,
             slug: config.workspace_slug.clone(),
             project_id: config.project_id.clone(),
             web_url,
-            identifier: OnceCell::new_with(config.project_identifier.clone().filter(|i| !i.is_empty())),
+            identifier: OnceCell::new_with(
+                config.project_identifier.clone().filter(|i| !i.is_empty()),
+            ),
         })
     }
 
     /// `/api/v1/workspaces/{slug}/projects/{project_id}/<rest>` with Plane's trailing slash.
     fn project_url(&self, rest: &[&str]) -> reqwest::Url {
-        let mut segments = vec!["api", "v1", "workspaces", &self.slug, "projects", &self.project_id];
+        let mut segments = vec![
+            "api",
+            "v1",
+            "workspaces",
+            &self.slug,
+            "projects",
+            &self.project_id,
+        ];
         segments.extend_from_slice(rest);
         segments.push("");
         self.http.url(&segments)
     }
 
     /// `GET .../work-items/?external_id=&external_source=loams` (list_work_items_2).
-    pub async fn find_by_external_id(&self, external_id: &str) -> Result<Option<WorkItem>, AgentError> {
+    pub async fn find_by_external_id(
+        &self,
+        external_id: &str,
+    ) -> Result<Option<WorkItem>, AgentError> {
         let rb = self
             .http
             .request(Method::GET, self.project_url(&["work-items"]))
-            .query(&[("external_id", external_id), ("external_source", EXTERNAL_SOURCE)]);
+            .query(&[
+                ("external_id", external_id),
+                ("external_source", EXTERNAL_SOURCE),
+            ]);
         let page: Paginated<WorkItem> = self.http.json(rb).await?;
         // Check again: a server that ignored the filter must not make us adopt someone else's item.
         Ok(page.results.into_iter().find(|w| {
-            w.external_id.as_deref() == Some(external_id) && w.external_source.as_deref() == Some(EXTERNAL_SOURCE)
+            w.external_id.as_deref() == Some(external_id)
+                && w.external_source.as_deref() == Some(EXTERNAL_SOURCE)
         }))
     }
 
     /// `POST .../work-items/` (create_work_item_2) with our external id; a 409 names the existing item.
-    pub async fn create_work_item(&self, name: &str, description_html: &str, external_id: &str) -> Result<CreateOutcome, AgentError> {
+    pub async fn create_work_item(
+        &self,
+        name: &str,
+        description_html: &str,
+        external_id: &str,
+    ) -> Result<CreateOutcome, AgentError> {
         let body = json!({
             "name": name,
             "description_html": description_html,
             "external_source": EXTERNAL_SOURCE,
             "external_id": external_id,
         });
-        let reply = self.http.send(self.http.request(Method::POST, self.project_url(&["work-items"])).json(&body)).await?;
+        let reply = self
+            .http
+            .send(
+                self.http
+                    .request(Method::POST, self.project_url(&["work-items"]))
+                    .json(&body),
+            )
+            .await?;
         if reply.status == 409 {
             let c: Conflict = self.http.decode(&reply.body)?;
             return Ok(CreateOutcome::Exists(c.id));
@@ -187,7 +222,12 @@ impl PlaneClient {
 
     /// `GET .../work-items/{id}/`.
     pub async fn get_work_item(&self, id: &str) -> Result<WorkItem, AgentError> {
-        self.http.json(self.http.request(Method::GET, self.project_url(&["work-items", id]))).await
+        self.http
+            .json(
+                self.http
+                    .request(Method::GET, self.project_url(&["work-items", id])),
+            )
+            .await
     }
 
     /// The project's identifier (the `PROJ` of `PROJ-12`), read once from `GET /projects/{id}/`.
@@ -195,7 +235,10 @@ impl PlaneClient {
         let id = self
             .identifier
             .get_or_try_init(|| async {
-                let p: Project = self.http.json(self.http.request(Method::GET, self.project_url(&[]))).await?;
+                let p: Project = self
+                    .http
+                    .json(self.http.request(Method::GET, self.project_url(&[])))
+                    .await?;
                 Ok::<_, AgentError>(p.identifier)
             })
             .await?;
@@ -203,10 +246,17 @@ impl PlaneClient {
     }
 
     /// `POST .../work-items/{id}/comments/` (create_work_item_comment_2); returns the comment id.
-    pub async fn add_comment(&self, issue_id: &str, comment_html: &str) -> Result<String, AgentError> {
+    pub async fn add_comment(
+        &self,
+        issue_id: &str,
+        comment_html: &str,
+    ) -> Result<String, AgentError> {
         let rb = self
             .http
-            .request(Method::POST, self.project_url(&["work-items", issue_id, "comments"]))
+            .request(
+                Method::POST,
+                self.project_url(&["work-items", issue_id, "comments"]),
+            )
             .json(&json!({"comment_html": comment_html, "access": "INTERNAL"}));
         let c: Created = self.http.json(rb).await?;
         Ok(c.id)
@@ -214,7 +264,10 @@ impl PlaneClient {
 
     /// `GET .../states/` (list_states).
     pub async fn list_states(&self) -> Result<Vec<PlaneState>, AgentError> {
-        let rb = self.http.request(Method::GET, self.project_url(&["states"])).query(&[("per_page", "100")]);
+        let rb = self
+            .http
+            .request(Method::GET, self.project_url(&["states"]))
+            .query(&[("per_page", "100")]);
         let page: Paginated<PlaneState> = self.http.json(rb).await?;
         Ok(page.results)
     }
@@ -231,7 +284,9 @@ impl PlaneClient {
     /// `PROJ-12` and its web link (`/{slug}/browse/PROJ-12/`).
     pub async fn key_and_url(&self, item: &WorkItem) -> Result<(String, String), AgentError> {
         let ident = self.project_identifier().await?;
-        let seq = item.sequence_id.ok_or_else(|| self.http.bad("work item without sequence_id"))?;
+        let seq = item
+            .sequence_id
+            .ok_or_else(|| self.http.bad("work item without sequence_id"))?;
         let key = format!("{ident}-{seq}");
         let url = format!("{}/{}/browse/{key}/", self.web_url, self.slug);
         Ok((key, url))
@@ -241,7 +296,13 @@ impl PlaneClient {
 /// The state to move to for a group: the group's default state, else its first by sequence.
 fn pick_state<'a>(states: &'a [PlaneState], group: &str) -> Option<&'a PlaneState> {
     let mut in_group: Vec<&PlaneState> = states.iter().filter(|s| s.group == group).collect();
-    in_group.sort_by(|a, b| b.default.cmp(&a.default).then(a.sequence.unwrap_or(f64::MAX).total_cmp(&b.sequence.unwrap_or(f64::MAX))));
+    in_group.sort_by(|a, b| {
+        b.default.cmp(&a.default).then(
+            a.sequence
+                .unwrap_or(f64::MAX)
+                .total_cmp(&b.sequence.unwrap_or(f64::MAX)),
+        )
+    });
     in_group.first().copied()
 }
 
@@ -275,19 +336,27 @@ pub struct PlaneAgent {
 
 impl PlaneAgent {
     pub fn new(config: &PlaneConfig) -> Result<Self, AgentError> {
-        Ok(Self { client: PlaneClient::new(config)? })
+        Ok(Self {
+            client: PlaneClient::new(config)?,
+        })
     }
 
     async fn create_issue(&self, a: CreateArgs) -> Result<Value, AgentError> {
         require("external_id", &a.external_id, MAX_ID)?;
         require("title", &a.title, MAX_TITLE)?;
         if a.description.len() > MAX_TEXT {
-            return Err(AgentError::InvalidArgs(format!("`description` is longer than {MAX_TEXT} bytes")));
+            return Err(AgentError::InvalidArgs(format!(
+                "`description` is longer than {MAX_TEXT} bytes"
+            )));
         }
         // Look first so a retry never creates a second item; the 409 path covers a race with another worker.
         let (item, created) = match self.client.find_by_external_id(&a.external_id).await? {
             Some(item) => (item, false),
-            None => match self.client.create_work_item(&a.title, &text_to_html(&a.description), &a.external_id).await? {
+            None => match self
+                .client
+                .create_work_item(&a.title, &text_to_html(&a.description), &a.external_id)
+                .await?
+            {
                 CreateOutcome::Created(item) => (item, true),
                 CreateOutcome::Exists(id) => (self.client.get_work_item(&id).await?, false),
             },
@@ -303,18 +372,28 @@ impl PlaneAgent {
                 let a: CommentArgs = args(skill, value)?;
                 require("issue_id", &a.issue_id, MAX_ID)?;
                 require("body", &a.body, MAX_TEXT)?;
-                let id = self.client.add_comment(&a.issue_id, &text_to_html(&a.body)).await?;
+                let id = self
+                    .client
+                    .add_comment(&a.issue_id, &text_to_html(&a.body))
+                    .await?;
                 Ok(json!({"id": id}))
             }
             "set_state" => {
                 let a: StateArgs = args(skill, value)?;
                 require("issue_id", &a.issue_id, MAX_ID)?;
                 if !STATE_GROUPS.contains(&a.state.as_str()) {
-                    return Err(AgentError::InvalidArgs(format!("`state` must be one of {}", STATE_GROUPS.join(", "))));
+                    return Err(AgentError::InvalidArgs(format!(
+                        "`state` must be one of {}",
+                        STATE_GROUPS.join(", ")
+                    )));
                 }
                 let states = self.client.list_states().await?;
-                let target = pick_state(&states, &a.state)
-                    .ok_or_else(|| AgentError::Refused(format!("plane: the project has no state in group `{}`", a.state)))?;
+                let target = pick_state(&states, &a.state).ok_or_else(|| {
+                    AgentError::Refused(format!(
+                        "plane: the project has no state in group `{}`",
+                        a.state
+                    ))
+                })?;
                 self.client.set_state(&a.issue_id, &target.id).await?;
                 Ok(json!({"state": a.state, "state_id": target.id, "state_name": target.name}))
             }
@@ -368,16 +447,32 @@ mod tests {
     use super::*;
 
     fn st(id: &str, group: &str, default: bool, sequence: f64) -> PlaneState {
-        PlaneState { id: id.into(), name: id.into(), group: group.into(), default, sequence: Some(sequence) }
+        PlaneState {
+            id: id.into(),
+            name: id.into(),
+            group: group.into(),
+            default,
+            sequence: Some(sequence),
+        }
     }
 
     #[test]
     fn picks_default_then_lowest_sequence() {
-        let states = vec![st("a", "started", false, 5.0), st("b", "started", false, 1.0), st("c", "completed", false, 9.0)];
-        assert_eq!(pick_state(&states, "started").map(|s| s.id.as_str()), Some("b"));
+        let states = vec![
+            st("a", "started", false, 5.0),
+            st("b", "started", false, 1.0),
+            st("c", "completed", false, 9.0),
+        ];
+        assert_eq!(
+            pick_state(&states, "started").map(|s| s.id.as_str()),
+            Some("b")
+        );
         let mut with_default = states.clone();
         with_default.push(st("d", "started", true, 50.0));
-        assert_eq!(pick_state(&with_default, "started").map(|s| s.id.as_str()), Some("d"));
+        assert_eq!(
+            pick_state(&with_default, "started").map(|s| s.id.as_str()),
+            Some("d")
+        );
         assert!(pick_state(&states, "cancelled").is_none());
     }
 }

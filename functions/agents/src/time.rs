@@ -21,14 +21,26 @@ fn civil_from_days(z: i64) -> (i64, i64, i64) {
     let mp = (5 * doy + 2) / 153;
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (if m <= 2 { yoe + era * 400 + 1 } else { yoe + era * 400 }, m, d)
+    (
+        if m <= 2 {
+            yoe + era * 400 + 1
+        } else {
+            yoe + era * 400
+        },
+        m,
+        d,
+    )
 }
 
 /// Parses `YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)`; `None` for anything else.
 pub(crate) fn parse_rfc3339_ms(s: &str) -> Option<i64> {
     let s = s.trim();
     let b = s.as_bytes();
-    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || !(b[10] == b'T' || b[10] == b't' || b[10] == b' ') {
+    if b.len() < 20
+        || b[4] != b'-'
+        || b[7] != b'-'
+        || !(b[10] == b'T' || b[10] == b't' || b[10] == b' ')
+    {
         return None;
     }
     if b[13] != b':' || b[16] != b':' {
@@ -36,9 +48,20 @@ pub(crate) fn parse_rfc3339_ms(s: &str) -> Option<i64> {
     }
     let num = |r: std::ops::Range<usize>| -> Option<i64> {
         let part = s.get(r)?;
-        if part.bytes().all(|c| c.is_ascii_digit()) { part.parse().ok() } else { None }
+        if part.bytes().all(|c| c.is_ascii_digit()) {
+            part.parse().ok()
+        } else {
+            None
+        }
     };
-    let (y, mo, d, h, mi, sec) = (num(0..4)?, num(5..7)?, num(8..10)?, num(11..13)?, num(14..16)?, num(17..19)?);
+    let (y, mo, d, h, mi, sec) = (
+        num(0..4)?,
+        num(5..7)?,
+        num(8..10)?,
+        num(11..13)?,
+        num(14..16)?,
+        num(17..19)?,
+    );
     if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
         return None;
     }
@@ -77,7 +100,12 @@ pub(crate) fn parse_rfc3339_ms(s: &str) -> Option<i64> {
 pub(crate) fn format_utc_seconds(ms: i64) -> String {
     let (y, m, d) = civil_from_days(ms.div_euclid(DAY_MS));
     let rem = ms.rem_euclid(DAY_MS) / 1000;
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem / 60 % 60, rem % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
 }
 
 pub(crate) fn now_ms() -> i64 {
@@ -93,11 +121,30 @@ mod tests {
     #[test]
     fn parses_the_apps_timestamp_forms() {
         assert_eq!(parse_rfc3339_ms("1970-01-01T00:00:00Z"), Some(0));
-        assert_eq!(parse_rfc3339_ms("2026-11-30T14:31:05.123Z"), Some(1_796_049_065_123));
-        assert_eq!(parse_rfc3339_ms("2026-11-30T14:31:05.123456Z"), Some(1_796_049_065_123));
-        assert_eq!(parse_rfc3339_ms("2026-11-30T15:31:05.123+01:00"), Some(1_796_049_065_123));
-        assert_eq!(parse_rfc3339_ms("2000-02-29T00:00:00-00:30"), Some(951_784_200_000));
-        for bad in ["", "2026-11-30", "2026-13-01T00:00:00Z", "2026-11-30T14:31:05", "2026-11-30T14:31:05.Z", "x026-11-30T14:31:05Z"] {
+        assert_eq!(
+            parse_rfc3339_ms("2026-11-30T14:31:05.123Z"),
+            Some(1_796_049_065_123)
+        );
+        assert_eq!(
+            parse_rfc3339_ms("2026-11-30T14:31:05.123456Z"),
+            Some(1_796_049_065_123)
+        );
+        assert_eq!(
+            parse_rfc3339_ms("2026-11-30T15:31:05.123+01:00"),
+            Some(1_796_049_065_123)
+        );
+        assert_eq!(
+            parse_rfc3339_ms("2000-02-29T00:00:00-00:30"),
+            Some(951_784_200_000)
+        );
+        for bad in [
+            "",
+            "2026-11-30",
+            "2026-13-01T00:00:00Z",
+            "2026-11-30T14:31:05",
+            "2026-11-30T14:31:05.Z",
+            "x026-11-30T14:31:05Z",
+        ] {
             assert_eq!(parse_rfc3339_ms(bad), None, "{bad}");
         }
     }

@@ -31,13 +31,25 @@ pub struct ZulipConfig {
 
 impl std::fmt::Debug for ZulipConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ZulipConfig").field("base_url", &self.base_url).field("email", &self.email).finish_non_exhaustive()
+        f.debug_struct("ZulipConfig")
+            .field("base_url", &self.base_url)
+            .field("email", &self.email)
+            .finish_non_exhaustive()
     }
 }
 
 impl ZulipConfig {
-    pub fn new(base_url: impl Into<String>, email: impl Into<String>, api_key: impl Into<String>) -> Self {
-        Self { base_url: base_url.into(), email: email.into(), api_key: api_key.into(), timeout: DEFAULT_TIMEOUT }
+    pub fn new(
+        base_url: impl Into<String>,
+        email: impl Into<String>,
+        api_key: impl Into<String>,
+    ) -> Self {
+        Self {
+            base_url: base_url.into(),
+            email: email.into(),
+            api_key: api_key.into(),
+            timeout: DEFAULT_TIMEOUT,
+        }
     }
 }
 
@@ -82,7 +94,8 @@ impl ZulipClient {
         if config.email.is_empty() {
             return Err(AgentError::Config("zulip: email is empty".into()));
         }
-        let basic = base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", config.email, config.api_key));
+        let basic = base64::engine::general_purpose::STANDARD
+            .encode(format!("{}:{}", config.email, config.api_key));
         let http = AppHttp::new(
             "zulip",
             &config.base_url,
@@ -96,21 +109,37 @@ impl ZulipClient {
     /// `POST /messages` (send-message) to a channel topic; returns the message id.
     pub async fn send(&self, channel: &str, topic: &str, content: &str) -> Result<u64, AgentError> {
         // `stream` rather than `channel`: accepted by every server version (`channel` needs feature level 248).
-        let form = [("type", "stream"), ("to", channel), ("topic", topic), ("content", content)];
-        let rb = self.http.request(Method::POST, self.http.url(&["api", "v1", "messages"])).form(&form);
+        let form = [
+            ("type", "stream"),
+            ("to", channel),
+            ("topic", topic),
+            ("content", content),
+        ];
+        let rb = self
+            .http
+            .request(Method::POST, self.http.url(&["api", "v1", "messages"]))
+            .form(&form);
         let reply: SendReply = self.call(rb).await?;
         Ok(reply.id)
     }
 
     /// `GET /get_stream_id`.
     pub async fn stream_id(&self, channel: &str) -> Result<u64, AgentError> {
-        let rb = self.http.request(Method::GET, self.http.url(&["api", "v1", "get_stream_id"])).query(&[("stream", channel)]);
+        let rb = self
+            .http
+            .request(Method::GET, self.http.url(&["api", "v1", "get_stream_id"]))
+            .query(&[("stream", channel)]);
         let reply: StreamIdReply = self.call(rb).await?;
         Ok(reply.stream_id)
     }
 
     /// `GET /messages`: the newest `limit` messages of a topic, oldest first, raw Markdown.
-    pub async fn read(&self, channel: &str, topic: &str, limit: u32) -> Result<Vec<ZulipMessage>, AgentError> {
+    pub async fn read(
+        &self,
+        channel: &str,
+        topic: &str,
+        limit: u32,
+    ) -> Result<Vec<ZulipMessage>, AgentError> {
         let narrow = json!([{"operator": "channel", "operand": channel}, {"operator": "topic", "operand": topic}]).to_string();
         let limit = limit.to_string();
         let query = [
@@ -120,13 +149,22 @@ impl ZulipClient {
             ("narrow", narrow.as_str()),
             ("apply_markdown", "false"),
         ];
-        let rb = self.http.request(Method::GET, self.http.url(&["api", "v1", "messages"])).query(&query);
+        let rb = self
+            .http
+            .request(Method::GET, self.http.url(&["api", "v1", "messages"]))
+            .query(&query);
         let reply: MessagesReply = self.call(rb).await?;
         Ok(reply.messages)
     }
 
     /// A web link to the topic, near `message_id`, in Zulip's `#narrow` hash encoding.
-    pub fn thread_url(&self, stream_id: u64, channel: &str, topic: &str, message_id: u64) -> String {
+    pub fn thread_url(
+        &self,
+        stream_id: u64,
+        channel: &str,
+        topic: &str,
+        message_id: u64,
+    ) -> String {
         let base = self.http.base().as_str().trim_end_matches('/');
         format!(
             "{base}/#narrow/channel/{stream_id}-{}/topic/{}/near/{message_id}",
@@ -135,14 +173,19 @@ impl ZulipClient {
         )
     }
 
-    async fn call<T: serde::de::DeserializeOwned>(&self, rb: reqwest::RequestBuilder) -> Result<T, AgentError> {
+    async fn call<T: serde::de::DeserializeOwned>(
+        &self,
+        rb: reqwest::RequestBuilder,
+    ) -> Result<T, AgentError> {
         let reply = self.http.send(rb).await?;
         if !(200..300).contains(&reply.status) {
             return Err(self.http.status_error(&reply));
         }
         let env: Envelope = self.http.decode(&reply.body)?;
         if env.result != "success" {
-            return Err(self.http.bad(format!("result `{}`: {}", env.result, env.msg)));
+            return Err(self
+                .http
+                .bad(format!("result `{}`: {}", env.result, env.msg)));
         }
         self.http.decode(&reply.body)
     }
@@ -153,7 +196,9 @@ fn hash_encode(s: &str) -> String {
     let mut out = String::new();
     for b in s.bytes() {
         match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'!' | b'~' | b'*' | b'\'' => out.push(b as char),
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'!' | b'~' | b'*' | b'\'' => {
+                out.push(b as char)
+            }
             b'(' => out.push_str(".28"),
             b')' => out.push_str(".29"),
             _ => out.push_str(&format!(".{b:02X}")),
@@ -182,7 +227,9 @@ fn check_place(channel: &str, topic: &str) -> Result<(), AgentError> {
     require("topic", topic, MAX_TOPIC_CHARS * 4)?;
     if topic.chars().count() > MAX_TOPIC_CHARS {
         // Zulip would truncate it, and later reads of the full name would miss the thread.
-        return Err(AgentError::InvalidArgs(format!("`topic` is longer than {MAX_TOPIC_CHARS} characters")));
+        return Err(AgentError::InvalidArgs(format!(
+            "`topic` is longer than {MAX_TOPIC_CHARS} characters"
+        )));
     }
     Ok(())
 }
@@ -194,7 +241,9 @@ pub struct ZulipAgent {
 
 impl ZulipAgent {
     pub fn new(config: &ZulipConfig) -> Result<Self, AgentError> {
-        Ok(Self { client: ZulipClient::new(config)? })
+        Ok(Self {
+            client: ZulipClient::new(config)?,
+        })
     }
 
     async fn run(&self, skill: &str, value: Value) -> Result<Value, AgentError> {
@@ -210,7 +259,9 @@ impl ZulipAgent {
                 // Resolve the channel first: an unknown channel fails before anything is posted.
                 let stream_id = self.client.stream_id(&a.channel).await?;
                 let id = self.client.send(&a.channel, &a.topic, &a.content).await?;
-                Ok(json!({"message_id": id, "url": self.client.thread_url(stream_id, &a.channel, &a.topic, id)}))
+                Ok(
+                    json!({"message_id": id, "url": self.client.thread_url(stream_id, &a.channel, &a.topic, id)}),
+                )
             }
             "read" => {
                 let a: ReadArgs = args(skill, value)?;

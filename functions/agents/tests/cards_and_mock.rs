@@ -10,20 +10,51 @@ use serde_json::{Value, json};
 use std::collections::HashMap;
 
 fn risks(agent: &dyn Skills) -> Vec<(String, Risk)> {
-    agent.card().skills.into_iter().map(|s| (s.id, s.risk)).collect()
+    agent
+        .card()
+        .skills
+        .into_iter()
+        .map(|s| (s.id, s.risk))
+        .collect()
 }
 
 #[test]
 fn cards_match_the_contract_table() {
     let z = ZulipAgent::new(&ZulipConfig::new("http://127.0.0.1:1", "bot@x", "k")).unwrap();
     let p = PlaneAgent::new(&PlaneConfig::new("http://127.0.0.1:1", "k", "acme", "p")).unwrap();
-    let f = ForgejoAgent::new(&ForgejoConfig::new("http://127.0.0.1:1", "t", "acme", "shop")).unwrap();
+    let f = ForgejoAgent::new(&ForgejoConfig::new(
+        "http://127.0.0.1:1",
+        "t",
+        "acme",
+        "shop",
+    ))
+    .unwrap();
     let g = GlitchTipAgent::new(&GlitchTipConfig::new("http://127.0.0.1:1", "t", "acme")).unwrap();
-    let a = AnalyticsAgent::new(&AnalyticsConfig::new("http://127.0.0.1:1", "id", "s", "shop")).unwrap();
+    let a = AnalyticsAgent::new(&AnalyticsConfig::new(
+        "http://127.0.0.1:1",
+        "id",
+        "s",
+        "shop",
+    ))
+    .unwrap();
     use Risk::*;
-    let expect = |v: &[(&str, Risk)]| v.iter().map(|(s, r)| ((*s).to_string(), *r)).collect::<Vec<_>>();
-    assert_eq!(risks(&z), expect(&[("open_thread", Write), ("post", Write), ("read", Read)]));
-    assert_eq!(risks(&p), expect(&[("create_issue", Write), ("comment", Write), ("set_state", Write)]));
+    let expect = |v: &[(&str, Risk)]| {
+        v.iter()
+            .map(|(s, r)| ((*s).to_string(), *r))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        risks(&z),
+        expect(&[("open_thread", Write), ("post", Write), ("read", Read)])
+    );
+    assert_eq!(
+        risks(&p),
+        expect(&[
+            ("create_issue", Write),
+            ("comment", Write),
+            ("set_state", Write)
+        ])
+    );
     assert_eq!(
         risks(&f),
         expect(&[
@@ -36,13 +67,26 @@ fn cards_match_the_contract_table() {
             ("revert", Destructive),
         ])
     );
-    assert_eq!(risks(&g), expect(&[("issue_events", Read), ("resolve", Write)]));
+    assert_eq!(
+        risks(&g),
+        expect(&[("issue_events", Read), ("resolve", Write)])
+    );
     assert_eq!(risks(&a), expect(&[("series", Read)]));
-    for (agent, name) in [(&z as &dyn Skills, "zulip"), (&p, "plane"), (&f, "forgejo"), (&g, "glitchtip"), (&a, "analytics")] {
+    for (agent, name) in [
+        (&z as &dyn Skills, "zulip"),
+        (&p, "plane"),
+        (&f, "forgejo"),
+        (&g, "glitchtip"),
+        (&a, "analytics"),
+    ] {
         let card = agent.card();
         assert_eq!(card.name, name);
         for s in card.skills {
-            assert!(!s.description.is_empty() && !s.examples.is_empty(), "{name}.{}", s.id);
+            assert!(
+                !s.description.is_empty() && !s.examples.is_empty(),
+                "{name}.{}",
+                s.id
+            );
             // Examples are valid JSON args.
             for e in &s.examples {
                 serde_json::from_str::<Value>(e).unwrap();
@@ -64,7 +108,10 @@ async fn unknown_skill_and_bad_args_are_permanent() {
     let g = GlitchTipAgent::new(&GlitchTipConfig::new("http://127.0.0.1:1", "t", "acme")).unwrap();
     let e = g.invoke("delete_everything", json!({})).await.unwrap_err();
     assert!(!e.retryable && e.message.contains("delete_everything"));
-    let e = g.invoke("resolve", json!({"issue_id": 1, "extra": true})).await.unwrap_err();
+    let e = g
+        .invoke("resolve", json!({"issue_id": 1, "extra": true}))
+        .await
+        .unwrap_err();
     assert!(!e.retryable && e.message.contains("extra"));
 }
 
@@ -73,8 +120,12 @@ async fn unreachable_app_is_retryable() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     drop(listener);
-    let g = GlitchTipAgent::new(&GlitchTipConfig::new(format!("http://{addr}"), "t", "acme")).unwrap();
-    let e = g.invoke("resolve", json!({"issue_id": 1})).await.unwrap_err();
+    let g =
+        GlitchTipAgent::new(&GlitchTipConfig::new(format!("http://{addr}"), "t", "acme")).unwrap();
+    let e = g
+        .invoke("resolve", json!({"issue_id": 1}))
+        .await
+        .unwrap_err();
     assert!(e.retryable, "{e:?}");
 }
 
@@ -104,11 +155,26 @@ async fn zulip_open_thread_posts_and_links_the_topic() {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
     let z = ZulipAgent::new(&ZulipConfig::new(format!("http://{addr}"), "bot@x", "k")).unwrap();
-    let out = z.invoke("open_thread", json!({"channel": "incident room", "topic": "checkout 500s", "content": "hi"})).await.unwrap();
+    let out = z
+        .invoke(
+            "open_thread",
+            json!({"channel": "incident room", "topic": "checkout 500s", "content": "hi"}),
+        )
+        .await
+        .unwrap();
     assert_eq!(
         out,
         json!({"message_id": 42, "url": format!("http://{addr}/#narrow/channel/15-incident-room/topic/checkout.20500s/near/42")})
     );
-    let err = z.invoke("open_thread", json!({"channel": "nope", "topic": "t", "content": "hi"})).await.unwrap_err();
-    assert!(!err.retryable && err.message.contains("Invalid channel name"), "{err:?}");
+    let err = z
+        .invoke(
+            "open_thread",
+            json!({"channel": "nope", "topic": "t", "content": "hi"}),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        !err.retryable && err.message.contains("Invalid channel name"),
+        "{err:?}"
+    );
 }

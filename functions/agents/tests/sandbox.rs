@@ -11,7 +11,10 @@ mod spec;
 /// A sandbox that records every exchange, so each test can hold what the agent sent to the official API
 /// descriptions.
 async fn sandbox() -> (SandboxHandle, SandboxInfo) {
-    let config = SandboxConfig { record_requests: true, ..SandboxConfig::default() };
+    let config = SandboxConfig {
+        record_requests: true,
+        ..SandboxConfig::default()
+    };
     let handle = Sandbox::start(config).await.unwrap();
     let info = handle.info();
     (handle, info)
@@ -21,7 +24,12 @@ async fn sandbox() -> (SandboxHandle, SandboxInfo) {
 /// checked against the app's description; read over the control endpoint as another process would.
 async fn conform(info: &SandboxInfo) {
     let log: Vec<loams_sandbox::Exchange> =
-        reqwest::get(format!("{}/_sandbox/requests", info.urls.plane)).await.unwrap().json().await.unwrap();
+        reqwest::get(format!("{}/_sandbox/requests", info.urls.plane))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
     let checked = spec::assert_exchanges_conform(&log, true);
     assert!(checked > 0, "the agent sent nothing to a described app");
 }
@@ -34,17 +42,32 @@ async fn ok(agent: &dyn Skills, skill: &str, args: Value) -> Value {
 }
 
 fn zulip(info: &SandboxInfo) -> ZulipAgent {
-    ZulipAgent::new(&ZulipConfig::new(&info.urls.zulip, &info.tokens.zulip_email, &info.tokens.zulip_api_key)).unwrap()
+    ZulipAgent::new(&ZulipConfig::new(
+        &info.urls.zulip,
+        &info.tokens.zulip_email,
+        &info.tokens.zulip_api_key,
+    ))
+    .unwrap()
 }
 
 fn plane(info: &SandboxInfo) -> PlaneAgent {
-    let mut cfg = PlaneConfig::new(&info.urls.plane, &info.tokens.plane_api_key, &info.plane_workspace, &info.plane_project_id);
+    let mut cfg = PlaneConfig::new(
+        &info.urls.plane,
+        &info.tokens.plane_api_key,
+        &info.plane_workspace,
+        &info.plane_project_id,
+    );
     cfg.project_identifier = Some("OPS".into());
     PlaneAgent::new(&cfg).unwrap()
 }
 
 fn forgejo(info: &SandboxInfo) -> ForgejoAgent {
-    let mut cfg = ForgejoConfig::new(&info.urls.forgejo, &info.tokens.forgejo_token, &info.forgejo_owner, &info.forgejo_repo);
+    let mut cfg = ForgejoConfig::new(
+        &info.urls.forgejo,
+        &info.tokens.forgejo_token,
+        &info.forgejo_owner,
+        &info.forgejo_repo,
+    );
     cfg.base_branch = info.forgejo_base.clone();
     ForgejoAgent::new(&cfg).unwrap()
 }
@@ -54,29 +77,81 @@ async fn zulip_post_and_read_a_topic() {
     let (sb, info) = sandbox().await;
     let agent = zulip(&info);
     let channel = info.zulip_channel.clone();
-    let first = ok(&agent, "open_thread", json!({"channel": channel, "topic": "checkout 500s", "content": "Investigating"})).await;
+    let first = ok(
+        &agent,
+        "open_thread",
+        json!({"channel": channel, "topic": "checkout 500s", "content": "Investigating"}),
+    )
+    .await;
     let url = first["url"].as_str().unwrap();
-    assert!(url.starts_with(&format!("{}/#narrow/channel/", info.urls.zulip)), "{url}");
-    assert!(url.ends_with(&format!("/topic/checkout.20500s/near/{}", first["message_id"])), "{url}");
-    let second = ok(&agent, "post", json!({"channel": channel, "topic": "checkout 500s", "content": "PR **#1** opened"})).await;
+    assert!(
+        url.starts_with(&format!("{}/#narrow/channel/", info.urls.zulip)),
+        "{url}"
+    );
+    assert!(
+        url.ends_with(&format!(
+            "/topic/checkout.20500s/near/{}",
+            first["message_id"]
+        )),
+        "{url}"
+    );
+    let second = ok(
+        &agent,
+        "post",
+        json!({"channel": channel, "topic": "checkout 500s", "content": "PR **#1** opened"}),
+    )
+    .await;
     assert_ne!(first["message_id"], second["message_id"]);
-    ok(&agent, "post", json!({"channel": channel, "topic": "other", "content": "noise"})).await;
-    let read = ok(&agent, "read", json!({"channel": channel, "topic": "checkout 500s"})).await;
+    ok(
+        &agent,
+        "post",
+        json!({"channel": channel, "topic": "other", "content": "noise"}),
+    )
+    .await;
+    let read = ok(
+        &agent,
+        "read",
+        json!({"channel": channel, "topic": "checkout 500s"}),
+    )
+    .await;
     let messages = read["messages"].as_array().unwrap();
-    let contents: Vec<&str> = messages.iter().map(|m| m["content"].as_str().unwrap()).collect();
+    let contents: Vec<&str> = messages
+        .iter()
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
     assert_eq!(contents, ["Investigating", "PR **#1** opened"]);
     assert_eq!(messages[0]["id"], first["message_id"]);
     assert_eq!(messages[0]["sender"], json!(info.tokens.zulip_email));
 
-    let err = agent.invoke("post", json!({"channel": "no-such-channel", "topic": "t", "content": "x"})).await.unwrap_err();
+    let err = agent
+        .invoke(
+            "post",
+            json!({"channel": "no-such-channel", "topic": "t", "content": "x"}),
+        )
+        .await
+        .unwrap_err();
     assert!(!err.retryable, "{err:?}");
-    let err = agent.invoke("post", json!({"channel": channel, "topic": "t"})).await.unwrap_err();
+    let err = agent
+        .invoke("post", json!({"channel": channel, "topic": "t"}))
+        .await
+        .unwrap_err();
     assert!(!err.retryable && err.message.contains("content"), "{err:?}");
 
     // Wrong credentials: a permanent error that does not echo the key.
-    let bad = ZulipAgent::new(&ZulipConfig::new(&info.urls.zulip, &info.tokens.zulip_email, "wrong-key-123")).unwrap();
-    let err = bad.invoke("read", json!({"channel": channel, "topic": "t"})).await.unwrap_err();
-    assert!(!err.retryable && err.message.contains("401") && !err.message.contains("wrong-key-123"), "{err:?}");
+    let bad = ZulipAgent::new(&ZulipConfig::new(
+        &info.urls.zulip,
+        &info.tokens.zulip_email,
+        "wrong-key-123",
+    ))
+    .unwrap();
+    let err = bad
+        .invoke("read", json!({"channel": channel, "topic": "t"}))
+        .await
+        .unwrap_err();
+    assert!(
+        !err.retryable && err.message.contains("401") && !err.message.contains("wrong-key-123"),
+        "{err:?}"
+    );
     conform(&info).await;
     sb.shutdown().await;
 }
@@ -88,20 +163,46 @@ async fn plane_create_is_create_if_absent_then_comment_and_state() {
     let args = json!({"external_id": "factory:r-0123456789abcdef", "title": "checkout 500s", "description": "ZeroDivisionError <in> checkout"});
     let first = ok(&agent, "create_issue", args.clone()).await;
     assert_eq!(first["created"], json!(true));
-    assert!(first["key"].as_str().unwrap().starts_with("OPS-"), "{first}");
-    assert!(first["url"].as_str().unwrap().ends_with(&format!("/acme/browse/{}/", first["key"].as_str().unwrap())));
+    assert!(
+        first["key"].as_str().unwrap().starts_with("OPS-"),
+        "{first}"
+    );
+    assert!(
+        first["url"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!("/acme/browse/{}/", first["key"].as_str().unwrap()))
+    );
     let again = ok(&agent, "create_issue", args).await;
     assert_eq!(again["created"], json!(false));
     assert_eq!((&again["id"], &again["key"]), (&first["id"], &first["key"]));
-    let other = ok(&agent, "create_issue", json!({"external_id": "factory:r-other", "title": "x"})).await;
+    let other = ok(
+        &agent,
+        "create_issue",
+        json!({"external_id": "factory:r-other", "title": "x"}),
+    )
+    .await;
     assert_ne!(other["id"], first["id"]);
 
     let id = first["id"].as_str().unwrap();
-    let c = ok(&agent, "comment", json!({"issue_id": id, "body": "Fix proposed"})).await;
+    let c = ok(
+        &agent,
+        "comment",
+        json!({"issue_id": id, "body": "Fix proposed"}),
+    )
+    .await;
     assert!(c["id"].as_str().is_some_and(|s| !s.is_empty()));
-    let s = ok(&agent, "set_state", json!({"issue_id": id, "state": "completed"})).await;
+    let s = ok(
+        &agent,
+        "set_state",
+        json!({"issue_id": id, "state": "completed"}),
+    )
+    .await;
     assert_eq!(s["state"], json!("completed"));
-    let err = agent.invoke("set_state", json!({"issue_id": id, "state": "done"})).await.unwrap_err();
+    let err = agent
+        .invoke("set_state", json!({"issue_id": id, "state": "done"}))
+        .await
+        .unwrap_err();
     assert!(!err.retryable);
     conform(&info).await;
     sb.shutdown().await;
@@ -112,10 +213,18 @@ async fn forgejo_patch_pr_ci_merge_flow() {
     let (sb, info) = sandbox().await;
     let agent = forgejo(&info);
     let base = info.forgejo_base.clone();
-    let read = ok(&agent, "read_files", json!({"paths": ["src/checkout.py", "missing.txt"], "ref": base})).await;
+    let read = ok(
+        &agent,
+        "read_files",
+        json!({"paths": ["src/checkout.py", "missing.txt"], "ref": base}),
+    )
+    .await;
     let original = read["files"][0]["content"].as_str().unwrap().to_string();
     assert!(original.contains("def apply_discount"));
-    assert_eq!(read["files"][1], json!({"path": "missing.txt", "content": null}));
+    assert_eq!(
+        read["files"][1],
+        json!({"path": "missing.txt", "content": null})
+    );
 
     let fixed = original.replace("/ 0", "/ 100");
     let branch = "factory/r-0123456789abcdef";
@@ -124,7 +233,12 @@ async fn forgejo_patch_pr_ci_merge_flow() {
     // Repeating the same patch makes no new commit.
     let c2 = ok(&agent, "commit_patch", patch).await;
     assert_eq!(c1["sha"], c2["sha"]);
-    let on_branch = ok(&agent, "read_files", json!({"paths": ["src/checkout.py"], "ref": branch})).await;
+    let on_branch = ok(
+        &agent,
+        "read_files",
+        json!({"paths": ["src/checkout.py"], "ref": branch}),
+    )
+    .await;
     assert_eq!(on_branch["files"][0]["content"], json!(fixed));
     let to_base = agent.invoke("commit_patch", json!({"branch": base, "base": base, "message": "x", "files": [{"path": "a", "content": "b"}]})).await;
     assert!(to_base.is_err_and(|e| !e.retryable));
@@ -137,27 +251,63 @@ async fn forgejo_patch_pr_ci_merge_flow() {
     let number = pr["number"].as_u64().unwrap();
 
     let ci = ok(&agent, "ci_status", json!({"sha": c1["sha"]})).await;
-    assert!(["pending", "success", "failure", "error"].contains(&ci["state"].as_str().unwrap()), "{ci}");
+    assert!(
+        ["pending", "success", "failure", "error"].contains(&ci["state"].as_str().unwrap()),
+        "{ci}"
+    );
 
     // A draft (WIP) PR cannot be merged: the server refuses, and the error is permanent.
-    let wip = agent.invoke("merge", json!({"number": number, "head_sha": c1["sha"]})).await;
+    let wip = agent
+        .invoke("merge", json!({"number": number, "head_sha": c1["sha"]}))
+        .await;
     assert!(wip.is_err_and(|e| !e.retryable && e.message.contains("405")));
     // Open-or-update: the same branch without draft updates the title of the same PR.
-    let ready = ok(&agent, "open_pr", json!({"branch": branch, "base": base, "title": "Fix checkout", "body": "Divides by 100"})).await;
+    let ready = ok(
+        &agent,
+        "open_pr",
+        json!({"branch": branch, "base": base, "title": "Fix checkout", "body": "Divides by 100"}),
+    )
+    .await;
     assert_eq!(ready["number"], pr["number"]);
 
-    let wrong = agent.invoke("merge", json!({"number": number, "head_sha": "0000000000000000000000000000000000000000"})).await;
+    let wrong = agent
+        .invoke(
+            "merge",
+            json!({"number": number, "head_sha": "0000000000000000000000000000000000000000"}),
+        )
+        .await;
     assert!(wrong.is_err_and(|e| !e.retryable && e.message.contains("approved")));
-    let merged = ok(&agent, "merge", json!({"number": number, "head_sha": c1["sha"]})).await;
+    let merged = ok(
+        &agent,
+        "merge",
+        json!({"number": number, "head_sha": c1["sha"]}),
+    )
+    .await;
     let merge_sha = merged["merge_sha"].as_str().unwrap().to_string();
-    let again = ok(&agent, "merge", json!({"number": number, "head_sha": c1["sha"]})).await;
+    let again = ok(
+        &agent,
+        "merge",
+        json!({"number": number, "head_sha": c1["sha"]}),
+    )
+    .await;
     assert_eq!(again["merge_sha"], json!(merge_sha));
     // A merged PR cannot be closed: close_pr says so with the merge commit (a run that lost the merge's answer
     // reverts instead), and leaves the branch alone.
     let close = json!({"number": number, "branch": branch});
-    assert_eq!(ok(&agent, "close_pr", close.clone()).await, json!({"closed": false, "merged": true, "merge_sha": merge_sha}));
-    assert_eq!(ok(&agent, "close_pr", close).await["merge_sha"], json!(merge_sha));
-    let kept = ok(&agent, "read_files", json!({"paths": ["src/checkout.py"], "ref": branch})).await;
+    assert_eq!(
+        ok(&agent, "close_pr", close.clone()).await,
+        json!({"closed": false, "merged": true, "merge_sha": merge_sha})
+    );
+    assert_eq!(
+        ok(&agent, "close_pr", close).await["merge_sha"],
+        json!(merge_sha)
+    );
+    let kept = ok(
+        &agent,
+        "read_files",
+        json!({"paths": ["src/checkout.py"], "ref": branch}),
+    )
+    .await;
     assert_eq!(kept["files"][0]["content"], json!(fixed));
     let after = ok(&agent, "read_files", json!({"paths": ["src/checkout.py"]})).await;
     assert_eq!(after["files"][0]["content"], json!(fixed));
@@ -167,12 +317,20 @@ async fn forgejo_patch_pr_ci_merge_flow() {
 
 /// Someone with push access who is not the factory.
 fn intruder(info: &SandboxInfo) -> ForgejoClient {
-    ForgejoClient::new(&ForgejoConfig::new(&info.urls.forgejo, &info.tokens.forgejo_token, &info.forgejo_owner, &info.forgejo_repo))
-        .unwrap()
+    ForgejoClient::new(&ForgejoConfig::new(
+        &info.urls.forgejo,
+        &info.tokens.forgejo_token,
+        &info.forgejo_owner,
+        &info.forgejo_repo,
+    ))
+    .unwrap()
 }
 
 fn change(path: &str, content: &str) -> forgejo::FileChange {
-    forgejo::FileChange { path: path.into(), content: Some(content.as_bytes().to_vec()) }
+    forgejo::FileChange {
+        path: path.into(),
+        content: Some(content.as_bytes().to_vec()),
+    }
 }
 
 async fn refused(agent: &ForgejoAgent, skill: &str, args: Value, needle: &str) {
@@ -196,10 +354,22 @@ async fn forgejo_commit_patch_refuses_branches_it_did_not_make() {
     // the factory's exact file: refused, and nothing is committed on top.
     let branch = "factory/r-aaaaaaaaaaaaaaaa";
     assert!(other.create_branch(branch, &base).await.unwrap());
-    let planted = [change("src/checkout.py", fixed), change("src/backdoor.py", "import os\n")];
-    let foreign = other.apply_changes(branch, &base_head, "innocent", &planted).await.unwrap();
+    let planted = [
+        change("src/checkout.py", fixed),
+        change("src/backdoor.py", "import os\n"),
+    ];
+    let foreign = other
+        .apply_changes(branch, &base_head, "innocent", &planted)
+        .await
+        .unwrap();
     let patch = json!({"branch": branch, "base": base, "message": "Fix", "files": files});
-    refused(&agent, "commit_patch", patch.clone(), "refusing to commit on top").await;
+    refused(
+        &agent,
+        "commit_patch",
+        patch.clone(),
+        "refusing to commit on top",
+    )
+    .await;
     let mut explicit_null = patch.clone();
     explicit_null["expected_head"] = Value::Null;
     refused(&agent, "commit_patch", explicit_null, &foreign).await;
@@ -209,30 +379,59 @@ async fn forgejo_commit_patch_refuses_branches_it_did_not_make() {
     let branch = "factory/r-bbbbbbbbbbbbbbbb";
     assert!(other.create_branch(branch, &base).await.unwrap());
     let first = json!({"branch": branch, "base": base, "message": "Fix", "files": files});
-    let c1 = ok(&agent, "commit_patch", first).await["sha"].as_str().unwrap().to_string();
+    let c1 = ok(&agent, "commit_patch", first).await["sha"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let again = json!({"branch": branch, "base": base, "expected_head": c1, "message": "Fix 2",
         "files": [{"path": "src/checkout.py", "content": format!("{fixed}# 2\n")}]});
-    let c2 = ok(&agent, "commit_patch", again.clone()).await["sha"].as_str().unwrap().to_string();
+    let c2 = ok(&agent, "commit_patch", again.clone()).await["sha"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert_ne!(c1, c2);
     // A retry whose answer was lost gets its own commit back.
     assert_eq!(ok(&agent, "commit_patch", again).await["sha"], json!(c2));
     // Pinned to a commit the branch has moved past (someone pushed since): refused, the branch is left as it is.
-    let pushed = other.apply_changes(branch, &c2, "one more thing", &[change("src/backdoor.py", "x\n")]).await.unwrap();
+    let pushed = other
+        .apply_changes(
+            branch,
+            &c2,
+            "one more thing",
+            &[change("src/backdoor.py", "x\n")],
+        )
+        .await
+        .unwrap();
     let third = json!({"branch": branch, "base": base, "expected_head": c2, "message": "Fix 3",
         "files": [{"path": "src/checkout.py", "content": format!("{fixed}# 3\n")}]});
     refused(&agent, "commit_patch", third, "refusing to commit on top").await;
     assert_eq!(other.branch_head(branch).await.unwrap(), pushed);
     // Nor may a first commit land on it.
-    refused(&agent, "commit_patch", json!({"branch": branch, "base": base, "message": "Fix", "files": files}), "head of the base").await;
+    refused(
+        &agent,
+        "commit_patch",
+        json!({"branch": branch, "base": base, "message": "Fix", "files": files}),
+        "head of the base",
+    )
+    .await;
     // A pinned commit to a branch that is gone is refused rather than recreated from base.
     let gone = json!({"branch": "factory/r-cccccccccccccccc", "base": base, "expected_head": c2, "message": "Fix", "files": files});
     refused(&agent, "commit_patch", gone, "no longer exists").await;
     refused(&agent, "commit_patch", json!({"branch": branch, "base": base, "expected_head": "not-a-sha", "message": "m", "files": files}), "expected_head").await;
 
     // The PR answer names its base.
-    let pr = ok(&agent, "open_pr", json!({"branch": branch, "base": base, "title": "Fix", "body": ""})).await;
+    let pr = ok(
+        &agent,
+        "open_pr",
+        json!({"branch": branch, "base": base, "title": "Fix", "body": ""}),
+    )
+    .await;
     assert_eq!(pr["base"], json!(base));
-    assert_eq!(pr["head_sha"], json!(pushed), "the factory sees the foreign head and refuses to go on");
+    assert_eq!(
+        pr["head_sha"],
+        json!(pushed),
+        "the factory sees the foreign head and refuses to go on"
+    );
     conform(&info).await;
     sb.shutdown().await;
 }
@@ -244,14 +443,45 @@ async fn forgejo_close_pr_deletes_its_branch() {
     let base = info.forgejo_base.clone();
     let branch = "factory/r-close";
     ok(&agent, "commit_patch", json!({"branch": branch, "base": base, "message": "m", "files": [{"path": "NOTES.md", "content": "n"}]})).await;
-    let pr = ok(&agent, "open_pr", json!({"branch": branch, "base": base, "title": "t", "body": ""})).await;
+    let pr = ok(
+        &agent,
+        "open_pr",
+        json!({"branch": branch, "base": base, "title": "t", "body": ""}),
+    )
+    .await;
     let number = pr["number"].as_u64().unwrap();
-    let wrong = agent.invoke("close_pr", json!({"number": number, "branch": "factory/other"})).await;
+    let wrong = agent
+        .invoke(
+            "close_pr",
+            json!({"number": number, "branch": "factory/other"}),
+        )
+        .await;
     assert!(wrong.is_err_and(|e| !e.retryable));
-    assert_eq!(ok(&agent, "close_pr", json!({"number": number, "branch": branch})).await, json!({"closed": true}));
+    assert_eq!(
+        ok(
+            &agent,
+            "close_pr",
+            json!({"number": number, "branch": branch})
+        )
+        .await,
+        json!({"closed": true})
+    );
     // Repeat is fine (already closed, branch already gone).
-    assert_eq!(ok(&agent, "close_pr", json!({"number": number, "branch": branch})).await, json!({"closed": true}));
-    let gone = ok(&agent, "read_files", json!({"paths": ["NOTES.md"], "ref": branch})).await;
+    assert_eq!(
+        ok(
+            &agent,
+            "close_pr",
+            json!({"number": number, "branch": branch})
+        )
+        .await,
+        json!({"closed": true})
+    );
+    let gone = ok(
+        &agent,
+        "read_files",
+        json!({"paths": ["NOTES.md"], "ref": branch}),
+    )
+    .await;
     assert_eq!(gone["files"][0]["content"], json!(null));
     conform(&info).await;
     sb.shutdown().await;
@@ -260,17 +490,40 @@ async fn forgejo_close_pr_deletes_its_branch() {
 #[tokio::test]
 async fn glitchtip_counts_events_and_resolves() {
     let (sb, info) = sandbox().await;
-    let agent = GlitchTipAgent::new(&GlitchTipConfig::new(&info.urls.glitchtip, &info.tokens.glitchtip_token, &info.glitchtip_org)).unwrap();
+    let agent = GlitchTipAgent::new(&GlitchTipConfig::new(
+        &info.urls.glitchtip,
+        &info.tokens.glitchtip_token,
+        &info.glitchtip_org,
+    ))
+    .unwrap();
     let id = info.glitchtip_issue_id.to_string();
-    let all = ok(&agent, "issue_events", json!({"issue_id": id, "since_ms": 0})).await;
+    let all = ok(
+        &agent,
+        "issue_events",
+        json!({"issue_id": id, "since_ms": 0}),
+    )
+    .await;
     let total = all["count"].as_u64().unwrap();
     assert!(total > 0, "{all}");
     let last = all["last_seen_ms"].as_i64().unwrap();
-    let recent = ok(&agent, "issue_events", json!({"issue_id": id, "since_ms": last + 1})).await;
+    let recent = ok(
+        &agent,
+        "issue_events",
+        json!({"issue_id": id, "since_ms": last + 1}),
+    )
+    .await;
     assert!(recent["count"].as_u64().unwrap() < total.max(1), "{recent}");
-    let r = ok(&agent, "resolve", json!({"issue_id": info.glitchtip_issue_id})).await;
+    let r = ok(
+        &agent,
+        "resolve",
+        json!({"issue_id": info.glitchtip_issue_id}),
+    )
+    .await;
     assert_eq!(r["status"], json!("resolved"));
-    let missing = agent.invoke("resolve", json!({"issue_id": 999_999})).await.unwrap_err();
+    let missing = agent
+        .invoke("resolve", json!({"issue_id": 999_999}))
+        .await
+        .unwrap_err();
     assert!(!missing.retryable, "{missing:?}");
     conform(&info).await;
     sb.shutdown().await;
@@ -279,10 +532,24 @@ async fn glitchtip_counts_events_and_resolves() {
 #[tokio::test]
 async fn analytics_series_counts_days() {
     let (sb, info) = sandbox().await;
-    let cfg = AnalyticsConfig::new(&info.urls.openpanel, &info.tokens.openpanel_client_id, &info.tokens.openpanel_client_secret, &info.openpanel_project_id);
+    let cfg = AnalyticsConfig::new(
+        &info.urls.openpanel,
+        &info.tokens.openpanel_client_id,
+        &info.tokens.openpanel_client_secret,
+        &info.openpanel_project_id,
+    );
     let agent = AnalyticsAgent::new(&cfg).unwrap();
-    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64 - 3 * 86_400_000;
-    let s = ok(&agent, "series", json!({"event": "checkout_error", "since_ms": since})).await;
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+        - 3 * 86_400_000;
+    let s = ok(
+        &agent,
+        "series",
+        json!({"event": "checkout_error", "since_ms": since}),
+    )
+    .await;
     let points = s["points"].as_array().unwrap();
     assert!((3..=4).contains(&points.len()), "{s}");
     let sum: f64 = points.iter().map(|p| p["count"].as_f64().unwrap()).sum();
@@ -290,10 +557,22 @@ async fn analytics_series_counts_days() {
     // A start in the future (a series started at the next whole second after a merge, read within that second)
     // counts nothing rather than failing.
     let future = since + 4 * 86_400_000;
-    let empty = ok(&agent, "series", json!({"event": "checkout_error", "since_ms": future})).await;
+    let empty = ok(
+        &agent,
+        "series",
+        json!({"event": "checkout_error", "since_ms": future}),
+    )
+    .await;
     assert_eq!(empty, json!({"points": [], "total": 0}));
-    let bad = AnalyticsAgent::new(&AnalyticsConfig { client_secret: "nope".into(), ..cfg }).unwrap();
-    let err = bad.invoke("series", json!({"event": "x", "since_ms": since})).await.unwrap_err();
+    let bad = AnalyticsAgent::new(&AnalyticsConfig {
+        client_secret: "nope".into(),
+        ..cfg
+    })
+    .unwrap();
+    let err = bad
+        .invoke("series", json!({"event": "x", "since_ms": since}))
+        .await
+        .unwrap_err();
     assert!(!err.retryable && err.message.contains("401"), "{err:?}");
     sb.shutdown().await;
 }

@@ -10,7 +10,9 @@
 
 use aws_lc_rs::rand::{SecureRandom, SystemRandom};
 use loams_factory::Input;
-use loams_factory::approval::{self, Approval, ApprovalState, Challenge, DecisionRequest, Device, Refusal};
+use loams_factory::approval::{
+    self, Approval, ApprovalState, Challenge, DecisionRequest, Device, Refusal,
+};
 use loams_platform::{Cond, Item, Page, StoreError};
 use loams_proto::approvals::v1 as pa;
 use loams_proto::connect::{CallContext, Router};
@@ -40,15 +42,23 @@ fn challenge_id(approval_id: &str, device_id: &str) -> String {
 }
 
 pub(crate) fn parse<T: serde::de::DeserializeOwned>(item: &Item) -> Result<T, ApiError> {
-    serde_json::from_slice(&item.body)
-        .map_err(|e| ApiError::Internal(format!("stored {} {} is malformed: {e}", item.kind, item.id)))
+    serde_json::from_slice(&item.body).map_err(|e| {
+        ApiError::Internal(format!(
+            "stored {} {} is malformed: {e}",
+            item.kind, item.id
+        ))
+    })
 }
 
 pub(crate) fn to_body<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, ApiError> {
     serde_json::to_vec(value).map_err(|e| ApiError::Internal(format!("encoding record: {e}")))
 }
 
-async fn load_approval(state: &ApiState, caller: &Caller, id: &str) -> Result<(Item, Approval), ApiError> {
+async fn load_approval(
+    state: &ApiState,
+    caller: &Caller,
+    id: &str,
+) -> Result<(Item, Approval), ApiError> {
     id_arg("approval_id", id)?;
     let item = state
         .store
@@ -60,10 +70,18 @@ async fn load_approval(state: &ApiState, caller: &Caller, id: &str) -> Result<(I
 }
 
 /// The caller's own, unrevoked device; anyone else's device reads as unknown.
-async fn callers_device(state: &ApiState, caller: &Caller, id: &str) -> Result<(Item, Device), ApiError> {
+async fn callers_device(
+    state: &ApiState,
+    caller: &Caller,
+    id: &str,
+) -> Result<(Item, Device), ApiError> {
     id_arg("device_id", id)?;
     let unknown = || ApiError::from(Refusal::DeviceUnknown);
-    let item = state.store.get_item(&caller.org, "device", id).await?.ok_or_else(unknown)?;
+    let item = state
+        .store
+        .get_item(&caller.org, "device", id)
+        .await?
+        .ok_or_else(unknown)?;
     let device: Device = parse(&item)?;
     if device.user != caller.user {
         return Err(unknown());
@@ -71,13 +89,23 @@ async fn callers_device(state: &ApiState, caller: &Caller, id: &str) -> Result<(
     Ok((item, device))
 }
 
-async fn list(state: &ApiState, caller: &Caller, req: pa::ListApprovalsRequest) -> Result<pa::ListApprovalsResponse, ApiError> {
+async fn list(
+    state: &ApiState,
+    caller: &Caller,
+    req: pa::ListApprovalsRequest,
+) -> Result<pa::ListApprovalsResponse, ApiError> {
     let wanted = pa::ApprovalState::try_from(req.state)
         .map_err(|_| ApiError::InvalidArgument(format!("unknown approval state {}", req.state)))?;
     // Pending approvals have their own index; other states are filtered from the full list.
     let index = (wanted == pa::ApprovalState::Pending).then_some("pending");
-    let page = Page { cursor: page_token(&req.page_token)?, limit: page_size(req.page_size) };
-    let paged = state.store.list_items(&caller.org, "approval", index, page).await?;
+    let page = Page {
+        cursor: page_token(&req.page_token)?,
+        limit: page_size(req.page_size),
+    };
+    let paged = state
+        .store
+        .list_items(&caller.org, "approval", index, page)
+        .await?;
     let now = state.now_ms();
     let mut approvals = Vec::with_capacity(paged.items.len());
     for item in &paged.items {
@@ -88,10 +116,17 @@ async fn list(state: &ApiState, caller: &Caller, req: pa::ListApprovalsRequest) 
             approvals.push(shown);
         }
     }
-    Ok(pa::ListApprovalsResponse { approvals, next_page_token: paged.next.unwrap_or_default() })
+    Ok(pa::ListApprovalsResponse {
+        approvals,
+        next_page_token: paged.next.unwrap_or_default(),
+    })
 }
 
-async fn challenge(state: &ApiState, caller: &Caller, req: pa::GetChallengeRequest) -> Result<pa::GetChallengeResponse, ApiError> {
+async fn challenge(
+    state: &ApiState,
+    caller: &Caller,
+    req: pa::GetChallengeRequest,
+) -> Result<pa::GetChallengeResponse, ApiError> {
     let (_, approval) = load_approval(state, caller, &req.approval_id).await?;
     let (_, device) = callers_device(state, caller, &req.device_id).await?;
     if device.revoked {
@@ -99,15 +134,22 @@ async fn challenge(state: &ApiState, caller: &Caller, req: pa::GetChallengeReque
     }
     let now = state.now_ms();
     if approval.effective_state(now) != ApprovalState::Pending {
-        return Err(ApiError::FailedPrecondition(format!("approval is {}", approval.effective_state(now).as_str())));
+        return Err(ApiError::FailedPrecondition(format!(
+            "approval is {}",
+            approval.effective_state(now).as_str()
+        )));
     }
     let id = challenge_id(&approval.id, &device.id);
     let existing = state.store.get_item(&caller.org, "challenge", &id).await?;
     let ttl = state.config.challenge_ttl_ms;
     let reusable = |item: &Item| -> Result<Option<pa::GetChallengeResponse>, ApiError> {
         let c: Challenge = parse(item)?;
-        Ok((!c.used && c.expires_at_ms - now >= ttl / 2)
-            .then_some(pa::GetChallengeResponse { challenge: c.value, expires_at_ms: c.expires_at_ms }))
+        Ok(
+            (!c.used && c.expires_at_ms - now >= ttl / 2).then_some(pa::GetChallengeResponse {
+                challenge: c.value,
+                expires_at_ms: c.expires_at_ms,
+            }),
+        )
     };
     if let Some(item) = &existing
         && let Some(reused) = reusable(item)?
@@ -116,7 +158,9 @@ async fn challenge(state: &ApiState, caller: &Caller, req: pa::GetChallengeReque
     }
 
     let mut value = [0u8; CHALLENGE_BYTES];
-    SystemRandom::new().fill(&mut value).map_err(|_| ApiError::Internal("random challenge".into()))?;
+    SystemRandom::new()
+        .fill(&mut value)
+        .map_err(|_| ApiError::Internal("random challenge".into()))?;
     let expires_at_ms = now + ttl;
     let record = Challenge {
         value: value.to_vec(),
@@ -135,15 +179,22 @@ async fn challenge(state: &ApiState, caller: &Caller, req: pa::GetChallengeReque
         expires_ms: Some(expires_at_ms + CHALLENGE_KEEP_MS),
     };
     // Replacing the old one (expired, or soon to be) keeps the count at one.
-    let cond = existing.as_ref().map_or(Cond::Absent, |old| Cond::Version(old.version));
+    let cond = existing
+        .as_ref()
+        .map_or(Cond::Absent, |old| Cond::Version(old.version));
     match state.store.put_item(&item, cond).await {
-        Ok(_) => Ok(pa::GetChallengeResponse { challenge: value.to_vec(), expires_at_ms }),
+        Ok(_) => Ok(pa::GetChallengeResponse {
+            challenge: value.to_vec(),
+            expires_at_ms,
+        }),
         // A concurrent request of the same device wrote one first: that one is fresh, so it is the answer.
         Err(StoreError::Conflict) => {
             let raced = state.store.get_item(&caller.org, "challenge", &id).await?;
             match raced.as_ref().map(reusable).transpose()?.flatten() {
                 Some(theirs) => Ok(theirs),
-                None => Err(ApiError::Aborted("a concurrent request replaced the challenge; retry".into())),
+                None => Err(ApiError::Aborted(
+                    "a concurrent request replaced the challenge; retry".into(),
+                )),
             }
         }
         Err(e) => Err(e.into()),
@@ -154,16 +205,26 @@ fn validate_decide(req: &pa::DecideRequest) -> Result<bool, ApiError> {
     let approve = match pa::Decision::try_from(req.decision) {
         Ok(pa::Decision::Approve) => true,
         Ok(pa::Decision::Deny) => false,
-        _ => return Err(ApiError::InvalidArgument("decision must be APPROVE or DENY".into())),
+        _ => {
+            return Err(ApiError::InvalidArgument(
+                "decision must be APPROVE or DENY".into(),
+            ));
+        }
     };
     if req.challenge.len() != CHALLENGE_BYTES {
-        return Err(ApiError::InvalidArgument(format!("challenge must be {CHALLENGE_BYTES} bytes")));
+        return Err(ApiError::InvalidArgument(format!(
+            "challenge must be {CHALLENGE_BYTES} bytes"
+        )));
     }
     if req.signature.is_empty() || req.signature.len() > MAX_SIGNATURE {
-        return Err(ApiError::InvalidArgument(format!("signature must be 1..={MAX_SIGNATURE} bytes")));
+        return Err(ApiError::InvalidArgument(format!(
+            "signature must be 1..={MAX_SIGNATURE} bytes"
+        )));
     }
     if req.typed_confirmation.len() > MAX_CONFIRMATION {
-        return Err(ApiError::InvalidArgument(format!("typed_confirmation is longer than {MAX_CONFIRMATION} bytes")));
+        return Err(ApiError::InvalidArgument(format!(
+            "typed_confirmation is longer than {MAX_CONFIRMATION} bytes"
+        )));
     }
     Ok(approve)
 }
@@ -179,7 +240,9 @@ async fn wake_run(state: &ApiState, caller: &Caller, a: &Approval) -> Result<(),
 async fn lost_race(state: &ApiState, caller: &Caller, approval_id: &str) -> ApiError {
     match load_approval(state, caller, approval_id).await {
         Ok((_, current)) => match current.effective_state(state.now_ms()) {
-            ApprovalState::Pending => ApiError::Aborted("the approval changed meanwhile; nothing was decided, retry".into()),
+            ApprovalState::Pending => ApiError::Aborted(
+                "the approval changed meanwhile; nothing was decided, retry".into(),
+            ),
             ApprovalState::Expired => Refusal::Expired.into(),
             ApprovalState::Approved | ApprovalState::Denied => Refusal::AlreadyDecided.into(),
         },
@@ -187,7 +250,11 @@ async fn lost_race(state: &ApiState, caller: &Caller, approval_id: &str) -> ApiE
     }
 }
 
-async fn decide(state: &ApiState, caller: &Caller, req: pa::DecideRequest) -> Result<pa::DecideResponse, ApiError> {
+async fn decide(
+    state: &ApiState,
+    caller: &Caller,
+    req: pa::DecideRequest,
+) -> Result<pa::DecideResponse, ApiError> {
     let approve = validate_decide(&req)?;
     id_arg("approval_id", &req.approval_id)?;
     idem::once(state, caller, "Decide", &req.idempotency_key, || async {
@@ -266,36 +333,50 @@ async fn decide(state: &ApiState, caller: &Caller, req: pa::DecideRequest) -> Re
 
 pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     let s = state.clone();
-    let router = router.unary(&format!("{SERVICE}ListApprovals"), move |ctx: CallContext, req: pa::ListApprovalsRequest| {
-        let s = s.clone();
-        async move {
-            let caller = s.caller(&ctx, scope::APPROVALS_READ).await?;
-            Ok(list(&s, &caller, req).await?)
-        }
-    });
+    let router = router.unary(
+        &format!("{SERVICE}ListApprovals"),
+        move |ctx: CallContext, req: pa::ListApprovalsRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::APPROVALS_READ).await?;
+                Ok(list(&s, &caller, req).await?)
+            }
+        },
+    );
     let s = state.clone();
-    let router = router.unary(&format!("{SERVICE}GetApproval"), move |ctx: CallContext, req: pa::GetApprovalRequest| {
-        let s = s.clone();
-        async move {
-            let caller = s.caller(&ctx, scope::APPROVALS_READ).await?;
-            let (_, a) = load_approval(&s, &caller, &req.approval_id).await?;
-            Ok(pa::GetApprovalResponse { approval: Some(convert::approval(&a, s.now_ms())) })
-        }
-    });
+    let router = router.unary(
+        &format!("{SERVICE}GetApproval"),
+        move |ctx: CallContext, req: pa::GetApprovalRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::APPROVALS_READ).await?;
+                let (_, a) = load_approval(&s, &caller, &req.approval_id).await?;
+                Ok(pa::GetApprovalResponse {
+                    approval: Some(convert::approval(&a, s.now_ms())),
+                })
+            }
+        },
+    );
     let s = state.clone();
-    let router = router.unary(&format!("{SERVICE}GetChallenge"), move |ctx: CallContext, req: pa::GetChallengeRequest| {
-        let s = s.clone();
-        async move {
-            let caller = s.caller(&ctx, scope::APPROVALS_DECIDE).await?;
-            Ok(challenge(&s, &caller, req).await?)
-        }
-    });
+    let router = router.unary(
+        &format!("{SERVICE}GetChallenge"),
+        move |ctx: CallContext, req: pa::GetChallengeRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::APPROVALS_DECIDE).await?;
+                Ok(challenge(&s, &caller, req).await?)
+            }
+        },
+    );
     let s = state;
-    router.unary(&format!("{SERVICE}Decide"), move |ctx: CallContext, req: pa::DecideRequest| {
-        let s = s.clone();
-        async move {
-            let caller = s.caller(&ctx, scope::APPROVALS_DECIDE).await?;
-            Ok(decide(&s, &caller, req).await?)
-        }
-    })
+    router.unary(
+        &format!("{SERVICE}Decide"),
+        move |ctx: CallContext, req: pa::DecideRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::APPROVALS_DECIDE).await?;
+                Ok(decide(&s, &caller, req).await?)
+            }
+        },
+    )
 }

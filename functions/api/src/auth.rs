@@ -51,7 +51,8 @@ pub mod scope {
     /// Register and revoke one's own devices.
     pub const DEVICES_WRITE: &str = "devices:write";
     /// Every scope above, as a `scope` claim (what the `loams dev` issuer grants).
-    pub const ALL: &str = "runs:read runs:kill runs:decide approvals:read approvals:decide devices:write";
+    pub const ALL: &str =
+        "runs:read runs:kill runs:decide approvals:read approvals:decide devices:write";
 }
 
 /// Who is calling: taken from a verified token only.
@@ -68,7 +69,9 @@ impl Caller {
         if self.scopes.iter().any(|s| s == scope) {
             Ok(())
         } else {
-            Err(ApiError::PermissionDenied(format!("the token lacks the scope {scope}")))
+            Err(ApiError::PermissionDenied(format!(
+                "the token lacks the scope {scope}"
+            )))
         }
     }
 }
@@ -97,21 +100,39 @@ impl Issuer {
 
     /// The issuer over a stored P-256 key. The key id is derived from the public key, so it is the same after a
     /// restart and tokens issued before it stay valid.
-    pub fn from_pkcs8(pkcs8: &[u8], iss: impl Into<String>, aud: impl Into<String>) -> Result<Self, ApiError> {
+    pub fn from_pkcs8(
+        pkcs8: &[u8],
+        iss: impl Into<String>,
+        aud: impl Into<String>,
+    ) -> Result<Self, ApiError> {
         let pair = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8)
             .map_err(|_| ApiError::Internal("the issuer key is not a P-256 PKCS#8 key".into()))?;
-        let thumb = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, pair.public_key().as_ref());
+        let thumb =
+            aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, pair.public_key().as_ref());
         let kid = hex::encode(&thumb.as_ref()[..8]);
         let key = EncodingKey::from_ec_der(pkcs8);
         let mut jwk = Jwk::from_encoding_key(&key, Algorithm::ES256)
             .map_err(|e| ApiError::Internal(format!("issuer JWK: {e}")))?;
         jwk.common.key_id = Some(kid.clone());
         jwk.common.public_key_use = Some(PublicKeyUse::Signature);
-        Ok(Self { key, kid, jwk, iss: iss.into(), aud: aud.into() })
+        Ok(Self {
+            key,
+            kid,
+            jwk,
+            iss: iss.into(),
+            aud: aud.into(),
+        })
     }
 
     /// A token for `user` in `org`, valid for `ttl_s` seconds from `now_s`.
-    pub fn issue(&self, user: &str, org: &str, scope: &str, now_s: u64, ttl_s: u64) -> Result<String, ApiError> {
+    pub fn issue(
+        &self,
+        user: &str,
+        org: &str,
+        scope: &str,
+        now_s: u64,
+        ttl_s: u64,
+    ) -> Result<String, ApiError> {
         self.issue_for(&self.aud, user, org, scope, now_s, ttl_s)
     }
 
@@ -136,11 +157,14 @@ impl Issuer {
         };
         let mut header = Header::new(Algorithm::ES256);
         header.kid = Some(self.kid.clone());
-        jsonwebtoken::encode(&header, &claims, &self.key).map_err(|e| ApiError::Internal(format!("signing token: {e}")))
+        jsonwebtoken::encode(&header, &claims, &self.key)
+            .map_err(|e| ApiError::Internal(format!("signing token: {e}")))
     }
 
     pub fn jwks(&self) -> JwkSet {
-        JwkSet { keys: vec![self.jwk.clone()] }
+        JwkSet {
+            keys: vec![self.jwk.clone()],
+        }
     }
 
     /// A verifier trusting exactly this issuer's key.
@@ -189,7 +213,10 @@ impl Verifier {
             .map_err(|e| ApiError::Internal(format!("http client: {e}")))?;
         let set = fetch_jwks(&http, url).await?;
         Ok(Self {
-            keys: Arc::new(RwLock::new(Keys { set, fetched: Some(std::time::Instant::now()) })),
+            keys: Arc::new(RwLock::new(Keys {
+                set,
+                fetched: Some(std::time::Instant::now()),
+            })),
             jwks_url: Some(url.into()),
             http: Some(http),
             validation: Arc::new(validation(iss, aud)),
@@ -200,11 +227,14 @@ impl Verifier {
 
     /// The caller named by an `Authorization` header value, or `Unauthenticated`.
     pub async fn verify_header(&self, authorization: Option<&str>) -> Result<Caller, ApiError> {
-        let value = authorization.ok_or_else(|| ApiError::Unauthenticated("missing bearer token".into()))?;
+        let value = authorization
+            .ok_or_else(|| ApiError::Unauthenticated("missing bearer token".into()))?;
         let token = value
             .strip_prefix("Bearer ")
             .or_else(|| value.strip_prefix("bearer "))
-            .ok_or_else(|| ApiError::Unauthenticated("authorization is not a bearer token".into()))?;
+            .ok_or_else(|| {
+                ApiError::Unauthenticated("authorization is not a bearer token".into())
+            })?;
         self.verify(token.trim()).await
     }
 
@@ -212,7 +242,10 @@ impl Verifier {
     pub fn for_audience(&self, aud: &str) -> Verifier {
         let mut validation = (*self.validation).clone();
         validation.set_audience(&[aud]);
-        Self { validation: Arc::new(validation), ..self.clone() }
+        Self {
+            validation: Arc::new(validation),
+            ..self.clone()
+        }
     }
 
     pub async fn verify(&self, token: &str) -> Result<Caller, ApiError> {
@@ -241,7 +274,8 @@ impl Verifier {
                 self.key(&kid)?.ok_or_else(unauth)?
             }
         };
-        let data = jsonwebtoken::decode::<Claims>(token, &key, &self.validation).map_err(|_| unauth())?;
+        let data =
+            jsonwebtoken::decode::<Claims>(token, &key, &self.validation).map_err(|_| unauth())?;
         let claims = data.claims;
         if loams_platform::limits::org(&claims.org).is_err() || claims.sub.is_empty() {
             return Err(unauth());
@@ -250,7 +284,10 @@ impl Verifier {
     }
 
     fn key(&self, kid: &str) -> Result<Option<DecodingKey>, ApiError> {
-        let keys = self.keys.read().map_err(|_| ApiError::Internal("key cache poisoned".into()))?;
+        let keys = self
+            .keys
+            .read()
+            .map_err(|_| ApiError::Internal("key cache poisoned".into()))?;
         match keys.set.find(kid) {
             Some(jwk) => DecodingKey::from_jwk(jwk).map(Some).map_err(|_| unauth()),
             None => Ok(None),
@@ -258,18 +295,26 @@ impl Verifier {
     }
 
     async fn refresh(&self) -> Result<(), ApiError> {
-        let (Some(url), Some(http)) = (&self.jwks_url, &self.http) else { return Ok(()) };
+        let (Some(url), Some(http)) = (&self.jwks_url, &self.http) else {
+            return Ok(());
+        };
         let _fetching = self.fetching.lock().await;
         {
             // The time is taken before fetching: a failing issuer is not retried on every request either.
-            let mut keys = self.keys.write().map_err(|_| ApiError::Internal("key cache poisoned".into()))?;
+            let mut keys = self
+                .keys
+                .write()
+                .map_err(|_| ApiError::Internal("key cache poisoned".into()))?;
             if keys.fetched.is_some_and(|t| t.elapsed() < self.min_refresh) {
                 return Ok(());
             }
             keys.fetched = Some(std::time::Instant::now());
         }
         let set = fetch_jwks(http, url).await?;
-        let mut keys = self.keys.write().map_err(|_| ApiError::Internal("key cache poisoned".into()))?;
+        let mut keys = self
+            .keys
+            .write()
+            .map_err(|_| ApiError::Internal("key cache poisoned".into()))?;
         keys.set = set;
         Ok(())
     }
@@ -292,7 +337,11 @@ fn validation(iss: &str, aud: &str) -> Validation {
 
 async fn fetch_jwks(http: &reqwest::Client, url: &str) -> Result<JwkSet, ApiError> {
     let unavailable = |e: String| ApiError::Unavailable(format!("fetching JWKS from {url}: {e}"));
-    let mut resp = http.get(url).send().await.map_err(|e| unavailable(e.to_string()))?;
+    let mut resp = http
+        .get(url)
+        .send()
+        .await
+        .map_err(|e| unavailable(e.to_string()))?;
     if !resp.status().is_success() {
         return Err(unavailable(format!("status {}", resp.status())));
     }
@@ -317,8 +366,14 @@ mod tests {
     #[tokio::test]
     async fn issued_token_verifies_and_names_the_caller() {
         let issuer = Issuer::generate("https://loams.test", "loams-api").unwrap();
-        let token = issuer.issue("alice", "acme", "runs:read  approvals:read", now(), 600).unwrap();
-        let caller = issuer.verifier().verify_header(Some(&format!("Bearer {token}"))).await.unwrap();
+        let token = issuer
+            .issue("alice", "acme", "runs:read  approvals:read", now(), 600)
+            .unwrap();
+        let caller = issuer
+            .verifier()
+            .verify_header(Some(&format!("Bearer {token}")))
+            .await
+            .unwrap();
         assert_eq!(caller.user, "alice");
         assert_eq!(caller.org, "acme");
         assert_eq!(caller.scopes, vec!["runs:read", "approvals:read"]);
@@ -329,7 +384,10 @@ mod tests {
         let issuer = Issuer::generate("https://loams.test", "loams-api").unwrap();
         let v = issuer.verifier();
         let expired = issuer.issue("alice", "acme", "", now() - 3600, 60).unwrap();
-        assert!(matches!(v.verify(&expired).await, Err(ApiError::Unauthenticated(_))));
+        assert!(matches!(
+            v.verify(&expired).await,
+            Err(ApiError::Unauthenticated(_))
+        ));
 
         let other_iss = Issuer::generate("https://evil.test", "loams-api").unwrap();
         let t = other_iss.issue("alice", "acme", "", now(), 600).unwrap();
@@ -339,7 +397,10 @@ mod tests {
         let t = stranger.issue("alice", "acme", "", now(), 600).unwrap();
         assert!(v.verify(&t).await.is_err());
 
-        let wrong_aud = Issuer { aud: "other".into(), ..Issuer::generate("https://loams.test", "x").unwrap() };
+        let wrong_aud = Issuer {
+            aud: "other".into(),
+            ..Issuer::generate("https://loams.test", "x").unwrap()
+        };
         let t = wrong_aud.issue("alice", "acme", "", now(), 600).unwrap();
         let v2 = Verifier::from_keys(wrong_aud.jwks(), "https://loams.test", "loams-api");
         assert!(v2.verify(&t).await.is_err());
@@ -374,20 +435,40 @@ mod tests {
 
     #[test]
     fn require_checks_the_token_scopes() {
-        let caller = Caller { user: "a".into(), org: "acme".into(), scopes: vec![scope::RUNS_READ.into()] };
+        let caller = Caller {
+            user: "a".into(),
+            org: "acme".into(),
+            scopes: vec![scope::RUNS_READ.into()],
+        };
         assert!(caller.require(scope::RUNS_READ).is_ok());
-        assert!(matches!(caller.require(scope::RUNS_KILL), Err(ApiError::PermissionDenied(_))));
+        assert!(matches!(
+            caller.require(scope::RUNS_KILL),
+            Err(ApiError::PermissionDenied(_))
+        ));
         // A prefix or a broader-sounding name is not the scope.
-        let caller = Caller { scopes: vec!["runs".into(), "runs:read:x".into()], ..caller };
+        let caller = Caller {
+            scopes: vec!["runs".into(), "runs:read:x".into()],
+            ..caller
+        };
         assert!(caller.require(scope::RUNS_READ).is_err());
         let all: Vec<&str> = scope::ALL.split_whitespace().collect();
-        for s in [scope::RUNS_READ, scope::RUNS_KILL, scope::RUNS_DECIDE, scope::APPROVALS_READ, scope::APPROVALS_DECIDE, scope::DEVICES_WRITE] {
+        for s in [
+            scope::RUNS_READ,
+            scope::RUNS_KILL,
+            scope::RUNS_DECIDE,
+            scope::APPROVALS_READ,
+            scope::APPROVALS_DECIDE,
+            scope::DEVICES_WRITE,
+        ] {
             assert!(all.contains(&s), "{s} missing from ALL");
         }
     }
 
     /// Serves `keys` as a JWKS, counting requests.
-    async fn jwks_server(keys: Arc<RwLock<JwkSet>>, hits: Arc<std::sync::atomic::AtomicUsize>) -> String {
+    async fn jwks_server(
+        keys: Arc<RwLock<JwkSet>>,
+        hits: Arc<std::sync::atomic::AtomicUsize>,
+    ) -> String {
         let app = axum::Router::new().route(
             "/jwks",
             axum::routing::get(move || async move {
@@ -410,7 +491,9 @@ mod tests {
         let served = Arc::new(RwLock::new(old.jwks()));
         let hits = Arc::new(AtomicUsize::new(0));
         let url = jwks_server(served.clone(), hits.clone()).await;
-        let mut v = Verifier::fetch(&url, "https://loams.test", "loams-api").await.unwrap();
+        let mut v = Verifier::fetch(&url, "https://loams.test", "loams-api")
+            .await
+            .unwrap();
         assert_eq!(hits.load(Ordering::SeqCst), 1);
 
         // The issuer rotates; tokens of the new key arrive within the interval of the first fetch: none fetches.
@@ -418,7 +501,11 @@ mod tests {
         let token = rotated.issue("alice", "acme", "", now(), 600).unwrap();
         let results = futures::future::join_all((0..8).map(|_| v.verify(&token))).await;
         assert!(results.iter().all(Result::is_err));
-        assert_eq!(hits.load(Ordering::SeqCst), 1, "unknown kids must not refetch within the interval");
+        assert_eq!(
+            hits.load(Ordering::SeqCst),
+            1,
+            "unknown kids must not refetch within the interval"
+        );
 
         // Once the interval is over, concurrent unknown-kid tokens cause one fetch, and all see its keys.
         v.min_refresh = Duration::from_millis(50);

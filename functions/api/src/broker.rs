@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use aws_lc_rs::constant_time;
-use loams_a2a::{ApprovalGate, AuthError, CallerAuth, GateError, Principal, TokenError, TokenSource};
+use loams_a2a::{
+    ApprovalGate, AuthError, CallerAuth, GateError, Principal, TokenError, TokenSource,
+};
 use loams_factory::action_hash;
 use loams_factory::approval::{Approval, ApprovalAction, ApprovalState};
 use loams_platform::{Clock, Store, StoreError, limits};
@@ -43,7 +45,10 @@ pub struct AgentTokens {
 
 impl AgentTokens {
     pub fn new(issuer: Issuer, org: impl Into<String>) -> Self {
-        Self { issuer, org: org.into() }
+        Self {
+            issuer,
+            org: org.into(),
+        }
     }
 }
 
@@ -51,9 +56,19 @@ impl AgentTokens {
 impl TokenSource for AgentTokens {
     async fn token(&self, audience: &str) -> Result<String, TokenError> {
         let now = jsonwebtoken::get_current_timestamp();
-        self.issuer.issue_for(audience, AGENT_SUBJECT, &self.org, AGENT_SCOPE, now, AGENT_TOKEN_TTL_S).map_err(|e| {
-            TokenError { audience: audience.chars().take(limits::MAX_KEY).collect(), reason: e.to_string() }
-        })
+        self.issuer
+            .issue_for(
+                audience,
+                AGENT_SUBJECT,
+                &self.org,
+                AGENT_SCOPE,
+                now,
+                AGENT_TOKEN_TTL_S,
+            )
+            .map_err(|e| TokenError {
+                audience: audience.chars().take(limits::MAX_KEY).collect(),
+                reason: e.to_string(),
+            })
     }
 }
 
@@ -73,10 +88,15 @@ impl AgentAuth {
 impl CallerAuth for AgentAuth {
     async fn verify(&self, bearer: Option<&str>, audience: &str) -> Result<Principal, AuthError> {
         let token = bearer.ok_or(AuthError::Missing)?;
-        let claims = self.verifier.for_audience(audience).verify_claims(token).await.map_err(|e| match e {
-            ApiError::Unavailable(why) | ApiError::Internal(why) => AuthError::Unavailable(why),
-            _ => AuthError::Invalid,
-        })?;
+        let claims = self
+            .verifier
+            .for_audience(audience)
+            .verify_claims(token)
+            .await
+            .map_err(|e| match e {
+                ApiError::Unavailable(why) | ApiError::Internal(why) => AuthError::Unavailable(why),
+                _ => AuthError::Invalid,
+            })?;
         // A long-lived token stolen once would open the agent for its whole life; refuse any that
         // was minted for longer than an agent token may live.
         if claims.exp.saturating_sub(claims.iat) > MAX_AGENT_TOKEN_TTL_S {
@@ -87,7 +107,10 @@ impl CallerAuth for AgentAuth {
         if claims.sub != AGENT_SUBJECT {
             return Err(AuthError::Invalid);
         }
-        Ok(Principal { subject: claims.sub, org: claims.org })
+        Ok(Principal {
+            subject: claims.sub,
+            org: claims.org,
+        })
     }
 }
 
@@ -105,7 +128,14 @@ impl ApprovalBroker {
 
 #[async_trait]
 impl ApprovalGate for ApprovalBroker {
-    async fn admit(&self, org: &str, agent: &str, skill: &str, args: &Value, approval_id: &str) -> Result<(), GateError> {
+    async fn admit(
+        &self,
+        org: &str,
+        agent: &str,
+        skill: &str,
+        args: &Value,
+        approval_id: &str,
+    ) -> Result<(), GateError> {
         let refuse = |why: &str| Err(GateError::Refused(why.to_string()));
         if limits::key("approval id", approval_id).is_err() {
             return refuse("the approval id is malformed");
@@ -154,7 +184,9 @@ impl ApprovalGate for ApprovalBroker {
             target_commit: approval.action.target_commit.clone(),
         };
         let hash = action_hash(&called);
-        if constant_time::verify_slices_are_equal(hash.as_bytes(), approval.action_hash.as_bytes()).is_err() {
+        if constant_time::verify_slices_are_equal(hash.as_bytes(), approval.action_hash.as_bytes())
+            .is_err()
+        {
             return refuse("the call does not match the approved action (action hash differs)");
         }
         Ok(())

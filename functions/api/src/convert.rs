@@ -81,7 +81,11 @@ pub(crate) fn event(row: &EventRow) -> pf::TimelineEvent {
     // raw JSON, rather than breaking the whole timeline.
     let logged: Logged = serde_json::from_slice(&row.body).unwrap_or_default();
     // The worker logs each event with the engine's one-line summary; the type names an event without one.
-    let summary = if logged.summary.is_empty() { logged.kind.replace('_', " ") } else { logged.summary };
+    let summary = if logged.summary.is_empty() {
+        logged.kind.replace('_', " ")
+    } else {
+        logged.summary
+    };
     pf::TimelineEvent {
         seq: row.seq,
         at_ms: logged.at_ms,
@@ -148,7 +152,11 @@ pub(crate) fn approval(a: &Approval, now_ms: i64) -> pa::Approval {
         state: approval_state(state) as i32,
         expires_at_ms: a.expires_at_ms,
         created_at_ms: a.created_at_ms,
-        decided_by: a.decision.as_ref().map(|d| d.decided_by.clone()).unwrap_or_default(),
+        decided_by: a
+            .decision
+            .as_ref()
+            .map(|d| d.decided_by.clone())
+            .unwrap_or_default(),
         decision: decision as i32,
     }
 }
@@ -180,7 +188,8 @@ mod tests {
             generation: 2,
             parent_run: Some("r-0".into()),
         };
-        let (run, _) = loams_factory::open(signal, &loams_factory::Ctx::new("acme", "prod", 5)).unwrap();
+        let (run, _) =
+            loams_factory::open(signal, &loams_factory::Ctx::new("acme", "prod", 5)).unwrap();
         run
     }
 
@@ -199,12 +208,33 @@ mod tests {
     fn run_maps_the_factory_run() {
         let mut r = opened_run();
         let fresh = run(&row(&r)).unwrap();
-        assert_eq!((fresh.env.as_str(), fresh.generation, fresh.parent_run.as_str()), ("prod", 2, "r-0"));
-        assert_eq!((fresh.stage.as_str(), fresh.stage_state.as_str(), fresh.verdict.as_str()), ("triage", "open_thread", ""));
+        assert_eq!(
+            (
+                fresh.env.as_str(),
+                fresh.generation,
+                fresh.parent_run.as_str()
+            ),
+            ("prod", 2, "r-0")
+        );
+        assert_eq!(
+            (
+                fresh.stage.as_str(),
+                fresh.stage_state.as_str(),
+                fresh.verdict.as_str()
+            ),
+            ("triage", "open_thread", "")
+        );
         assert_eq!(fresh.links.unwrap(), pf::RunLinks::default());
         assert_eq!(fresh.started_at_ms, 5);
         let signal = fresh.signal.unwrap();
-        assert_eq!((signal.source.as_str(), signal.fingerprint.as_str(), signal.title.as_str()), ("glitchtip", "glitchtip:42", "boom"));
+        assert_eq!(
+            (
+                signal.source.as_str(),
+                signal.fingerprint.as_str(),
+                signal.title.as_str()
+            ),
+            ("glitchtip", "glitchtip:42", "boom")
+        );
 
         r.stage = loams_factory::Stage::Observe;
         r.cursor = loams_factory::Cursor::AwaitVerdict;
@@ -212,11 +242,26 @@ mod tests {
         r.links.issue_url = Some("https://plane/i".into());
         r.links.pr_url = Some("https://forgejo/pr/7".into());
         r.links.deploy_ref = Some("abc123".into());
-        r.budget = loams_factory::Budget { limit_tokens: 1000, limit_micros: 500, tokens: 10, micros: u64::MAX };
+        r.budget = loams_factory::Budget {
+            limit_tokens: 1000,
+            limit_micros: 500,
+            tokens: 10,
+            micros: u64::MAX,
+        };
         r.verdict = Some(loams_factory::ObserveVerdict::Regressed);
         let shown = run(&row(&r)).unwrap();
-        assert_eq!((shown.state.as_str(), shown.version, shown.updated_at_ms), ("waiting", 9, 77));
-        assert_eq!((shown.stage.as_str(), shown.stage_state.as_str(), shown.verdict.as_str()), ("observe", "await_verdict", "regressed"));
+        assert_eq!(
+            (shown.state.as_str(), shown.version, shown.updated_at_ms),
+            ("waiting", 9, 77)
+        );
+        assert_eq!(
+            (
+                shown.stage.as_str(),
+                shown.stage_state.as_str(),
+                shown.verdict.as_str()
+            ),
+            ("observe", "await_verdict", "regressed")
+        );
         assert_eq!(
             shown.links.unwrap(),
             pf::RunLinks {
@@ -229,35 +274,71 @@ mod tests {
         // Spending past i64 saturates instead of wrapping negative.
         assert_eq!(
             shown.budget.unwrap(),
-            pf::Budget { limit_micros: 500, spent_micros: i64::MAX, tokens_limit: 1000, tokens_spent: 10 }
+            pf::Budget {
+                limit_micros: 500,
+                spent_micros: i64::MAX,
+                tokens_limit: 1000,
+                tokens_spent: 10
+            }
         );
 
-        let bad = RunRow { snapshot: b"{".to_vec(), ..row(&r) };
+        let bad = RunRow {
+            snapshot: b"{".to_vec(),
+            ..row(&r)
+        };
         assert!(run(&bad).is_err());
         // JSON, but not a run: no guessing at other shapes.
-        let other = RunRow { snapshot: br#"{"stage": "fix", "env": "prod"}"#.to_vec(), ..row(&r) };
+        let other = RunRow {
+            snapshot: br#"{"stage": "fix", "env": "prod"}"#.to_vec(),
+            ..row(&r)
+        };
         assert!(run(&other).is_err());
     }
 
     #[test]
     fn event_maps_type_stage_and_summary() {
         let logged = serde_json::json!({"type": "ended", "summary": "run killed (killed)", "at_ms": 3, "stage": "fix"});
-        let e = event(&EventRow { seq: 4, body: serde_json::to_vec(&logged).unwrap() });
-        assert_eq!((e.seq, e.at_ms, e.r#type.as_str(), e.stage.as_str()), (4, 3, "ended", "fix"));
+        let e = event(&EventRow {
+            seq: 4,
+            body: serde_json::to_vec(&logged).unwrap(),
+        });
+        assert_eq!(
+            (e.seq, e.at_ms, e.r#type.as_str(), e.stage.as_str()),
+            (4, 3, "ended", "fix")
+        );
         assert_eq!(e.summary, "run killed (killed)");
-        let bare = event(&EventRow { seq: 5, body: br#"{"type":"timer_fired"}"#.to_vec() });
+        let bare = event(&EventRow {
+            seq: 5,
+            body: br#"{"type":"timer_fired"}"#.to_vec(),
+        });
         assert_eq!(bare.summary, "timer fired");
         // An event exactly as the worker logs it: the factory event plus at_ms, stage and summary.
-        let (r, opened) = loams_factory::open(opened_run().signal, &loams_factory::Ctx::new("acme", "prod", 5)).unwrap();
+        let (r, opened) = loams_factory::open(
+            opened_run().signal,
+            &loams_factory::Ctx::new("acme", "prod", 5),
+        )
+        .unwrap();
         let mut logged = serde_json::to_value(&opened).unwrap();
         logged["at_ms"] = 5.into();
         logged["stage"] = r.stage.as_str().into();
         logged["summary"] = opened.summary().into();
-        let e = event(&EventRow { seq: 1, body: serde_json::to_vec(&logged).unwrap() });
-        assert_eq!((e.at_ms, e.r#type.as_str(), e.stage.as_str()), (5, "opened", "triage"));
+        let e = event(&EventRow {
+            seq: 1,
+            body: serde_json::to_vec(&logged).unwrap(),
+        });
+        assert_eq!(
+            (e.at_ms, e.r#type.as_str(), e.stage.as_str()),
+            (5, "opened", "triage")
+        );
         assert_eq!(e.summary, opened.summary());
-        let junk = event(&EventRow { seq: 6, body: b"[1]".to_vec() });
-        assert_eq!((junk.seq, junk.r#type.as_str(), junk.detail_json.as_str()), (6, "", "[1]"));
+        let junk = event(&EventRow {
+            seq: 6,
+            body: b"[1]".to_vec(),
+        });
+        assert_eq!(
+            (junk.seq, junk.r#type.as_str(), junk.detail_json.as_str()),
+            (6, "", "[1]")
+        );
         assert_eq!(truncate("é".repeat(200), 5).chars().count(), 3);
     }
 }

@@ -29,7 +29,9 @@ pub enum ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::Conflict => ApiError::Aborted("a concurrent write changed the record; retry".into()),
+            StoreError::Conflict => {
+                ApiError::Aborted("a concurrent write changed the record; retry".into())
+            }
             StoreError::NotFound => ApiError::NotFound("record not found".into()),
             StoreError::Invalid(m) => ApiError::InvalidArgument(m),
             StoreError::Backend(m) => {
@@ -44,13 +46,17 @@ impl From<Refusal> for ApiError {
     fn from(r: Refusal) -> Self {
         let msg = r.to_string();
         match r {
-            Refusal::BadSignature | Refusal::DeviceUnknown | Refusal::DeviceRevoked | Refusal::SelfApproval => {
-                ApiError::PermissionDenied(msg)
+            Refusal::BadSignature
+            | Refusal::DeviceUnknown
+            | Refusal::DeviceRevoked
+            | Refusal::SelfApproval => ApiError::PermissionDenied(msg),
+            Refusal::Expired
+            | Refusal::ChallengeUsed
+            | Refusal::AlreadyDecided
+            | Refusal::ActionHashMismatch => ApiError::FailedPrecondition(msg),
+            Refusal::ChallengeMismatch | Refusal::ConfirmationMismatch => {
+                ApiError::InvalidArgument(msg)
             }
-            Refusal::Expired | Refusal::ChallengeUsed | Refusal::AlreadyDecided | Refusal::ActionHashMismatch => {
-                ApiError::FailedPrecondition(msg)
-            }
-            Refusal::ChallengeMismatch | Refusal::ConfirmationMismatch => ApiError::InvalidArgument(msg),
         }
     }
 }

@@ -31,7 +31,11 @@ pub struct KillSwitch {
 }
 
 pub(crate) fn page_size(requested: u32) -> u32 {
-    if requested == 0 { DEFAULT_PAGE } else { requested.min(MAX_PAGE) }
+    if requested == 0 {
+        DEFAULT_PAGE
+    } else {
+        requested.min(MAX_PAGE)
+    }
 }
 
 pub(crate) fn page_token(token: &str) -> Result<Option<String>, ApiError> {
@@ -42,16 +46,32 @@ pub(crate) fn page_token(token: &str) -> Result<Option<String>, ApiError> {
 }
 
 pub(crate) fn id_arg(what: &str, value: &str) -> Result<(), ApiError> {
-    if value.is_empty() || value.len() > loams_factory::MAX_ID || value.chars().any(char::is_control) {
-        return Err(ApiError::InvalidArgument(format!("{what} is required (1..={} bytes)", loams_factory::MAX_ID)));
+    if value.is_empty()
+        || value.len() > loams_factory::MAX_ID
+        || value.chars().any(char::is_control)
+    {
+        return Err(ApiError::InvalidArgument(format!(
+            "{what} is required (1..={} bytes)",
+            loams_factory::MAX_ID
+        )));
     }
     Ok(())
 }
 
 /// Sends one input for `run` to the worker.
-pub(crate) async fn enqueue(state: &ApiState, org: &str, run: &str, input: Input) -> Result<(), ApiError> {
-    let envelope = Envelope { org: org.to_owned(), run: run.to_owned(), input: Some(input) };
-    let body = serde_json::to_vec(&envelope).map_err(|e| ApiError::Internal(format!("encoding envelope: {e}")))?;
+pub(crate) async fn enqueue(
+    state: &ApiState,
+    org: &str,
+    run: &str,
+    input: Input,
+) -> Result<(), ApiError> {
+    let envelope = Envelope {
+        org: org.to_owned(),
+        run: run.to_owned(),
+        input: Some(input),
+    };
+    let body = serde_json::to_vec(&envelope)
+        .map_err(|e| ApiError::Internal(format!("encoding envelope: {e}")))?;
     state.queue.send(&body, 0).await?;
     Ok(())
 }
@@ -67,15 +87,29 @@ async fn load_run(state: &ApiState, caller: &Caller, id: &str) -> Result<pf::Run
     convert::run(&row)
 }
 
-async fn list_runs(state: &ApiState, caller: &Caller, req: pf::ListRunsRequest) -> Result<pf::ListRunsResponse, ApiError> {
+async fn list_runs(
+    state: &ApiState,
+    caller: &Caller,
+    req: pf::ListRunsRequest,
+) -> Result<pf::ListRunsResponse, ApiError> {
     let filter = (!req.state.is_empty()).then_some(req.state.as_str());
     if let Some(s) = filter {
         loams_platform::limits::name("state", s)?;
     }
-    let page = Page { cursor: page_token(&req.page_token)?, limit: page_size(req.page_size) };
+    let page = Page {
+        cursor: page_token(&req.page_token)?,
+        limit: page_size(req.page_size),
+    };
     let paged = state.store.list_runs(&caller.org, filter, page).await?;
-    let runs = paged.items.iter().map(convert::run).collect::<Result<_, _>>()?;
-    Ok(pf::ListRunsResponse { runs, next_page_token: paged.next.unwrap_or_default() })
+    let runs = paged
+        .items
+        .iter()
+        .map(convert::run)
+        .collect::<Result<_, _>>()?;
+    Ok(pf::ListRunsResponse {
+        runs,
+        next_page_token: paged.next.unwrap_or_default(),
+    })
 }
 
 async fn timeline(
@@ -86,20 +120,40 @@ async fn timeline(
     load_run(state, caller, &req.run_id).await?;
     let limit = page_size(req.page_size);
     // One more than asked tells whether more follow without a second query.
-    let mut rows = state.store.events(&caller.org, &req.run_id, req.after_seq, limit + 1).await?;
+    let mut rows = state
+        .store
+        .events(&caller.org, &req.run_id, req.after_seq, limit + 1)
+        .await?;
     let has_more = rows.len() > limit as usize;
     rows.truncate(limit as usize);
-    Ok(pf::GetTimelineResponse { events: rows.iter().map(convert::event).collect(), has_more })
+    Ok(pf::GetTimelineResponse {
+        events: rows.iter().map(convert::event).collect(),
+        has_more,
+    })
 }
 
-async fn kill(state: &ApiState, caller: &Caller, req: pf::KillRunRequest) -> Result<pf::KillRunResponse, ApiError> {
+async fn kill(
+    state: &ApiState,
+    caller: &Caller,
+    req: pf::KillRunRequest,
+) -> Result<pf::KillRunResponse, ApiError> {
     load_run(state, caller, &req.run_id).await?;
     if req.reason.len() > MAX_REASON {
-        return Err(ApiError::InvalidArgument(format!("reason is longer than {MAX_REASON} bytes")));
+        return Err(ApiError::InvalidArgument(format!(
+            "reason is longer than {MAX_REASON} bytes"
+        )));
     }
-    let reason = if req.reason.trim().is_empty() { format!("killed by {}", caller.user) } else { req.reason.clone() };
+    let reason = if req.reason.trim().is_empty() {
+        format!("killed by {}", caller.user)
+    } else {
+        req.reason.clone()
+    };
     idem::once(state, caller, "KillRun", &req.idempotency_key, || async {
-        let switch = KillSwitch { reason: reason.clone(), by: caller.user.clone(), at_ms: state.now_ms() };
+        let switch = KillSwitch {
+            reason: reason.clone(),
+            by: caller.user.clone(),
+            at_ms: state.now_ms(),
+        };
         let item = Item {
             org: caller.org.clone(),
             kind: "kill".into(),
@@ -112,9 +166,19 @@ async fn kill(state: &ApiState, caller: &Caller, req: pf::KillRunRequest) -> Res
         // The switch is what stops the run (the worker reads it before every step); the input only wakes a
         // waiting run so it notices now instead of at its next timer.
         state.store.put_item(&item, Cond::Any).await?;
-        enqueue(state, &caller.org, &req.run_id, Input::Kill { reason: reason.clone(), by: caller.user.clone() })
-            .await?;
-        Ok(pf::KillRunResponse { run: Some(load_run(state, caller, &req.run_id).await?) })
+        enqueue(
+            state,
+            &caller.org,
+            &req.run_id,
+            Input::Kill {
+                reason: reason.clone(),
+                by: caller.user.clone(),
+            },
+        )
+        .await?;
+        Ok(pf::KillRunResponse {
+            run: Some(load_run(state, caller, &req.run_id).await?),
+        })
     })
     .await
 }
@@ -172,7 +236,16 @@ async fn decide_run(
     // decision lets only the first person's call through; a second, possibly opposite, one is told so instead of
     // being silently dropped by the engine.
     let marker = format!("api:decided:{}:{run_id}", wanted.what());
-    match state.store.claim(&caller.org, &marker, state.now_ms(), state.config.write_lease_ms).await? {
+    match state
+        .store
+        .claim(
+            &caller.org,
+            &marker,
+            state.now_ms(),
+            state.config.write_lease_ms,
+        )
+        .await?
+    {
         Claim::New => {}
         Claim::Done(_) => {
             return Err(ApiError::FailedPrecondition(format!(
@@ -181,7 +254,10 @@ async fn decide_run(
             )));
         }
         Claim::InProgress => {
-            return Err(ApiError::Aborted(format!("another {} decision for run {run_id} is in progress", wanted.what())));
+            return Err(ApiError::Aborted(format!(
+                "another {} decision for run {run_id} is in progress",
+                wanted.what()
+            )));
         }
     }
     if let Err(e) = enqueue(state, &caller.org, run_id, input).await {
@@ -191,7 +267,11 @@ async fn decide_run(
         }
         return Err(e);
     }
-    if let Err(e) = state.store.finish(&caller.org, &marker, b"", state.now_ms()).await {
+    if let Err(e) = state
+        .store
+        .finish(&caller.org, &marker, b"", state.now_ms())
+        .await
+    {
         // The input is queued; the lease runs out and a later call is then refused by the run's own state.
         tracing::warn!(error = %e, key = %marker, "recording a decision marker failed");
     }
@@ -203,11 +283,20 @@ async fn decide_triage(
     caller: &Caller,
     req: pf::DecideTriageRequest,
 ) -> Result<pf::DecideTriageResponse, ApiError> {
-    idem::once(state, caller, "DecideTriage", &req.idempotency_key, || async {
-        let input = Input::TriageDecided { accept: req.accept, by: caller.user.clone() };
-        let run = decide_run(state, caller, &req.run_id, Wanted::Triage, input).await?;
-        Ok(pf::DecideTriageResponse { run: Some(run) })
-    })
+    idem::once(
+        state,
+        caller,
+        "DecideTriage",
+        &req.idempotency_key,
+        || async {
+            let input = Input::TriageDecided {
+                accept: req.accept,
+                by: caller.user.clone(),
+            };
+            let run = decide_run(state, caller, &req.run_id, Wanted::Triage, input).await?;
+            Ok(pf::DecideTriageResponse { run: Some(run) })
+        },
+    )
     .await
 }
 
@@ -219,19 +308,37 @@ async fn give_verdict(
     let verdict = match pf::Verdict::try_from(req.verdict) {
         Ok(pf::Verdict::Resolved) => ObserveVerdict::Resolved,
         Ok(pf::Verdict::Regressed) => ObserveVerdict::Regressed,
-        _ => return Err(ApiError::InvalidArgument("verdict must be VERDICT_RESOLVED or VERDICT_REGRESSED".into())),
+        _ => {
+            return Err(ApiError::InvalidArgument(
+                "verdict must be VERDICT_RESOLVED or VERDICT_REGRESSED".into(),
+            ));
+        }
     };
-    idem::once(state, caller, "GiveVerdict", &req.idempotency_key, || async {
-        let input = Input::VerdictGiven { verdict, by: caller.user.clone() };
-        let run = decide_run(state, caller, &req.run_id, Wanted::Verdict, input).await?;
-        Ok(pf::GiveVerdictResponse { run: Some(run) })
-    })
+    idem::once(
+        state,
+        caller,
+        "GiveVerdict",
+        &req.idempotency_key,
+        || async {
+            let input = Input::VerdictGiven {
+                verdict,
+                by: caller.user.clone(),
+            };
+            let run = decide_run(state, caller, &req.run_id, Wanted::Verdict, input).await?;
+            Ok(pf::GiveVerdictResponse { run: Some(run) })
+        },
+    )
     .await
 }
 
 enum Watch {
     Snapshot,
-    Events { after: u64, pending: VecDeque<pf::TimelineEvent>, finished: bool, last_sent: Instant },
+    Events {
+        after: u64,
+        pending: VecDeque<pf::TimelineEvent>,
+        finished: bool,
+        last_sent: Instant,
+    },
     Done,
 }
 
@@ -256,7 +363,9 @@ fn watch(
                     Watch::Snapshot => {
                         return Some(match load_run(&state, &caller, &req.run_id).await {
                             Ok(run) => (
-                                Ok(pf::WatchRunResponse { item: Some(W::Snapshot(run)) }),
+                                Ok(pf::WatchRunResponse {
+                                    item: Some(W::Snapshot(run)),
+                                }),
                                 Watch::Events {
                                     after: req.after_seq,
                                     pending: VecDeque::new(),
@@ -267,12 +376,24 @@ fn watch(
                             Err(e) => (Err(e.into()), Watch::Done),
                         });
                     }
-                    Watch::Events { after, mut pending, finished, last_sent } => {
+                    Watch::Events {
+                        after,
+                        mut pending,
+                        finished,
+                        last_sent,
+                    } => {
                         if let Some(ev) = pending.pop_front() {
                             let after = ev.seq;
                             return Some((
-                                Ok(pf::WatchRunResponse { item: Some(W::Event(ev)) }),
-                                Watch::Events { after, pending, finished, last_sent: Instant::now() },
+                                Ok(pf::WatchRunResponse {
+                                    item: Some(W::Event(ev)),
+                                }),
+                                Watch::Events {
+                                    after,
+                                    pending,
+                                    finished,
+                                    last_sent: Instant::now(),
+                                },
                             ));
                         }
                         let now = Instant::now();
@@ -281,20 +402,38 @@ fn watch(
                             return None;
                         }
                         if now.duration_since(last_sent) >= heartbeat {
-                            let beat = pf::Heartbeat { at_ms: state.now_ms() };
+                            let beat = pf::Heartbeat {
+                                at_ms: state.now_ms(),
+                            };
                             return Some((
-                                Ok(pf::WatchRunResponse { item: Some(W::Heartbeat(beat)) }),
-                                Watch::Events { after, pending, finished, last_sent: now },
+                                Ok(pf::WatchRunResponse {
+                                    item: Some(W::Heartbeat(beat)),
+                                }),
+                                Watch::Events {
+                                    after,
+                                    pending,
+                                    finished,
+                                    last_sent: now,
+                                },
                             ));
                         }
                         // Read the state before the events: a run seen terminal here has all its events below.
                         let run = match state.store.get_run(&caller.org, &req.run_id).await {
                             Ok(Some(r)) => r,
-                            Ok(None) => return Some((Err(ApiError::NotFound("run gone".into()).into()), Watch::Done)),
+                            Ok(None) => {
+                                return Some((
+                                    Err(ApiError::NotFound("run gone".into()).into()),
+                                    Watch::Done,
+                                ));
+                            }
                             Err(e) => return Some((Err(ApiError::from(e).into()), Watch::Done)),
                         };
                         let finished = TERMINAL.contains(&run.state.as_str());
-                        let rows = match state.store.events(&caller.org, &req.run_id, after, MAX_PAGE).await {
+                        let rows = match state
+                            .store
+                            .events(&caller.org, &req.run_id, after, MAX_PAGE)
+                            .await
+                        {
                             Ok(rows) => rows,
                             Err(e) => return Some((Err(ApiError::from(e).into()), Watch::Done)),
                         };
@@ -303,9 +442,17 @@ fn watch(
                         if pending.is_empty() && !finished {
                             // Wake for the next poll, or earlier for a heartbeat or the end of the lifetime.
                             let wake = (last_sent + heartbeat).min(deadline);
-                            tokio::time::sleep(poll.min(wake.saturating_duration_since(Instant::now()))).await;
+                            tokio::time::sleep(
+                                poll.min(wake.saturating_duration_since(Instant::now())),
+                            )
+                            .await;
                         }
-                        step = Watch::Events { after, pending, finished: finished && got_all, last_sent };
+                        step = Watch::Events {
+                            after,
+                            pending,
+                            finished: finished && got_all,
+                            last_sent,
+                        };
                     }
                 }
             }
@@ -315,61 +462,84 @@ fn watch(
 
 pub(crate) fn routes(state: ApiState, router: Router) -> Router {
     let s = state.clone();
-    let router = router.unary(&format!("{SERVICE}ListRuns"), move |ctx: CallContext, req: pf::ListRunsRequest| {
-        let s = s.clone();
-        async move {
-            let caller = s.caller(&ctx, scope::RUNS_READ).await?;
-            Ok(list_runs(&s, &caller, req).await?)
-        }
-    });
+    let router = router.unary(
+        &format!("{SERVICE}ListRuns"),
+        move |ctx: CallContext, req: pf::ListRunsRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::RUNS_READ).await?;
+                Ok(list_runs(&s, &caller, req).await?)
+            }
+        },
+    );
     let s = state.clone();
-    let router = router.unary(&format!("{SERVICE}GetRun"), move |ctx: CallContext, req: pf::GetRunRequest| {
-        let s = s.clone();
-        async move {
-            let caller = s.caller(&ctx, scope::RUNS_READ).await?;
-            Ok(pf::GetRunResponse { run: Some(load_run(&s, &caller, &req.run_id).await?) })
-        }
-    });
+    let router = router.unary(
+        &format!("{SERVICE}GetRun"),
+        move |ctx: CallContext, req: pf::GetRunRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::RUNS_READ).await?;
+                Ok(pf::GetRunResponse {
+                    run: Some(load_run(&s, &caller, &req.run_id).await?),
+                })
+            }
+        },
+    );
     let s = state.clone();
-    let router = router.unary(&format!("{SERVICE}GetTimeline"), move |ctx: CallContext, req: pf::GetTimelineRequest| {
-        let s = s.clone();
-        async move {
-            let caller = s.caller(&ctx, scope::RUNS_READ).await?;
-            Ok(timeline(&s, &caller, req).await?)
-        }
-    });
+    let router = router.unary(
+        &format!("{SERVICE}GetTimeline"),
+        move |ctx: CallContext, req: pf::GetTimelineRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::RUNS_READ).await?;
+                Ok(timeline(&s, &caller, req).await?)
+            }
+        },
+    );
     let s = state.clone();
-    let router = router.unary(&format!("{SERVICE}KillRun"), move |ctx: CallContext, req: pf::KillRunRequest| {
-        let s = s.clone();
-        async move {
-            let caller = s.caller(&ctx, scope::RUNS_KILL).await?;
-            Ok(kill(&s, &caller, req).await?)
-        }
-    });
+    let router = router.unary(
+        &format!("{SERVICE}KillRun"),
+        move |ctx: CallContext, req: pf::KillRunRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::RUNS_KILL).await?;
+                Ok(kill(&s, &caller, req).await?)
+            }
+        },
+    );
     let s = state.clone();
-    let router = router.unary(&format!("{SERVICE}DecideTriage"), move |ctx: CallContext, req: pf::DecideTriageRequest| {
-        let s = s.clone();
-        async move {
-            let caller = s.caller(&ctx, scope::RUNS_DECIDE).await?;
-            Ok(decide_triage(&s, &caller, req).await?)
-        }
-    });
+    let router = router.unary(
+        &format!("{SERVICE}DecideTriage"),
+        move |ctx: CallContext, req: pf::DecideTriageRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::RUNS_DECIDE).await?;
+                Ok(decide_triage(&s, &caller, req).await?)
+            }
+        },
+    );
     let s = state.clone();
-    let router = router.unary(&format!("{SERVICE}GiveVerdict"), move |ctx: CallContext, req: pf::GiveVerdictRequest| {
-        let s = s.clone();
-        async move {
-            let caller = s.caller(&ctx, scope::RUNS_DECIDE).await?;
-            Ok(give_verdict(&s, &caller, req).await?)
-        }
-    });
+    let router = router.unary(
+        &format!("{SERVICE}GiveVerdict"),
+        move |ctx: CallContext, req: pf::GiveVerdictRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::RUNS_DECIDE).await?;
+                Ok(give_verdict(&s, &caller, req).await?)
+            }
+        },
+    );
     let s = state;
-    router.server_stream(&format!("{SERVICE}WatchRun"), move |ctx: CallContext, req: pf::WatchRunRequest| {
-        let s = s.clone();
-        async move {
-            let caller = s.caller(&ctx, scope::RUNS_READ).await?;
-            // Fail before the stream starts for a run that is not there, so the client sees a plain error.
-            load_run(&s, &caller, &req.run_id).await?;
-            Ok(watch(s, caller, req))
-        }
-    })
+    router.server_stream(
+        &format!("{SERVICE}WatchRun"),
+        move |ctx: CallContext, req: pf::WatchRunRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::RUNS_READ).await?;
+                // Fail before the stream starts for a run that is not there, so the client sees a plain error.
+                load_run(&s, &caller, &req.run_id).await?;
+                Ok(watch(s, caller, req))
+            }
+        },
+    )
 }

@@ -30,14 +30,23 @@ where
     // Length-prefixed: a user name containing ':' cannot make two (user, key) pairs spell the same record.
     let record = format!("api:{method}:{}:{}:{key}", caller.user.len(), caller.user);
     let org = caller.org.as_str();
-    match state.store.claim(org, &record, state.now_ms(), state.config.write_lease_ms).await? {
-        Claim::Done(bytes) => {
-            M::decode(bytes.as_slice()).map_err(|e| ApiError::Internal(format!("stored response of {record}: {e}")))
-        }
-        Claim::InProgress => Err(ApiError::Aborted("a call with this idempotency key is in progress".into())),
+    match state
+        .store
+        .claim(org, &record, state.now_ms(), state.config.write_lease_ms)
+        .await?
+    {
+        Claim::Done(bytes) => M::decode(bytes.as_slice())
+            .map_err(|e| ApiError::Internal(format!("stored response of {record}: {e}"))),
+        Claim::InProgress => Err(ApiError::Aborted(
+            "a call with this idempotency key is in progress".into(),
+        )),
         Claim::New => match write().await {
             Ok(resp) => {
-                if let Err(e) = state.store.finish(org, &record, &resp.encode_to_vec(), state.now_ms()).await {
+                if let Err(e) = state
+                    .store
+                    .finish(org, &record, &resp.encode_to_vec(), state.now_ms())
+                    .await
+                {
                     // The write happened; failing the call now would make the client retry a done write. The lease
                     // runs out and a repeat then meets the already-applied state, which every write tolerates.
                     tracing::warn!(error = %e, key = %record, "recording an idempotent response failed");

@@ -24,8 +24,8 @@ use loams_platform::{Clock, Queue, Store};
 pub use auth::{Caller, Claims, Issuer, Verifier, scope};
 pub use broker::{AGENT_SUBJECT, AgentAuth, AgentTokens, ApprovalBroker};
 pub use devices::MAX_ACTIVE_DEVICES;
-pub use factory::KillSwitch;
 pub use error::ApiError;
+pub use factory::KillSwitch;
 pub use webhooks::{AppHook, GlitchtipHook, MAX_WEBHOOK_BYTES, RunOpener};
 
 /// Settings read once at start.
@@ -83,8 +83,15 @@ pub struct ApiState {
 
 impl ApiState {
     /// The verified caller, if their token grants `scope`; checked before anything is read or written.
-    async fn caller(&self, ctx: &loams_proto::connect::CallContext, scope: &str) -> Result<Caller, ApiError> {
-        let caller = self.verifier.verify_header(ctx.header("authorization")).await?;
+    async fn caller(
+        &self,
+        ctx: &loams_proto::connect::CallContext,
+        scope: &str,
+    ) -> Result<Caller, ApiError> {
+        let caller = self
+            .verifier
+            .verify_header(ctx.header("authorization"))
+            .await?;
         caller.require(scope)?;
         Ok(caller)
     }
@@ -101,7 +108,10 @@ pub fn router(state: ApiState) -> axum::Router {
     let connect = devices::routes(state.clone(), connect);
     let mut extra = axum::Router::new().merge(webhooks::routes(state.clone()));
     if let Some(jwks) = state.jwks.clone() {
-        extra = extra.route("/.well-known/jwks.json", get(move || async move { axum::Json((*jwks).clone()) }));
+        extra = extra.route(
+            "/.well-known/jwks.json",
+            get(move || async move { axum::Json((*jwks).clone()) }),
+        );
     }
     // The Connect router carries the fallback (unknown procedure => `unimplemented`), so it is merged last.
     extra.merge(connect.into_axum_router())

@@ -28,12 +28,19 @@ impl RunOpener for Opener {
     async fn open(&self, org: &str, env: &str, signal: Signal) -> Result<String, ApiError> {
         // Issue 90 is in cooldown; issue 91's opener is down.
         match signal.fingerprint.as_str() {
-            "glitchtip:90" => return Err(ApiError::FailedPrecondition("fingerprint in cooldown until 99".into())),
+            "glitchtip:90" => {
+                return Err(ApiError::FailedPrecondition(
+                    "fingerprint in cooldown until 99".into(),
+                ));
+            }
             "glitchtip:91" => return Err(ApiError::Unavailable("store busy".into())),
             _ => {}
         }
         let id = loams_factory::run_id(org, &signal.fingerprint, signal.generation);
-        self.0.lock().unwrap().push((org.into(), env.into(), signal));
+        self.0
+            .lock()
+            .unwrap()
+            .push((org.into(), env.into(), signal));
         Ok(id)
     }
 }
@@ -51,7 +58,14 @@ fn wall_ms() -> i64 {
 }
 
 async fn start() -> Env {
-    start_with(ApiConfig { watch_poll_ms: 20, ..ApiConfig::default() }, None).await
+    start_with(
+        ApiConfig {
+            watch_poll_ms: 20,
+            ..ApiConfig::default()
+        },
+        None,
+    )
+    .await
 }
 
 /// Wraps the test's store (to inject races).
@@ -83,7 +97,13 @@ async fn start_with(config: ApiConfig, store: Option<WrapStore>) -> Env {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, router(state)).await });
-    Env { base, issuer, db, clock, opener }
+    Env {
+        base,
+        issuer,
+        db,
+        clock,
+        opener,
+    }
 }
 
 impl Env {
@@ -95,18 +115,36 @@ impl Env {
     fn client_with(&self, user: &str, org: &str, scope: &str) -> ConnectClient {
         let now = jsonwebtoken::get_current_timestamp();
         let token = self.issuer.issue(user, org, scope, now, 600).unwrap();
-        ConnectClient::new(&self.base).with_header("authorization", format!("Bearer {token}")).unwrap()
+        ConnectClient::new(&self.base)
+            .with_header("authorization", format!("Bearer {token}"))
+            .unwrap()
     }
 
     /// Run `RUN` as the engine opens it, moved on to the review stage, with its opening event as event 1.
     async fn seed_run(&self, org: &str, state: &str) {
-        self.seed_run_at(org, state, loams_factory::Stage::Review, loams_factory::Cursor::LeadReview).await;
+        self.seed_run_at(
+            org,
+            state,
+            loams_factory::Stage::Review,
+            loams_factory::Cursor::LeadReview,
+        )
+        .await;
     }
 
     /// Run `RUN` at another point of its loop (for example waiting for triage).
-    async fn seed_run_at(&self, org: &str, state: &str, stage: loams_factory::Stage, cursor: loams_factory::Cursor) {
+    async fn seed_run_at(
+        &self,
+        org: &str,
+        state: &str,
+        stage: loams_factory::Stage,
+        cursor: loams_factory::Cursor,
+    ) {
         let (snapshot, first) = run_snapshot(org, stage, cursor);
-        let created = self.db.create_run(org, RUN, state, &snapshot, &first, 1).await.unwrap();
+        let created = self
+            .db
+            .create_run(org, RUN, state, &snapshot, &first, 1)
+            .await
+            .unwrap();
         assert!(created);
     }
 
@@ -145,20 +183,34 @@ impl Env {
             expires_ms: None,
         };
         self.db.put_item(&item, Cond::Absent).await.unwrap();
-        self.db.get_item(org, "approval", AP).await.unwrap().unwrap()
+        self.db
+            .get_item(org, "approval", AP)
+            .await
+            .unwrap()
+            .unwrap()
     }
 
     async fn challenges(&self, org: &str) -> Vec<Item> {
-        self.db.list_items(org, "challenge", None, Page::first(100)).await.unwrap().items
+        self.db
+            .list_items(org, "challenge", None, Page::first(100))
+            .await
+            .unwrap()
+            .items
     }
 
     async fn approval_item(&self, org: &str) -> Item {
-        self.db.get_item(org, "approval", AP).await.unwrap().unwrap()
+        self.db
+            .get_item(org, "approval", AP)
+            .await
+            .unwrap()
+            .unwrap()
     }
 
     async fn queued(&self) -> Vec<Envelope> {
         let msgs = self.db.receive(10, 60_000).await.unwrap();
-        msgs.iter().map(|d| serde_json::from_slice(&d.body).unwrap()).collect()
+        msgs.iter()
+            .map(|d| serde_json::from_slice(&d.body).unwrap())
+            .collect()
     }
 
     async fn webhook(&self, token: &str, body: Vec<u8>) -> reqwest::Response {
@@ -173,7 +225,11 @@ impl Env {
 }
 
 /// A real factory run (and its logged opening event) with the id `RUN`, at `stage` and `cursor`, with a PR.
-fn run_snapshot(org: &str, stage: loams_factory::Stage, cursor: loams_factory::Cursor) -> (Vec<u8>, Vec<u8>) {
+fn run_snapshot(
+    org: &str,
+    stage: loams_factory::Stage,
+    cursor: loams_factory::Cursor,
+) -> (Vec<u8>, Vec<u8>) {
     let signal = Signal {
         source: "glitchtip".into(),
         fingerprint: "glitchtip:42".into(),
@@ -184,7 +240,8 @@ fn run_snapshot(org: &str, stage: loams_factory::Stage, cursor: loams_factory::C
         generation: 1,
         parent_run: None,
     };
-    let (mut run, opened) = loams_factory::open(signal, &loams_factory::Ctx::new(org, "prod", 1)).unwrap();
+    let (mut run, opened) =
+        loams_factory::open(signal, &loams_factory::Ctx::new(org, "prod", 1)).unwrap();
     // The seeded rows use a fixed id so every test can name the run.
     run.id = RUN.into();
     run.stage = stage;
@@ -194,7 +251,10 @@ fn run_snapshot(org: &str, stage: loams_factory::Stage, cursor: loams_factory::C
     logged["at_ms"] = 1.into();
     logged["stage"] = "triage".into();
     logged["summary"] = opened.summary().into();
-    (serde_json::to_vec(&run).unwrap(), serde_json::to_vec(&logged).unwrap())
+    (
+        serde_json::to_vec(&run).unwrap(),
+        serde_json::to_vec(&logged).unwrap(),
+    )
 }
 
 fn key() -> EcdsaKeyPair {
@@ -203,7 +263,11 @@ fn key() -> EcdsaKeyPair {
     EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, pkcs8.as_ref()).unwrap()
 }
 
-async fn register(c: &ConnectClient, id: &str, key: &EcdsaKeyPair) -> Result<pd::Device, ConnectError> {
+async fn register(
+    c: &ConnectClient,
+    id: &str,
+    key: &EcdsaKeyPair,
+) -> Result<pd::Device, ConnectError> {
     let req = pd::RegisterDeviceRequest {
         device_id: id.into(),
         public_key: key.public_key().as_ref().to_vec(),
@@ -211,16 +275,30 @@ async fn register(c: &ConnectClient, id: &str, key: &EcdsaKeyPair) -> Result<pd:
         push_token: String::new(),
         idempotency_key: format!("reg-{id}"),
     };
-    c.unary("/loams.devices.v1.DeviceService/RegisterDevice", &req).await
+    c.unary("/loams.devices.v1.DeviceService/RegisterDevice", &req)
+        .await
 }
 
-async fn get_challenge(c: &ConnectClient, device: &str) -> Result<pa::GetChallengeResponse, ConnectError> {
-    let req = pa::GetChallengeRequest { approval_id: AP.into(), device_id: device.into() };
-    c.unary("/loams.approvals.v1.ApprovalService/GetChallenge", &req).await
+async fn get_challenge(
+    c: &ConnectClient,
+    device: &str,
+) -> Result<pa::GetChallengeResponse, ConnectError> {
+    let req = pa::GetChallengeRequest {
+        approval_id: AP.into(),
+        device_id: device.into(),
+    };
+    c.unary("/loams.approvals.v1.ApprovalService/GetChallenge", &req)
+        .await
 }
 
 /// A decide request signed the way a phone signs it.
-async fn signed_decide(c: &ConnectClient, key: &EcdsaKeyPair, device: &str, confirmation: &str, idem: &str) -> pa::DecideRequest {
+async fn signed_decide(
+    c: &ConnectClient,
+    key: &EcdsaKeyPair,
+    device: &str,
+    confirmation: &str,
+    idem: &str,
+) -> pa::DecideRequest {
     signed_decide_at(c, key, device, confirmation, idem, wall_ms()).await
 }
 
@@ -233,11 +311,25 @@ async fn signed_decide_at(
     idem: &str,
     at: i64,
 ) -> pa::DecideRequest {
-    let approval: pa::GetApprovalResponse =
-        c.unary("/loams.approvals.v1.ApprovalService/GetApproval", &pa::GetApprovalRequest { approval_id: AP.into() }).await.unwrap();
+    let approval: pa::GetApprovalResponse = c
+        .unary(
+            "/loams.approvals.v1.ApprovalService/GetApproval",
+            &pa::GetApprovalRequest {
+                approval_id: AP.into(),
+            },
+        )
+        .await
+        .unwrap();
     let hash = approval.approval.unwrap().action_hash;
     let challenge = get_challenge(c, device).await.unwrap().challenge;
-    let bytes = loams_proto::canonical_decision_bytes(AP, &hash, pa::Decision::Approve, device, &challenge, at);
+    let bytes = loams_proto::canonical_decision_bytes(
+        AP,
+        &hash,
+        pa::Decision::Approve,
+        device,
+        &challenge,
+        at,
+    );
     let sig = key.sign(&SystemRandom::new(), &bytes).unwrap();
     pa::DecideRequest {
         approval_id: AP.into(),
@@ -251,8 +343,12 @@ async fn signed_decide_at(
     }
 }
 
-async fn decide(c: &ConnectClient, req: &pa::DecideRequest) -> Result<pa::DecideResponse, ConnectError> {
-    c.unary("/loams.approvals.v1.ApprovalService/Decide", req).await
+async fn decide(
+    c: &ConnectClient,
+    req: &pa::DecideRequest,
+) -> Result<pa::DecideResponse, ConnectError> {
+    c.unary("/loams.approvals.v1.ApprovalService/Decide", req)
+        .await
 }
 
 fn code<T: std::fmt::Debug>(r: Result<T, ConnectError>) -> Code {
@@ -265,30 +361,90 @@ async fn calls_without_a_valid_token_are_unauthenticated() {
     env.seed_run("acme", "waiting").await;
     let anon = ConnectClient::new(&env.base);
     let get = pf::GetRunRequest { run_id: RUN.into() };
-    assert_eq!(code(anon.unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get).await), Code::Unauthenticated);
-    let garbage = ConnectClient::new(&env.base).with_header("authorization", "Bearer abc.def.ghi").unwrap();
     assert_eq!(
-        code(garbage.unary::<_, pa::ListApprovalsResponse>("/loams.approvals.v1.ApprovalService/ListApprovals", &pa::ListApprovalsRequest::default()).await),
+        code(
+            anon.unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get)
+                .await
+        ),
+        Code::Unauthenticated
+    );
+    let garbage = ConnectClient::new(&env.base)
+        .with_header("authorization", "Bearer abc.def.ghi")
+        .unwrap();
+    assert_eq!(
+        code(
+            garbage
+                .unary::<_, pa::ListApprovalsResponse>(
+                    "/loams.approvals.v1.ApprovalService/ListApprovals",
+                    &pa::ListApprovalsRequest::default()
+                )
+                .await
+        ),
         Code::Unauthenticated
     );
     // A token from another issuer key.
     let stranger = Issuer::generate(ISS, AUD).unwrap();
-    let token = stranger.issue("alice", "acme", "", jsonwebtoken::get_current_timestamp(), 600).unwrap();
-    let forged = ConnectClient::new(&env.base).with_header("authorization", format!("Bearer {token}")).unwrap();
-    assert_eq!(code(forged.unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get).await), Code::Unauthenticated);
+    let token = stranger
+        .issue(
+            "alice",
+            "acme",
+            "",
+            jsonwebtoken::get_current_timestamp(),
+            600,
+        )
+        .unwrap();
+    let forged = ConnectClient::new(&env.base)
+        .with_header("authorization", format!("Bearer {token}"))
+        .unwrap();
+    assert_eq!(
+        code(
+            forged
+                .unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get)
+                .await
+        ),
+        Code::Unauthenticated
+    );
     // The right token works.
-    let ok: pf::GetRunResponse = env.client("alice", "acme").unary("/loams.factory.v1.FactoryService/GetRun", &get).await.unwrap();
+    let ok: pf::GetRunResponse = env
+        .client("alice", "acme")
+        .unary("/loams.factory.v1.FactoryService/GetRun", &get)
+        .await
+        .unwrap();
     assert_eq!(ok.run.unwrap().id, RUN);
     // The JWKS is served for other verifiers.
-    let jwks: serde_json::Value = reqwest::get(format!("{}/.well-known/jwks.json", env.base)).await.unwrap().json().await.unwrap();
+    let jwks: serde_json::Value = reqwest::get(format!("{}/.well-known/jwks.json", env.base))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(jwks["keys"][0]["kty"], "EC");
     // A verifier elsewhere fetches that JWKS and accepts the issuer's tokens, for the configured iss/aud only.
-    let fetched = loams_api::Verifier::fetch(&format!("{}/.well-known/jwks.json", env.base), ISS, AUD).await.unwrap();
-    let token = env.issuer.issue("alice", "acme", "", jsonwebtoken::get_current_timestamp(), 600).unwrap();
+    let fetched =
+        loams_api::Verifier::fetch(&format!("{}/.well-known/jwks.json", env.base), ISS, AUD)
+            .await
+            .unwrap();
+    let token = env
+        .issuer
+        .issue(
+            "alice",
+            "acme",
+            "",
+            jsonwebtoken::get_current_timestamp(),
+            600,
+        )
+        .unwrap();
     assert_eq!(fetched.verify(&token).await.unwrap().org, "acme");
-    let other_aud = loams_api::Verifier::fetch(&format!("{}/.well-known/jwks.json", env.base), ISS, "other").await.unwrap();
+    let other_aud =
+        loams_api::Verifier::fetch(&format!("{}/.well-known/jwks.json", env.base), ISS, "other")
+            .await
+            .unwrap();
     assert!(other_aud.verify(&token).await.is_err());
-    assert!(loams_api::Verifier::fetch(&format!("{}/nope", env.base), ISS, AUD).await.is_err());
+    assert!(
+        loams_api::Verifier::fetch(&format!("{}/nope", env.base), ISS, AUD)
+            .await
+            .is_err()
+    );
 }
 
 #[tokio::test]
@@ -296,40 +452,96 @@ async fn runs_timeline_and_watch() {
     let env = start().await;
     env.seed_run("acme", "waiting").await;
     let c = env.client("alice", "acme");
-    let list: pf::ListRunsResponse = c.unary("/loams.factory.v1.FactoryService/ListRuns", &pf::ListRunsRequest::default()).await.unwrap();
+    let list: pf::ListRunsResponse = c
+        .unary(
+            "/loams.factory.v1.FactoryService/ListRuns",
+            &pf::ListRunsRequest::default(),
+        )
+        .await
+        .unwrap();
     assert_eq!(list.runs.len(), 1);
     let run = &list.runs[0];
-    assert_eq!((run.state.as_str(), run.stage.as_str(), run.version), ("waiting", "review", 1));
-    assert_eq!((run.stage_state.as_str(), run.env.as_str()), ("lead_review", "prod"));
+    assert_eq!(
+        (run.state.as_str(), run.stage.as_str(), run.version),
+        ("waiting", "review", 1)
+    );
+    assert_eq!(
+        (run.stage_state.as_str(), run.env.as_str()),
+        ("lead_review", "prod")
+    );
     assert_eq!(run.signal.as_ref().unwrap().fingerprint, "glitchtip:42");
-    assert_eq!(run.links.as_ref().unwrap().pr, "https://forgejo.example/acme/shop/pulls/7");
+    assert_eq!(
+        run.links.as_ref().unwrap().pr,
+        "https://forgejo.example/acme/shop/pulls/7"
+    );
 
     let tl: pf::GetTimelineResponse = c
-        .unary("/loams.factory.v1.FactoryService/GetTimeline", &pf::GetTimelineRequest { run_id: RUN.into(), after_seq: 0, page_size: 0 })
+        .unary(
+            "/loams.factory.v1.FactoryService/GetTimeline",
+            &pf::GetTimelineRequest {
+                run_id: RUN.into(),
+                after_seq: 0,
+                page_size: 0,
+            },
+        )
         .await
         .unwrap();
     assert_eq!(tl.events.len(), 1);
-    assert_eq!((tl.events[0].seq, tl.events[0].r#type.as_str(), tl.events[0].stage.as_str()), (1, "opened", "triage"));
-    assert!(tl.events[0].summary.starts_with("run opened from glitchtip"), "{}", tl.events[0].summary);
+    assert_eq!(
+        (
+            tl.events[0].seq,
+            tl.events[0].r#type.as_str(),
+            tl.events[0].stage.as_str()
+        ),
+        (1, "opened", "triage")
+    );
+    assert!(
+        tl.events[0]
+            .summary
+            .starts_with("run opened from glitchtip"),
+        "{}",
+        tl.events[0].summary
+    );
     assert!(!tl.has_more);
 
     // Watch: snapshot, the existing event, then one appended later; the stream ends when the run is finished.
     let stream = c.server_stream::<_, pf::WatchRunResponse>(
         "/loams.factory.v1.FactoryService/WatchRun",
-        &pf::WatchRunRequest { run_id: RUN.into(), after_seq: 0 },
+        &pf::WatchRunRequest {
+            run_id: RUN.into(),
+            after_seq: 0,
+        },
     );
     let db = env.db.clone();
     tokio::spawn(async move {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        let ev = serde_json::to_vec(&serde_json::json!({"type": "run_killed", "reason": "stop"})).unwrap();
-        let (snapshot, _) = run_snapshot("acme", loams_factory::Stage::Review, loams_factory::Cursor::LeadReview);
-        db.append("acme", RUN, 1, "killed", &snapshot, &[ev], 2).await.unwrap();
+        let ev = serde_json::to_vec(&serde_json::json!({"type": "run_killed", "reason": "stop"}))
+            .unwrap();
+        let (snapshot, _) = run_snapshot(
+            "acme",
+            loams_factory::Stage::Review,
+            loams_factory::Cursor::LeadReview,
+        );
+        db.append("acme", RUN, 1, "killed", &snapshot, &[ev], 2)
+            .await
+            .unwrap();
     });
-    let items: Vec<_> = tokio::time::timeout(std::time::Duration::from_secs(10), stream.collect::<Vec<_>>()).await.unwrap();
+    let items: Vec<_> = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        stream.collect::<Vec<_>>(),
+    )
+    .await
+    .unwrap();
     let items: Vec<_> = items.into_iter().map(Result::unwrap).collect();
     use pf::watch_run_response::Item as W;
     assert!(matches!(&items[0].item, Some(W::Snapshot(r)) if r.id == RUN));
-    let seqs: Vec<u64> = items[1..].iter().map(|i| match &i.item { Some(W::Event(e)) => e.seq, _ => 0 }).collect();
+    let seqs: Vec<u64> = items[1..]
+        .iter()
+        .map(|i| match &i.item {
+            Some(W::Event(e)) => e.seq,
+            _ => 0,
+        })
+        .collect();
     assert_eq!(seqs, vec![1, 2]);
 }
 
@@ -340,38 +552,119 @@ async fn org_a_cannot_read_kill_or_approve_org_b_things() {
     let before = env.seed_approval("acme").await;
     let mallory = env.client("mallory", "umbrella");
     let run = pf::GetRunRequest { run_id: RUN.into() };
-    assert_eq!(code(mallory.unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &run).await), Code::NotFound);
-    let tl = pf::GetTimelineRequest { run_id: RUN.into(), after_seq: 0, page_size: 0 };
-    assert_eq!(code(mallory.unary::<_, pf::GetTimelineResponse>("/loams.factory.v1.FactoryService/GetTimeline", &tl).await), Code::NotFound);
-    let list: pf::ListRunsResponse = mallory.unary("/loams.factory.v1.FactoryService/ListRuns", &pf::ListRunsRequest::default()).await.unwrap();
+    assert_eq!(
+        code(
+            mallory
+                .unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &run)
+                .await
+        ),
+        Code::NotFound
+    );
+    let tl = pf::GetTimelineRequest {
+        run_id: RUN.into(),
+        after_seq: 0,
+        page_size: 0,
+    };
+    assert_eq!(
+        code(
+            mallory
+                .unary::<_, pf::GetTimelineResponse>(
+                    "/loams.factory.v1.FactoryService/GetTimeline",
+                    &tl
+                )
+                .await
+        ),
+        Code::NotFound
+    );
+    let list: pf::ListRunsResponse = mallory
+        .unary(
+            "/loams.factory.v1.FactoryService/ListRuns",
+            &pf::ListRunsRequest::default(),
+        )
+        .await
+        .unwrap();
     assert!(list.runs.is_empty());
-    let kill = pf::KillRunRequest { run_id: RUN.into(), reason: "x".into(), idempotency_key: "k1".into() };
-    assert_eq!(code(mallory.unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &kill).await), Code::NotFound);
-    assert!(env.db.get_item("acme", "kill", &format!("run:{RUN}")).await.unwrap().is_none());
+    let kill = pf::KillRunRequest {
+        run_id: RUN.into(),
+        reason: "x".into(),
+        idempotency_key: "k1".into(),
+    };
+    assert_eq!(
+        code(
+            mallory
+                .unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &kill)
+                .await
+        ),
+        Code::NotFound
+    );
+    assert!(
+        env.db
+            .get_item("acme", "kill", &format!("run:{RUN}"))
+            .await
+            .unwrap()
+            .is_none()
+    );
     let mut watch = Box::pin(mallory.server_stream::<_, pf::WatchRunResponse>(
         "/loams.factory.v1.FactoryService/WatchRun",
-        &pf::WatchRunRequest { run_id: RUN.into(), after_seq: 0 },
+        &pf::WatchRunRequest {
+            run_id: RUN.into(),
+            after_seq: 0,
+        },
     ));
-    assert_eq!(watch.next().await.unwrap().unwrap_err().code, Code::NotFound);
+    assert_eq!(
+        watch.next().await.unwrap().unwrap_err().code,
+        Code::NotFound
+    );
 
-    let get = pa::GetApprovalRequest { approval_id: AP.into() };
-    assert_eq!(code(mallory.unary::<_, pa::GetApprovalResponse>("/loams.approvals.v1.ApprovalService/GetApproval", &get).await), Code::NotFound);
-    let all: pa::ListApprovalsResponse =
-        mallory.unary("/loams.approvals.v1.ApprovalService/ListApprovals", &pa::ListApprovalsRequest::default()).await.unwrap();
+    let get = pa::GetApprovalRequest {
+        approval_id: AP.into(),
+    };
+    assert_eq!(
+        code(
+            mallory
+                .unary::<_, pa::GetApprovalResponse>(
+                    "/loams.approvals.v1.ApprovalService/GetApproval",
+                    &get
+                )
+                .await
+        ),
+        Code::NotFound
+    );
+    let all: pa::ListApprovalsResponse = mallory
+        .unary(
+            "/loams.approvals.v1.ApprovalService/ListApprovals",
+            &pa::ListApprovalsRequest::default(),
+        )
+        .await
+        .unwrap();
     assert!(all.approvals.is_empty());
     // Mallory's own registered device still cannot decide acme's approval.
     let k = key();
     register(&mallory, "mallory-phone", &k).await.unwrap();
-    assert_eq!(code(get_challenge(&mallory, "mallory-phone").await), Code::NotFound);
+    assert_eq!(
+        code(get_challenge(&mallory, "mallory-phone").await),
+        Code::NotFound
+    );
     let challenge = vec![7u8; 32];
-    let bytes = loams_proto::canonical_decision_bytes(AP, &[0; 32], pa::Decision::Approve, "mallory-phone", &challenge, 1);
+    let bytes = loams_proto::canonical_decision_bytes(
+        AP,
+        &[0; 32],
+        pa::Decision::Approve,
+        "mallory-phone",
+        &challenge,
+        1,
+    );
     let req = pa::DecideRequest {
         approval_id: AP.into(),
         decision: pa::Decision::Approve as i32,
         device_id: "mallory-phone".into(),
         challenge,
         decided_at_ms: 1,
-        signature: k.sign(&SystemRandom::new(), &bytes).unwrap().as_ref().to_vec(),
+        signature: k
+            .sign(&SystemRandom::new(), &bytes)
+            .unwrap()
+            .as_ref()
+            .to_vec(),
         typed_confirmation: "merge 7".into(),
         idempotency_key: "d1".into(),
     };
@@ -379,8 +672,15 @@ async fn org_a_cannot_read_kill_or_approve_org_b_things() {
     assert_eq!(env.approval_item("acme").await, before);
     assert!(env.queued().await.is_empty());
     // Acme's own user sees it.
-    let own: pa::GetApprovalResponse = env.client("bob", "acme").unary("/loams.approvals.v1.ApprovalService/GetApproval", &get).await.unwrap();
-    assert_eq!(own.approval.unwrap().state, pa::ApprovalState::Pending as i32);
+    let own: pa::GetApprovalResponse = env
+        .client("bob", "acme")
+        .unary("/loams.approvals.v1.ApprovalService/GetApproval", &get)
+        .await
+        .unwrap();
+    assert_eq!(
+        own.approval.unwrap().state,
+        pa::ApprovalState::Pending as i32
+    );
 }
 
 #[tokio::test]
@@ -389,7 +689,10 @@ async fn register_and_revoke_devices() {
     let bob = env.client("bob", "acme");
     let k = key();
     let dev = register(&bob, "bob-phone", &k).await.unwrap();
-    assert_eq!((dev.device_id.as_str(), dev.user.as_str(), dev.revoked_at_ms), ("bob-phone", "bob", 0));
+    assert_eq!(
+        (dev.device_id.as_str(), dev.user.as_str(), dev.revoked_at_ms),
+        ("bob-phone", "bob", 0)
+    );
     assert_eq!(dev.public_key, k.public_key().as_ref());
     // The same idempotency key replays the answer; a new key for the same id is a conflict.
     assert_eq!(register(&bob, "bob-phone", &k).await.unwrap(), dev);
@@ -400,20 +703,60 @@ async fn register_and_revoke_devices() {
         push_token: String::new(),
         idempotency_key: "other".into(),
     };
-    assert_eq!(code(bob.unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &again).await), Code::AlreadyExists);
+    assert_eq!(
+        code(
+            bob.unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &again)
+                .await
+        ),
+        Code::AlreadyExists
+    );
     // Not a P-256 point.
-    let bad = pd::RegisterDeviceRequest { device_id: "x".into(), public_key: vec![4; 65], idempotency_key: "b".into(), ..again.clone() };
-    assert_eq!(code(bob.unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &bad).await), Code::InvalidArgument);
+    let bad = pd::RegisterDeviceRequest {
+        device_id: "x".into(),
+        public_key: vec![4; 65],
+        idempotency_key: "b".into(),
+        ..again.clone()
+    };
+    assert_eq!(
+        code(
+            bob.unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &bad)
+                .await
+        ),
+        Code::InvalidArgument
+    );
     // A server-assigned id.
-    let auto = pd::RegisterDeviceRequest { device_id: String::new(), idempotency_key: "auto".into(), ..again.clone() };
-    let auto: pd::Device = bob.unary("/loams.devices.v1.DeviceService/RegisterDevice", &auto).await.unwrap();
+    let auto = pd::RegisterDeviceRequest {
+        device_id: String::new(),
+        idempotency_key: "auto".into(),
+        ..again.clone()
+    };
+    let auto: pd::Device = bob
+        .unary("/loams.devices.v1.DeviceService/RegisterDevice", &auto)
+        .await
+        .unwrap();
     assert!(auto.device_id.starts_with("dev-"));
 
     // Only the owner revokes.
-    let revoke = pd::RevokeDeviceRequest { device_id: "bob-phone".into(), idempotency_key: "r1".into() };
+    let revoke = pd::RevokeDeviceRequest {
+        device_id: "bob-phone".into(),
+        idempotency_key: "r1".into(),
+    };
     let carol = env.client("carol", "acme");
-    assert_eq!(code(carol.unary::<_, pd::RevokeDeviceResponse>("/loams.devices.v1.DeviceService/RevokeDevice", &revoke).await), Code::NotFound);
-    let r: pd::RevokeDeviceResponse = bob.unary("/loams.devices.v1.DeviceService/RevokeDevice", &revoke).await.unwrap();
+    assert_eq!(
+        code(
+            carol
+                .unary::<_, pd::RevokeDeviceResponse>(
+                    "/loams.devices.v1.DeviceService/RevokeDevice",
+                    &revoke
+                )
+                .await
+        ),
+        Code::NotFound
+    );
+    let r: pd::RevokeDeviceResponse = bob
+        .unary("/loams.devices.v1.DeviceService/RevokeDevice", &revoke)
+        .await
+        .unwrap();
     assert!(r.device.unwrap().revoked_at_ms > 0);
 }
 
@@ -426,7 +769,13 @@ async fn signed_decision_settles_the_approval_and_tells_the_run() {
     let k = key();
     register(&bob, "bob-phone", &k).await.unwrap();
     let pending: pa::ListApprovalsResponse = bob
-        .unary("/loams.approvals.v1.ApprovalService/ListApprovals", &pa::ListApprovalsRequest { state: pa::ApprovalState::Pending as i32, ..Default::default() })
+        .unary(
+            "/loams.approvals.v1.ApprovalService/ListApprovals",
+            &pa::ListApprovalsRequest {
+                state: pa::ApprovalState::Pending as i32,
+                ..Default::default()
+            },
+        )
         .await
         .unwrap();
     assert_eq!(pending.approvals.len(), 1);
@@ -441,30 +790,58 @@ async fn signed_decision_settles_the_approval_and_tells_the_run() {
     let stored: Approval = serde_json::from_slice(&env.approval_item("acme").await.body).unwrap();
     assert_eq!(stored.state, ApprovalState::Approved);
     let proof = stored.decision.unwrap();
-    assert_eq!((proof.device_id.as_str(), proof.signature.as_slice()), ("bob-phone", req.signature.as_slice()));
+    assert_eq!(
+        (proof.device_id.as_str(), proof.signature.as_slice()),
+        ("bob-phone", req.signature.as_slice())
+    );
 
     // The same call again (a retry) answers the same and enqueues nothing more.
     assert_eq!(decide(&bob, &req).await.unwrap(), resp);
     let queued = env.queued().await;
     assert_eq!(queued.len(), 1);
-    assert_eq!((queued[0].org.as_str(), queued[0].run.as_str()), ("acme", RUN));
+    assert_eq!(
+        (queued[0].org.as_str(), queued[0].run.as_str()),
+        ("acme", RUN)
+    );
     // A wake-up only: the worker takes the decision from the stored approval, never from a message.
     assert_eq!(queued[0].input, Some(Input::Continue));
     // Off the pending list.
     let pending: pa::ListApprovalsResponse = bob
-        .unary("/loams.approvals.v1.ApprovalService/ListApprovals", &pa::ListApprovalsRequest { state: pa::ApprovalState::Pending as i32, ..Default::default() })
+        .unary(
+            "/loams.approvals.v1.ApprovalService/ListApprovals",
+            &pa::ListApprovalsRequest {
+                state: pa::ApprovalState::Pending as i32,
+                ..Default::default()
+            },
+        )
         .await
         .unwrap();
     assert!(pending.approvals.is_empty());
     // The identical signed decision under a new idempotency key is recognised as the recorded one (it only
     // re-tells the run, which drops the duplicate); any other decision on the settled approval is refused.
-    let replay = pa::DecideRequest { idempotency_key: "decide-2".into(), ..req.clone() };
-    assert_eq!(decide(&bob, &replay).await.unwrap().approval.unwrap().state, pa::ApprovalState::Approved as i32);
-    let mut other = pa::DecideRequest { idempotency_key: "decide-3".into(), ..req };
+    let replay = pa::DecideRequest {
+        idempotency_key: "decide-2".into(),
+        ..req.clone()
+    };
+    assert_eq!(
+        decide(&bob, &replay).await.unwrap().approval.unwrap().state,
+        pa::ApprovalState::Approved as i32
+    );
+    let mut other = pa::DecideRequest {
+        idempotency_key: "decide-3".into(),
+        ..req
+    };
     other.decision = pa::Decision::Deny as i32;
-    other.signature = k.sign(&SystemRandom::new(), b"deny").unwrap().as_ref().to_vec();
+    other.signature = k
+        .sign(&SystemRandom::new(), b"deny")
+        .unwrap()
+        .as_ref()
+        .to_vec();
     assert_eq!(code(decide(&bob, &other).await), Code::FailedPrecondition);
-    assert_eq!(code(get_challenge(&bob, "bob-phone").await), Code::FailedPrecondition);
+    assert_eq!(
+        code(get_challenge(&bob, "bob-phone").await),
+        Code::FailedPrecondition
+    );
     let stored: Approval = serde_json::from_slice(&env.approval_item("acme").await.body).unwrap();
     assert_eq!(stored.state, ApprovalState::Approved);
 }
@@ -484,24 +861,46 @@ async fn refused_decisions_change_nothing() {
         let env = &env;
         let before = before.clone();
         async move {
-            assert_eq!(env.approval_item("acme").await, before, "{label}: approval changed");
-            assert_eq!(env.challenges("acme").await, challenges, "{label}: a challenge changed");
-            assert!(env.queued().await.is_empty(), "{label}: something was enqueued");
+            assert_eq!(
+                env.approval_item("acme").await,
+                before,
+                "{label}: approval changed"
+            );
+            assert_eq!(
+                env.challenges("acme").await,
+                challenges,
+                "{label}: a challenge changed"
+            );
+            assert!(
+                env.queued().await.is_empty(),
+                "{label}: something was enqueued"
+            );
         }
     };
 
     // Signed for a time the challenge did not exist yet, or far ahead of the server's clock.
     let ttl = ApiConfig::default().challenge_ttl_ms;
-    for (label, at) in [("before the challenge", wall_ms() - ttl - 120_000), ("in the future", wall_ms() + 120_000)] {
+    for (label, at) in [
+        ("before the challenge", wall_ms() - ttl - 120_000),
+        ("in the future", wall_ms() + 120_000),
+    ] {
         let req = signed_decide_at(&bob, &k, "bob-phone", "merge 7", label, at).await;
         let ch = env.challenges("acme").await;
-        assert_eq!(code(decide(&bob, &req).await), Code::FailedPrecondition, "{label}");
+        assert_eq!(
+            code(decide(&bob, &req).await),
+            Code::FailedPrecondition,
+            "{label}"
+        );
         assert_unchanged(label, ch).await;
     }
 
     // Bad signature: signed by another key.
     let mut req = signed_decide(&bob, &k, "bob-phone", "merge 7", "bad-sig").await;
-    req.signature = key().sign(&SystemRandom::new(), b"something else").unwrap().as_ref().to_vec();
+    req.signature = key()
+        .sign(&SystemRandom::new(), b"something else")
+        .unwrap()
+        .as_ref()
+        .to_vec();
     let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&bob, &req).await), Code::PermissionDenied);
     assert_unchanged("bad signature", ch).await;
@@ -528,7 +927,16 @@ async fn refused_decisions_change_nothing() {
         .expect("the challenge of the request is stored");
     let mut ch: serde_json::Value = serde_json::from_slice(&item.body).unwrap();
     ch["used"] = true.into();
-    env.db.put_item(&Item { body: serde_json::to_vec(&ch).unwrap(), ..item.clone() }, Cond::Version(item.version)).await.unwrap();
+    env.db
+        .put_item(
+            &Item {
+                body: serde_json::to_vec(&ch).unwrap(),
+                ..item.clone()
+            },
+            Cond::Version(item.version),
+        )
+        .await
+        .unwrap();
     let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&bob, &req).await), Code::FailedPrecondition);
     assert_unchanged("reused challenge", ch).await;
@@ -545,13 +953,21 @@ async fn refused_decisions_change_nothing() {
     // Someone else's device.
     let req = signed_decide(&bob, &k, "bob-phone", "merge 7", "theft").await;
     let ch = env.challenges("acme").await;
-    assert_eq!(code(decide(&env.client("carol", "acme"), &req).await), Code::PermissionDenied);
+    assert_eq!(
+        code(decide(&env.client("carol", "acme"), &req).await),
+        Code::PermissionDenied
+    );
     assert_unchanged("foreign device", ch).await;
 
     // Revoked device: the challenge is taken before the revocation, the decision after it.
     let req = signed_decide(&bob, &k, "bob-phone", "merge 7", "revoked").await;
-    let rev = pd::RevokeDeviceRequest { device_id: "bob-phone".into(), idempotency_key: "rev".into() };
-    bob.unary::<_, pd::RevokeDeviceResponse>("/loams.devices.v1.DeviceService/RevokeDevice", &rev).await.unwrap();
+    let rev = pd::RevokeDeviceRequest {
+        device_id: "bob-phone".into(),
+        idempotency_key: "rev".into(),
+    };
+    bob.unary::<_, pd::RevokeDeviceResponse>("/loams.devices.v1.DeviceService/RevokeDevice", &rev)
+        .await
+        .unwrap();
     let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&bob, &req).await), Code::PermissionDenied);
     assert_unchanged("revoked device", ch).await;
@@ -564,9 +980,19 @@ async fn refused_decisions_change_nothing() {
     let ch = env.challenges("acme").await;
     assert_eq!(code(decide(&bob, &req).await), Code::FailedPrecondition);
     assert_unchanged("expired", ch).await;
-    let shown: pa::GetApprovalResponse =
-        bob.unary("/loams.approvals.v1.ApprovalService/GetApproval", &pa::GetApprovalRequest { approval_id: AP.into() }).await.unwrap();
-    assert_eq!(shown.approval.unwrap().state, pa::ApprovalState::Expired as i32);
+    let shown: pa::GetApprovalResponse = bob
+        .unary(
+            "/loams.approvals.v1.ApprovalService/GetApproval",
+            &pa::GetApprovalRequest {
+                approval_id: AP.into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        shown.approval.unwrap().state,
+        pa::ApprovalState::Expired as i32
+    );
 }
 
 #[tokio::test]
@@ -574,20 +1000,53 @@ async fn kill_run_sets_the_switch_once() {
     let env = start().await;
     env.seed_run("acme", "waiting").await;
     let c = env.client("alice", "acme");
-    let kill = pf::KillRunRequest { run_id: RUN.into(), reason: "wrong fix".into(), idempotency_key: "kill-1".into() };
-    let resp: pf::KillRunResponse = c.unary("/loams.factory.v1.FactoryService/KillRun", &kill).await.unwrap();
+    let kill = pf::KillRunRequest {
+        run_id: RUN.into(),
+        reason: "wrong fix".into(),
+        idempotency_key: "kill-1".into(),
+    };
+    let resp: pf::KillRunResponse = c
+        .unary("/loams.factory.v1.FactoryService/KillRun", &kill)
+        .await
+        .unwrap();
     assert_eq!(resp.run.unwrap().id, RUN);
-    let again: pf::KillRunResponse = c.unary("/loams.factory.v1.FactoryService/KillRun", &kill).await.unwrap();
+    let again: pf::KillRunResponse = c
+        .unary("/loams.factory.v1.FactoryService/KillRun", &kill)
+        .await
+        .unwrap();
     assert_eq!(again.run.unwrap().id, RUN);
-    let switch = env.db.get_item("acme", "kill", &format!("run:{RUN}")).await.unwrap().unwrap();
+    let switch = env
+        .db
+        .get_item("acme", "kill", &format!("run:{RUN}"))
+        .await
+        .unwrap()
+        .unwrap();
     let switch: loams_api::KillSwitch = serde_json::from_slice(&switch.body).unwrap();
-    assert_eq!((switch.reason.as_str(), switch.by.as_str()), ("wrong fix", "alice"));
+    assert_eq!(
+        (switch.reason.as_str(), switch.by.as_str()),
+        ("wrong fix", "alice")
+    );
     let queued = env.queued().await;
     assert_eq!(queued.len(), 1, "a repeated kill must not enqueue twice");
-    assert_eq!(queued[0].input, Some(Input::Kill { by: "alice".into(), reason: "wrong fix".into() }));
+    assert_eq!(
+        queued[0].input,
+        Some(Input::Kill {
+            by: "alice".into(),
+            reason: "wrong fix".into()
+        })
+    );
     // A write without an idempotency key is refused.
-    let nokey = pf::KillRunRequest { idempotency_key: String::new(), ..kill };
-    assert_eq!(code(c.unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &nokey).await), Code::InvalidArgument);
+    let nokey = pf::KillRunRequest {
+        idempotency_key: String::new(),
+        ..kill
+    };
+    assert_eq!(
+        code(
+            c.unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &nokey)
+                .await
+        ),
+        Code::InvalidArgument
+    );
 }
 
 fn alert(issue: u32) -> Vec<u8> {
@@ -609,13 +1068,21 @@ async fn glitchtip_webhook_opens_a_run_once() {
     let mut big = alert(42);
     big.extend(std::iter::repeat_n(b' ', loams_api::MAX_WEBHOOK_BYTES));
     assert_eq!(env.webhook(HOOK_TOKEN, big).await.status(), 413);
-    assert_eq!(env.webhook(HOOK_TOKEN, b"{\"attachments\":[]}".to_vec()).await.status(), 400);
+    assert_eq!(
+        env.webhook(HOOK_TOKEN, b"{\"attachments\":[]}".to_vec())
+            .await
+            .status(),
+        400
+    );
     assert!(env.opener.0.lock().unwrap().is_empty());
 
     let first = env.webhook(HOOK_TOKEN, alert(42)).await;
     assert_eq!(first.status(), 202);
     let body: serde_json::Value = first.json().await.unwrap();
-    assert_eq!(body["run"], loams_factory::run_id("acme", "glitchtip:42", 1));
+    assert_eq!(
+        body["run"],
+        loams_factory::run_id("acme", "glitchtip:42", 1)
+    );
     let dup = env.webhook(HOOK_TOKEN, alert(42)).await;
     assert_eq!(dup.status(), 200);
     {
@@ -623,15 +1090,31 @@ async fn glitchtip_webhook_opens_a_run_once() {
         assert_eq!(opened.len(), 1);
         let (org, envname, signal) = &opened[0];
         assert_eq!((org.as_str(), envname.as_str()), ("acme", "prod"));
-        assert_eq!((signal.fingerprint.as_str(), signal.glitchtip_issue_id.as_deref()), ("glitchtip:42", Some("42")));
+        assert_eq!(
+            (
+                signal.fingerprint.as_str(),
+                signal.glitchtip_issue_id.as_deref()
+            ),
+            ("glitchtip:42", Some("42"))
+        );
     }
     assert_eq!(env.webhook(HOOK_TOKEN, alert(43)).await.status(), 202);
     assert_eq!(env.opener.0.lock().unwrap().len(), 2);
 
     // An issue link on any other origin than the configured GlitchTip's opens nothing.
-    for link in ["https://evil.example/acme/issues/44", "http://gt.example/acme/issues/44", "https://gt.example:444/acme/issues/44"] {
+    for link in [
+        "https://evil.example/acme/issues/44",
+        "http://gt.example/acme/issues/44",
+        "https://gt.example:444/acme/issues/44",
+    ] {
         let body = serde_json::json!({"attachments": [{"title": "x", "title_link": link}]});
-        assert_eq!(env.webhook(HOOK_TOKEN, serde_json::to_vec(&body).unwrap()).await.status(), 400, "{link}");
+        assert_eq!(
+            env.webhook(HOOK_TOKEN, serde_json::to_vec(&body).unwrap())
+                .await
+                .status(),
+            400,
+            "{link}"
+        );
     }
     assert_eq!(env.opener.0.lock().unwrap().len(), 2);
 
@@ -639,12 +1122,25 @@ async fn glitchtip_webhook_opens_a_run_once() {
     let refused = env.webhook(HOOK_TOKEN, alert(90)).await;
     assert_eq!(refused.status(), 200);
     let body: serde_json::Value = refused.json().await.unwrap();
-    assert!(body["refused"].as_str().unwrap().contains("cooldown"), "{body}");
+    assert!(
+        body["refused"].as_str().unwrap().contains("cooldown"),
+        "{body}"
+    );
     // A failed open leaves no delivery marker: the resend is tried again rather than called a duplicate.
     for _ in 0..2 {
         assert_eq!(env.webhook(HOOK_TOKEN, alert(91)).await.status(), 503);
     }
-    assert!(env.db.get_item("acme", "webhook", &format!("glitchtip:{}", hex_sha256(&alert(91)))).await.unwrap().is_none());
+    assert!(
+        env.db
+            .get_item(
+                "acme",
+                "webhook",
+                &format!("glitchtip:{}", hex_sha256(&alert(91)))
+            )
+            .await
+            .unwrap()
+            .is_none()
+    );
     assert_eq!(env.opener.0.lock().unwrap().len(), 2);
 }
 
@@ -665,20 +1161,33 @@ async fn concurrent_decisions_over_one_challenge_settle_once() {
     // A second signature over the same bytes (ECDSA signatures differ each time): a distinct request, same challenge.
     let bytes = loams_proto::canonical_decision_bytes(
         AP,
-        &hex::decode(loams_factory::action_hash(&serde_json::from_slice::<Approval>(&env.approval_item("acme").await.body).unwrap().action)).unwrap(),
+        &hex::decode(loams_factory::action_hash(
+            &serde_json::from_slice::<Approval>(&env.approval_item("acme").await.body)
+                .unwrap()
+                .action,
+        ))
+        .unwrap(),
         pa::Decision::Approve,
         "bob-phone",
         &a.challenge,
         a.decided_at_ms,
     );
     let b = pa::DecideRequest {
-        signature: k.sign(&SystemRandom::new(), &bytes).unwrap().as_ref().to_vec(),
+        signature: k
+            .sign(&SystemRandom::new(), &bytes)
+            .unwrap()
+            .as_ref()
+            .to_vec(),
         idempotency_key: "race-b".into(),
         ..a.clone()
     };
     assert_ne!(a.signature, b.signature);
     let (ra, rb) = tokio::join!(decide(&bob, &a), decide(&bob, &b));
-    assert_eq!(u8::from(ra.is_ok()) + u8::from(rb.is_ok()), 1, "exactly one decision passes: {ra:?} {rb:?}");
+    assert_eq!(
+        u8::from(ra.is_ok()) + u8::from(rb.is_ok()),
+        1,
+        "exactly one decision passes: {ra:?} {rb:?}"
+    );
     assert_eq!(env.queued().await.len(), 1);
 }
 
@@ -694,7 +1203,11 @@ async fn each_procedure_needs_its_scope_and_a_refusal_changes_nothing() {
     let challenges = env.challenges("acme").await;
 
     let get = pf::GetRunRequest { run_id: RUN.into() };
-    let kill = pf::KillRunRequest { run_id: RUN.into(), reason: "x".into(), idempotency_key: "k".into() };
+    let kill = pf::KillRunRequest {
+        run_id: RUN.into(),
+        reason: "x".into(),
+        idempotency_key: "k".into(),
+    };
     let reg = pd::RegisterDeviceRequest {
         device_id: "bob-tablet".into(),
         public_key: key().public_key().as_ref().to_vec(),
@@ -702,52 +1215,165 @@ async fn each_procedure_needs_its_scope_and_a_refusal_changes_nothing() {
         push_token: String::new(),
         idempotency_key: "reg".into(),
     };
-    let revoke = pd::RevokeDeviceRequest { device_id: "bob-phone".into(), idempotency_key: "rev".into() };
+    let revoke = pd::RevokeDeviceRequest {
+        device_id: "bob-phone".into(),
+        idempotency_key: "rev".into(),
+    };
 
     // A reader: reads pass, every write is refused.
     let reader = env.client_with("bob", "acme", "runs:read approvals:read");
-    reader.unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get).await.unwrap();
-    reader.unary::<_, pa::ListApprovalsResponse>("/loams.approvals.v1.ApprovalService/ListApprovals", &pa::ListApprovalsRequest::default()).await.unwrap();
+    reader
+        .unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get)
+        .await
+        .unwrap();
+    reader
+        .unary::<_, pa::ListApprovalsResponse>(
+            "/loams.approvals.v1.ApprovalService/ListApprovals",
+            &pa::ListApprovalsRequest::default(),
+        )
+        .await
+        .unwrap();
     let denied = Code::PermissionDenied;
-    assert_eq!(code(reader.unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &kill).await), denied);
-    assert_eq!(code(reader.unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &reg).await), denied);
-    assert_eq!(code(reader.unary::<_, pd::RevokeDeviceResponse>("/loams.devices.v1.DeviceService/RevokeDevice", &revoke).await), denied);
+    assert_eq!(
+        code(
+            reader
+                .unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &kill)
+                .await
+        ),
+        denied
+    );
+    assert_eq!(
+        code(
+            reader
+                .unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &reg)
+                .await
+        ),
+        denied
+    );
+    assert_eq!(
+        code(
+            reader
+                .unary::<_, pd::RevokeDeviceResponse>(
+                    "/loams.devices.v1.DeviceService/RevokeDevice",
+                    &revoke
+                )
+                .await
+        ),
+        denied
+    );
     assert_eq!(code(get_challenge(&reader, "bob-phone").await), denied);
     assert_eq!(code(decide(&reader, &signed).await), denied);
 
     // No scopes at all: reads are refused too, the watch before its snapshot.
     let none = env.client_with("bob", "acme", "");
-    assert_eq!(code(none.unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get).await), denied);
-    let tl = pf::GetTimelineRequest { run_id: RUN.into(), after_seq: 0, page_size: 0 };
-    assert_eq!(code(none.unary::<_, pf::GetTimelineResponse>("/loams.factory.v1.FactoryService/GetTimeline", &tl).await), denied);
-    let ap = pa::GetApprovalRequest { approval_id: AP.into() };
-    assert_eq!(code(none.unary::<_, pa::GetApprovalResponse>("/loams.approvals.v1.ApprovalService/GetApproval", &ap).await), denied);
+    assert_eq!(
+        code(
+            none.unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get)
+                .await
+        ),
+        denied
+    );
+    let tl = pf::GetTimelineRequest {
+        run_id: RUN.into(),
+        after_seq: 0,
+        page_size: 0,
+    };
+    assert_eq!(
+        code(
+            none.unary::<_, pf::GetTimelineResponse>(
+                "/loams.factory.v1.FactoryService/GetTimeline",
+                &tl
+            )
+            .await
+        ),
+        denied
+    );
+    let ap = pa::GetApprovalRequest {
+        approval_id: AP.into(),
+    };
+    assert_eq!(
+        code(
+            none.unary::<_, pa::GetApprovalResponse>(
+                "/loams.approvals.v1.ApprovalService/GetApproval",
+                &ap
+            )
+            .await
+        ),
+        denied
+    );
     let mut watch = Box::pin(none.server_stream::<_, pf::WatchRunResponse>(
         "/loams.factory.v1.FactoryService/WatchRun",
-        &pf::WatchRunRequest { run_id: RUN.into(), after_seq: 0 },
+        &pf::WatchRunRequest {
+            run_id: RUN.into(),
+            after_seq: 0,
+        },
     ));
     assert_eq!(watch.next().await.unwrap().unwrap_err().code, denied);
     // Scopes of other procedures do not stand in: a decider cannot kill, a killer cannot read.
     let decider = env.client_with("bob", "acme", "approvals:decide devices:write");
-    assert_eq!(code(decider.unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &kill).await), denied);
+    assert_eq!(
+        code(
+            decider
+                .unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &kill)
+                .await
+        ),
+        denied
+    );
     let killer = env.client_with("bob", "acme", "runs:kill");
-    assert_eq!(code(killer.unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get).await), denied);
+    assert_eq!(
+        code(
+            killer
+                .unary::<_, pf::GetRunResponse>("/loams.factory.v1.FactoryService/GetRun", &get)
+                .await
+        ),
+        denied
+    );
 
     // Nothing changed: no kill switch, no device added or revoked, the approval and its challenge as they were.
-    assert!(env.db.get_item("acme", "kill", &format!("run:{RUN}")).await.unwrap().is_none());
-    assert!(env.db.get_item("acme", "device", "bob-tablet").await.unwrap().is_none());
-    let phone: loams_factory::approval::Device =
-        serde_json::from_slice(&env.db.get_item("acme", "device", "bob-phone").await.unwrap().unwrap().body).unwrap();
+    assert!(
+        env.db
+            .get_item("acme", "kill", &format!("run:{RUN}"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        env.db
+            .get_item("acme", "device", "bob-tablet")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let phone: loams_factory::approval::Device = serde_json::from_slice(
+        &env.db
+            .get_item("acme", "device", "bob-phone")
+            .await
+            .unwrap()
+            .unwrap()
+            .body,
+    )
+    .unwrap();
     assert!(!phone.revoked);
     assert_eq!(env.approval_item("acme").await, before);
     assert_eq!(env.challenges("acme").await, challenges);
     assert!(env.queued().await.is_empty());
 
     // Each scope alone is enough for its procedure: the refused idempotency keys were not used up.
-    killer.unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &kill).await.unwrap();
-    decider.unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &reg).await.unwrap();
-    let done = decide(&env.client_with("bob", "acme", "approvals:decide"), &signed).await.unwrap();
-    assert_eq!(done.approval.unwrap().state, pa::ApprovalState::Approved as i32);
+    killer
+        .unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &kill)
+        .await
+        .unwrap();
+    decider
+        .unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &reg)
+        .await
+        .unwrap();
+    let done = decide(&env.client_with("bob", "acme", "approvals:decide"), &signed)
+        .await
+        .unwrap();
+    assert_eq!(
+        done.approval.unwrap().state,
+        pa::ApprovalState::Approved as i32
+    );
 }
 
 /// A store whose first conditional write of an approval loses to a write that lands just before it (another
@@ -759,22 +1385,63 @@ struct RaceOnApproval {
 
 #[async_trait]
 impl Store for RaceOnApproval {
-    async fn create_run(&self, org: &str, id: &str, state: &str, snapshot: &[u8], first: &[u8], now: i64) -> loams_platform::Result<bool> {
-        self.inner.create_run(org, id, state, snapshot, first, now).await
+    async fn create_run(
+        &self,
+        org: &str,
+        id: &str,
+        state: &str,
+        snapshot: &[u8],
+        first: &[u8],
+        now: i64,
+    ) -> loams_platform::Result<bool> {
+        self.inner
+            .create_run(org, id, state, snapshot, first, now)
+            .await
     }
-    async fn append(&self, org: &str, id: &str, v: u64, state: &str, snapshot: &[u8], events: &[Vec<u8>], now: i64) -> loams_platform::Result<u64> {
-        self.inner.append(org, id, v, state, snapshot, events, now).await
+    async fn append(
+        &self,
+        org: &str,
+        id: &str,
+        v: u64,
+        state: &str,
+        snapshot: &[u8],
+        events: &[Vec<u8>],
+        now: i64,
+    ) -> loams_platform::Result<u64> {
+        self.inner
+            .append(org, id, v, state, snapshot, events, now)
+            .await
     }
-    async fn get_run(&self, org: &str, id: &str) -> loams_platform::Result<Option<loams_platform::RunRow>> {
+    async fn get_run(
+        &self,
+        org: &str,
+        id: &str,
+    ) -> loams_platform::Result<Option<loams_platform::RunRow>> {
         self.inner.get_run(org, id).await
     }
-    async fn list_runs(&self, org: &str, state: Option<&str>, page: Page) -> loams_platform::Result<loams_platform::Paged<loams_platform::RunRow>> {
+    async fn list_runs(
+        &self,
+        org: &str,
+        state: Option<&str>,
+        page: Page,
+    ) -> loams_platform::Result<loams_platform::Paged<loams_platform::RunRow>> {
         self.inner.list_runs(org, state, page).await
     }
-    async fn events(&self, org: &str, id: &str, after: u64, limit: u32) -> loams_platform::Result<Vec<loams_platform::EventRow>> {
+    async fn events(
+        &self,
+        org: &str,
+        id: &str,
+        after: u64,
+        limit: u32,
+    ) -> loams_platform::Result<Vec<loams_platform::EventRow>> {
         self.inner.events(org, id, after, limit).await
     }
-    async fn get_item(&self, org: &str, kind: &str, id: &str) -> loams_platform::Result<Option<Item>> {
+    async fn get_item(
+        &self,
+        org: &str,
+        kind: &str,
+        id: &str,
+    ) -> loams_platform::Result<Option<Item>> {
         self.inner.get_item(org, kind, id).await
     }
     async fn put_item(&self, item: &Item, cond: Cond) -> loams_platform::Result<u64> {
@@ -782,7 +1449,11 @@ impl Store for RaceOnApproval {
             && matches!(cond, Cond::Version(_))
             && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst)
         {
-            let current = self.inner.get_item(&item.org, &item.kind, &item.id).await?.unwrap();
+            let current = self
+                .inner
+                .get_item(&item.org, &item.kind, &item.id)
+                .await?
+                .unwrap();
             self.inner.put_item(&current, Cond::Any).await?;
         }
         self.inner.put_item(item, cond).await
@@ -790,13 +1461,31 @@ impl Store for RaceOnApproval {
     async fn delete_item(&self, org: &str, kind: &str, id: &str) -> loams_platform::Result<()> {
         self.inner.delete_item(org, kind, id).await
     }
-    async fn list_items(&self, org: &str, kind: &str, index: Option<&str>, page: Page) -> loams_platform::Result<loams_platform::Paged<Item>> {
+    async fn list_items(
+        &self,
+        org: &str,
+        kind: &str,
+        index: Option<&str>,
+        page: Page,
+    ) -> loams_platform::Result<loams_platform::Paged<Item>> {
         self.inner.list_items(org, kind, index, page).await
     }
-    async fn claim(&self, org: &str, key: &str, now: i64, lease: u64) -> loams_platform::Result<loams_platform::Claim> {
+    async fn claim(
+        &self,
+        org: &str,
+        key: &str,
+        now: i64,
+        lease: u64,
+    ) -> loams_platform::Result<loams_platform::Claim> {
         self.inner.claim(org, key, now, lease).await
     }
-    async fn finish(&self, org: &str, key: &str, result: &[u8], now: i64) -> loams_platform::Result<()> {
+    async fn finish(
+        &self,
+        org: &str,
+        key: &str,
+        result: &[u8],
+        now: i64,
+    ) -> loams_platform::Result<()> {
         self.inner.finish(org, key, result, now).await
     }
     async fn release(&self, org: &str, key: &str) -> loams_platform::Result<()> {
@@ -806,9 +1495,20 @@ impl Store for RaceOnApproval {
 
 #[tokio::test]
 async fn a_decision_that_loses_its_write_changes_nothing_and_can_be_sent_again() {
-    let wrap: WrapStore =
-        |inner| Arc::new(RaceOnApproval { inner, armed: std::sync::atomic::AtomicBool::new(true) });
-    let env = start_with(ApiConfig { watch_poll_ms: 20, ..ApiConfig::default() }, Some(wrap)).await;
+    let wrap: WrapStore = |inner| {
+        Arc::new(RaceOnApproval {
+            inner,
+            armed: std::sync::atomic::AtomicBool::new(true),
+        })
+    };
+    let env = start_with(
+        ApiConfig {
+            watch_poll_ms: 20,
+            ..ApiConfig::default()
+        },
+        Some(wrap),
+    )
+    .await;
     env.seed_run("acme", "waiting").await;
     let before = env.seed_approval("acme").await;
     let bob = env.client("bob", "acme");
@@ -820,13 +1520,24 @@ async fn a_decision_that_loses_its_write_changes_nothing_and_can_be_sent_again()
 
     // The approval is still pending after the other write, so the caller is told to retry.
     assert_eq!(code(decide(&bob, &req).await), Code::Aborted);
-    assert_eq!(env.approval_item("acme").await.body, before.body, "the approval must still be pending");
-    assert_eq!(env.challenges("acme").await, challenges, "the challenge must not be burnt");
+    assert_eq!(
+        env.approval_item("acme").await.body,
+        before.body,
+        "the approval must still be pending"
+    );
+    assert_eq!(
+        env.challenges("acme").await,
+        challenges,
+        "the challenge must not be burnt"
+    );
     assert!(env.queued().await.is_empty());
 
     // The very same request (same key, same challenge) then passes, and uses the challenge up.
     let done = decide(&bob, &req).await.unwrap();
-    assert_eq!(done.approval.unwrap().state, pa::ApprovalState::Approved as i32);
+    assert_eq!(
+        done.approval.unwrap().state,
+        pa::ApprovalState::Approved as i32
+    );
     let used: Challenge = serde_json::from_slice(&env.challenges("acme").await[0].body).unwrap();
     assert!(used.used);
     assert_eq!(env.queued().await.len(), 1);
@@ -843,24 +1554,49 @@ async fn a_user_has_a_bounded_number_of_devices_and_challenges() {
         register(&bob, &format!("bob-{i}"), k).await.unwrap();
     }
     let extra = format!("bob-{}", loams_api::MAX_ACTIVE_DEVICES);
-    assert_eq!(code(register(&bob, &extra, &keys[loams_api::MAX_ACTIVE_DEVICES]).await), Code::FailedPrecondition);
-    assert!(env.db.get_item("acme", "device", &extra).await.unwrap().is_none());
+    assert_eq!(
+        code(register(&bob, &extra, &keys[loams_api::MAX_ACTIVE_DEVICES]).await),
+        Code::FailedPrecondition
+    );
+    assert!(
+        env.db
+            .get_item("acme", "device", &extra)
+            .await
+            .unwrap()
+            .is_none()
+    );
     // Another user is not affected; a revoked device frees a place.
-    register(&env.client("carol", "acme"), "carol-0", &key()).await.unwrap();
-    let rev = pd::RevokeDeviceRequest { device_id: "bob-0".into(), idempotency_key: "rev-0".into() };
-    bob.unary::<_, pd::RevokeDeviceResponse>("/loams.devices.v1.DeviceService/RevokeDevice", &rev).await.unwrap();
+    register(&env.client("carol", "acme"), "carol-0", &key())
+        .await
+        .unwrap();
+    let rev = pd::RevokeDeviceRequest {
+        device_id: "bob-0".into(),
+        idempotency_key: "rev-0".into(),
+    };
+    bob.unary::<_, pd::RevokeDeviceResponse>("/loams.devices.v1.DeviceService/RevokeDevice", &rev)
+        .await
+        .unwrap();
     let again = pd::RegisterDeviceRequest {
         device_id: extra.clone(),
-        public_key: keys[loams_api::MAX_ACTIVE_DEVICES].public_key().as_ref().to_vec(),
+        public_key: keys[loams_api::MAX_ACTIVE_DEVICES]
+            .public_key()
+            .as_ref()
+            .to_vec(),
         name: "phone".into(),
         push_token: String::new(),
         idempotency_key: "after-revoke".into(),
     };
-    bob.unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &again).await.unwrap();
+    bob.unary::<_, pd::Device>("/loams.devices.v1.DeviceService/RegisterDevice", &again)
+        .await
+        .unwrap();
 
     // One challenge per approval and device: asking again, even all at once, returns the same one.
     let first = get_challenge(&bob, "bob-1").await.unwrap();
-    let (a, b, c) = tokio::join!(get_challenge(&bob, "bob-1"), get_challenge(&bob, "bob-1"), get_challenge(&bob, "bob-1"));
+    let (a, b, c) = tokio::join!(
+        get_challenge(&bob, "bob-1"),
+        get_challenge(&bob, "bob-1"),
+        get_challenge(&bob, "bob-1")
+    );
     for again in [a, b, c] {
         assert_eq!(again.unwrap(), first);
     }
@@ -868,7 +1604,8 @@ async fn a_user_has_a_bounded_number_of_devices_and_challenges() {
     get_challenge(&bob, "bob-2").await.unwrap();
     assert_eq!(env.challenges("acme").await.len(), 2);
     // With less than half its life left it is replaced, not joined by a second one.
-    env.clock.advance(u64::try_from(ApiConfig::default().challenge_ttl_ms / 2 + 1).unwrap());
+    env.clock
+        .advance(u64::try_from(ApiConfig::default().challenge_ttl_ms / 2 + 1).unwrap());
     let fresh = get_challenge(&bob, "bob-1").await.unwrap();
     assert_ne!(fresh.challenge, first.challenge);
     assert!(fresh.expires_at_ms > first.expires_at_ms);
@@ -877,37 +1614,76 @@ async fn a_user_has_a_bounded_number_of_devices_and_challenges() {
 
 #[tokio::test]
 async fn watch_sends_heartbeats_ends_after_its_lifetime_and_resumes() {
-    let config = ApiConfig { watch_poll_ms: 20, watch_heartbeat_ms: 100, watch_max_ms: 600, ..ApiConfig::default() };
+    let config = ApiConfig {
+        watch_poll_ms: 20,
+        watch_heartbeat_ms: 100,
+        watch_max_ms: 600,
+        ..ApiConfig::default()
+    };
     let env = start_with(config, None).await;
     env.seed_run("acme", "waiting").await;
     let c = env.client("alice", "acme");
     let started = std::time::Instant::now();
     let stream = c.server_stream::<_, pf::WatchRunResponse>(
         "/loams.factory.v1.FactoryService/WatchRun",
-        &pf::WatchRunRequest { run_id: RUN.into(), after_seq: 0 },
+        &pf::WatchRunRequest {
+            run_id: RUN.into(),
+            after_seq: 0,
+        },
     );
     // The run never finishes, so only the lifetime ends this stream.
-    let items: Vec<_> = tokio::time::timeout(std::time::Duration::from_secs(10), stream.collect::<Vec<_>>()).await.unwrap();
+    let items: Vec<_> = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        stream.collect::<Vec<_>>(),
+    )
+    .await
+    .unwrap();
     assert!(started.elapsed() >= std::time::Duration::from_millis(600));
     let items: Vec<_> = items.into_iter().map(Result::unwrap).collect();
     use pf::watch_run_response::Item as W;
     assert!(matches!(&items[0].item, Some(W::Snapshot(_))));
     assert!(matches!(&items[1].item, Some(W::Event(e)) if e.seq == 1));
-    let beats: Vec<i64> =
-        items[2..].iter().map(|i| match &i.item { Some(W::Heartbeat(h)) => h.at_ms, other => panic!("{other:?}") }).collect();
+    let beats: Vec<i64> = items[2..]
+        .iter()
+        .map(|i| match &i.item {
+            Some(W::Heartbeat(h)) => h.at_ms,
+            other => panic!("{other:?}"),
+        })
+        .collect();
     // A heartbeat per quiet 100 ms of a 600 ms life: at least one, never more than six.
     assert!((1..=6).contains(&beats.len()), "{beats:?}");
-    assert!(beats.iter().all(|&at| at == env.clock.now_ms()), "heartbeats carry the server time");
+    assert!(
+        beats.iter().all(|&at| at == env.clock.now_ms()),
+        "heartbeats carry the server time"
+    );
 
     // The client resumes from the last seq it saw and gets only what came after.
-    let ev = serde_json::to_vec(&serde_json::json!({"type": "run_killed", "at_ms": 9, "stage": "review"})).unwrap();
-    let (snapshot, _) = run_snapshot("acme", loams_factory::Stage::Review, loams_factory::Cursor::LeadReview);
-    env.db.append("acme", RUN, 1, "killed", &snapshot, &[ev], 2).await.unwrap();
+    let ev = serde_json::to_vec(
+        &serde_json::json!({"type": "run_killed", "at_ms": 9, "stage": "review"}),
+    )
+    .unwrap();
+    let (snapshot, _) = run_snapshot(
+        "acme",
+        loams_factory::Stage::Review,
+        loams_factory::Cursor::LeadReview,
+    );
+    env.db
+        .append("acme", RUN, 1, "killed", &snapshot, &[ev], 2)
+        .await
+        .unwrap();
     let resumed = c.server_stream::<_, pf::WatchRunResponse>(
         "/loams.factory.v1.FactoryService/WatchRun",
-        &pf::WatchRunRequest { run_id: RUN.into(), after_seq: 1 },
+        &pf::WatchRunRequest {
+            run_id: RUN.into(),
+            after_seq: 1,
+        },
     );
-    let items: Vec<_> = tokio::time::timeout(std::time::Duration::from_secs(10), resumed.collect::<Vec<_>>()).await.unwrap();
+    let items: Vec<_> = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        resumed.collect::<Vec<_>>(),
+    )
+    .await
+    .unwrap();
     let items: Vec<_> = items.into_iter().map(Result::unwrap).collect();
     assert!(matches!(&items[0].item, Some(W::Snapshot(r)) if r.state == "killed"));
     assert_eq!(items.len(), 2);
@@ -918,49 +1694,97 @@ const DECIDE_TRIAGE: &str = "/loams.factory.v1.FactoryService/DecideTriage";
 const GIVE_VERDICT: &str = "/loams.factory.v1.FactoryService/GiveVerdict";
 
 fn triage(accept: bool, key: &str) -> pf::DecideTriageRequest {
-    pf::DecideTriageRequest { run_id: RUN.into(), accept, idempotency_key: key.into() }
+    pf::DecideTriageRequest {
+        run_id: RUN.into(),
+        accept,
+        idempotency_key: key.into(),
+    }
 }
 
 fn verdict(v: pf::Verdict, key: &str) -> pf::GiveVerdictRequest {
-    pf::GiveVerdictRequest { run_id: RUN.into(), verdict: v as i32, idempotency_key: key.into() }
+    pf::GiveVerdictRequest {
+        run_id: RUN.into(),
+        verdict: v as i32,
+        idempotency_key: key.into(),
+    }
 }
 
 #[tokio::test]
 async fn a_person_decides_triage_and_gives_the_verdict_once() {
     use loams_factory::{Cursor, ObserveVerdict, Stage};
     let env = start().await;
-    env.seed_run_at("acme", "waiting", Stage::Triage, Cursor::AwaitTriage).await;
-    env.seed_run_at("beta", "waiting", Stage::Observe, Cursor::AwaitVerdict).await;
+    env.seed_run_at("acme", "waiting", Stage::Triage, Cursor::AwaitTriage)
+        .await;
+    env.seed_run_at("beta", "waiting", Stage::Observe, Cursor::AwaitVerdict)
+        .await;
     let alice = env.client("alice", "acme");
 
-    let resp: pf::DecideTriageResponse = alice.unary(DECIDE_TRIAGE, &triage(true, "t1")).await.unwrap();
+    let resp: pf::DecideTriageResponse = alice
+        .unary(DECIDE_TRIAGE, &triage(true, "t1"))
+        .await
+        .unwrap();
     let run = resp.run.unwrap();
-    assert_eq!((run.id.as_str(), run.stage_state.as_str()), (RUN, "await_triage"));
+    assert_eq!(
+        (run.id.as_str(), run.stage_state.as_str()),
+        (RUN, "await_triage")
+    );
     let queued = env.queued().await;
     assert_eq!(
         queued,
         vec![Envelope {
             org: "acme".into(),
             run: RUN.into(),
-            input: Some(Input::TriageDecided { accept: true, by: "alice".into() }),
+            input: Some(Input::TriageDecided {
+                accept: true,
+                by: "alice".into()
+            }),
         }]
     );
     // The same key again: the first answer, nothing sent again.
-    let again: pf::DecideTriageResponse = alice.unary(DECIDE_TRIAGE, &triage(true, "t1")).await.unwrap();
+    let again: pf::DecideTriageResponse = alice
+        .unary(DECIDE_TRIAGE, &triage(true, "t1"))
+        .await
+        .unwrap();
     assert_eq!(again.run.unwrap().id, RUN);
     // Until the worker applies it the run still shows the wait, but a second (opposite) decision is refused.
     let bob = env.client("bob", "acme");
-    assert_eq!(code(bob.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(false, "t2")).await), Code::FailedPrecondition);
+    assert_eq!(
+        code(
+            bob.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(false, "t2"))
+                .await
+        ),
+        Code::FailedPrecondition
+    );
     // This run waits for triage, not for a verdict.
     let regressed = verdict(pf::Verdict::Regressed, "v1");
-    assert_eq!(code(bob.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &regressed).await), Code::FailedPrecondition);
+    assert_eq!(
+        code(
+            bob.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &regressed)
+                .await
+        ),
+        Code::FailedPrecondition
+    );
     assert!(env.queued().await.is_empty());
 
     // Another organisation's run waits for its verdict.
     let carol = env.client("carol", "beta");
     let unspecified = verdict(pf::Verdict::Unspecified, "v0");
-    assert_eq!(code(carol.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &unspecified).await), Code::InvalidArgument);
-    assert_eq!(code(carol.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(true, "t1")).await), Code::FailedPrecondition);
+    assert_eq!(
+        code(
+            carol
+                .unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &unspecified)
+                .await
+        ),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(
+            carol
+                .unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(true, "t1"))
+                .await
+        ),
+        Code::FailedPrecondition
+    );
     let resp: pf::GiveVerdictResponse = carol.unary(GIVE_VERDICT, &regressed).await.unwrap();
     assert_eq!(resp.run.unwrap().org, "beta");
     let again: pf::GiveVerdictResponse = carol.unary(GIVE_VERDICT, &regressed).await.unwrap();
@@ -970,11 +1794,21 @@ async fn a_person_decides_triage_and_gives_the_verdict_once() {
         vec![Envelope {
             org: "beta".into(),
             run: RUN.into(),
-            input: Some(Input::VerdictGiven { verdict: ObserveVerdict::Regressed, by: "carol".into() }),
+            input: Some(Input::VerdictGiven {
+                verdict: ObserveVerdict::Regressed,
+                by: "carol".into()
+            }),
         }]
     );
     let resolved = verdict(pf::Verdict::Resolved, "v2");
-    assert_eq!(code(carol.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved).await), Code::FailedPrecondition);
+    assert_eq!(
+        code(
+            carol
+                .unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved)
+                .await
+        ),
+        Code::FailedPrecondition
+    );
     assert!(env.queued().await.is_empty());
 }
 
@@ -982,31 +1816,88 @@ async fn a_person_decides_triage_and_gives_the_verdict_once() {
 async fn refused_triage_and_verdict_calls_send_nothing() {
     use loams_factory::{Cursor, Stage};
     let env = start().await;
-    env.seed_run_at("acme", "waiting", Stage::Triage, Cursor::AwaitTriage).await;
+    env.seed_run_at("acme", "waiting", Stage::Triage, Cursor::AwaitTriage)
+        .await;
     env.seed_run("beta", "open").await;
     let accept = triage(true, "t1");
     let resolved = verdict(pf::Verdict::Resolved, "v1");
 
     // Another organisation's run is not there.
     let mallory = env.client("mallory", "umbrella");
-    assert_eq!(code(mallory.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &accept).await), Code::NotFound);
-    assert_eq!(code(mallory.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved).await), Code::NotFound);
+    assert_eq!(
+        code(
+            mallory
+                .unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &accept)
+                .await
+        ),
+        Code::NotFound
+    );
+    assert_eq!(
+        code(
+            mallory
+                .unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved)
+                .await
+        ),
+        Code::NotFound
+    );
     // Reading and killing runs does not let one decide them.
     let reader = env.client_with("alice", "acme", "runs:read runs:kill approvals:decide");
-    assert_eq!(code(reader.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &accept).await), Code::PermissionDenied);
-    assert_eq!(code(reader.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved).await), Code::PermissionDenied);
+    assert_eq!(
+        code(
+            reader
+                .unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &accept)
+                .await
+        ),
+        Code::PermissionDenied
+    );
+    assert_eq!(
+        code(
+            reader
+                .unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved)
+                .await
+        ),
+        Code::PermissionDenied
+    );
     // A write needs its idempotency key.
     let alice = env.client_with("alice", "acme", loams_api::scope::RUNS_DECIDE);
-    assert_eq!(code(alice.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(true, "")).await), Code::InvalidArgument);
+    assert_eq!(
+        code(
+            alice
+                .unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(true, ""))
+                .await
+        ),
+        Code::InvalidArgument
+    );
     // A run in review waits for neither.
     let dave = env.client("dave", "beta");
-    assert_eq!(code(dave.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &accept).await), Code::FailedPrecondition);
-    assert_eq!(code(dave.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved).await), Code::FailedPrecondition);
+    assert_eq!(
+        code(
+            dave.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &accept)
+                .await
+        ),
+        Code::FailedPrecondition
+    );
+    assert_eq!(
+        code(
+            dave.unary::<_, pf::GiveVerdictResponse>(GIVE_VERDICT, &resolved)
+                .await
+        ),
+        Code::FailedPrecondition
+    );
     assert!(env.queued().await.is_empty());
 
     // The refusals used up neither the keys nor the decision: the scope alone is enough for the call.
-    alice.unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(false, "t1")).await.unwrap();
+    alice
+        .unary::<_, pf::DecideTriageResponse>(DECIDE_TRIAGE, &triage(false, "t1"))
+        .await
+        .unwrap();
     let queued = env.queued().await;
     assert_eq!(queued.len(), 1);
-    assert_eq!(queued[0].input, Some(Input::TriageDecided { accept: false, by: "alice".into() }));
+    assert_eq!(
+        queued[0].input,
+        Some(Input::TriageDecided {
+            accept: false,
+            by: "alice".into()
+        })
+    );
 }

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
 use loams_a2a::{
-    A2aClient, AgentSpec, ApprovalGate, AuthError, CallError, CallerAuth, CardSigner, GateError, Guards, Risk,
-    SkillError, SkillSpec, Skills, TokenSource,
+    A2aClient, AgentSpec, ApprovalGate, AuthError, CallError, CallerAuth, CardSigner, GateError,
+    Guards, Risk, SkillError, SkillSpec, Skills, TokenSource,
 };
 use loams_api::broker::MAX_AGENT_TOKEN_TTL_S;
 use loams_api::{AGENT_SUBJECT, AgentAuth, AgentTokens, ApprovalBroker, Issuer};
@@ -31,7 +31,10 @@ fn now_s() -> u64 {
 async fn agent_tokens_verify_for_their_agent_only() {
     let issuer = issuer();
     let auth = AgentAuth::new(issuer.verifier());
-    let token = AgentTokens::new(issuer.clone(), "acme").token(AGENT_URL).await.unwrap();
+    let token = AgentTokens::new(issuer.clone(), "acme")
+        .token(AGENT_URL)
+        .await
+        .unwrap();
 
     let principal = auth.verify(Some(&token), AGENT_URL).await.unwrap();
     assert_eq!(principal.subject, AGENT_SUBJECT);
@@ -39,30 +42,73 @@ async fn agent_tokens_verify_for_their_agent_only() {
 
     assert_eq!(auth.verify(None, AGENT_URL).await, Err(AuthError::Missing));
     // Minted for another agent, or a user's API token: wrong audience.
-    assert_eq!(auth.verify(Some(&token), "http://127.0.0.1:4712").await, Err(AuthError::Invalid));
+    assert_eq!(
+        auth.verify(Some(&token), "http://127.0.0.1:4712").await,
+        Err(AuthError::Invalid)
+    );
     let user = issuer.issue("alice", "acme", "runs", now_s(), 600).unwrap();
-    assert_eq!(auth.verify(Some(&user), AGENT_URL).await, Err(AuthError::Invalid));
+    assert_eq!(
+        auth.verify(Some(&user), AGENT_URL).await,
+        Err(AuthError::Invalid)
+    );
     // A token of this issuer for this very agent, but not the factory's: only the factory calls agents.
-    let someone = issuer.issue_for(AGENT_URL, "alice", "acme", "a2a", now_s(), 300).unwrap();
-    assert_eq!(auth.verify(Some(&someone), AGENT_URL).await, Err(AuthError::Invalid));
+    let someone = issuer
+        .issue_for(AGENT_URL, "alice", "acme", "a2a", now_s(), 300)
+        .unwrap();
+    assert_eq!(
+        auth.verify(Some(&someone), AGENT_URL).await,
+        Err(AuthError::Invalid)
+    );
     // Another key, an expired token, a token living longer than an agent token may, garbage.
     let stranger = Issuer::generate("loams-dev", "loams-api").unwrap();
-    let forged = stranger.issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s(), 300).unwrap();
-    assert_eq!(auth.verify(Some(&forged), AGENT_URL).await, Err(AuthError::Invalid));
-    let expired = issuer.issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s() - 3600, 300).unwrap();
-    assert_eq!(auth.verify(Some(&expired), AGENT_URL).await, Err(AuthError::Invalid));
-    let long = issuer.issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s(), MAX_AGENT_TOKEN_TTL_S + 1).unwrap();
-    assert_eq!(auth.verify(Some(&long), AGENT_URL).await, Err(AuthError::Invalid));
+    let forged = stranger
+        .issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s(), 300)
+        .unwrap();
+    assert_eq!(
+        auth.verify(Some(&forged), AGENT_URL).await,
+        Err(AuthError::Invalid)
+    );
+    let expired = issuer
+        .issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s() - 3600, 300)
+        .unwrap();
+    assert_eq!(
+        auth.verify(Some(&expired), AGENT_URL).await,
+        Err(AuthError::Invalid)
+    );
+    let long = issuer
+        .issue_for(
+            AGENT_URL,
+            AGENT_SUBJECT,
+            "acme",
+            "a2a",
+            now_s(),
+            MAX_AGENT_TOKEN_TTL_S + 1,
+        )
+        .unwrap();
+    assert_eq!(
+        auth.verify(Some(&long), AGENT_URL).await,
+        Err(AuthError::Invalid)
+    );
     // The same key under another issuer name.
     let pkcs8 = Issuer::generate_pkcs8().unwrap();
     let ours = Issuer::from_pkcs8(&pkcs8, "loams-dev", "loams-api").unwrap();
     let evil = Issuer::from_pkcs8(&pkcs8, "evil", "loams-api").unwrap();
-    let wrong_iss = evil.issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s(), 300).unwrap();
+    let wrong_iss = evil
+        .issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s(), 300)
+        .unwrap();
     let ours_auth = AgentAuth::new(ours.verifier());
-    assert_eq!(ours_auth.verify(Some(&wrong_iss), AGENT_URL).await, Err(AuthError::Invalid));
-    let right_iss = ours.issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s(), 300).unwrap();
+    assert_eq!(
+        ours_auth.verify(Some(&wrong_iss), AGENT_URL).await,
+        Err(AuthError::Invalid)
+    );
+    let right_iss = ours
+        .issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s(), 300)
+        .unwrap();
     assert!(ours_auth.verify(Some(&right_iss), AGENT_URL).await.is_ok());
-    assert_eq!(auth.verify(Some("not.a.jwt"), AGENT_URL).await, Err(AuthError::Invalid));
+    assert_eq!(
+        auth.verify(Some("not.a.jwt"), AGENT_URL).await,
+        Err(AuthError::Invalid)
+    );
 }
 
 fn merge_args() -> Value {
@@ -119,11 +165,31 @@ async fn records() -> Records {
     let clock = Arc::new(ManualClock::new(NOW));
     let store = Arc::new(Sqlite::memory(clock.clone()).unwrap());
     let gate = ApprovalBroker::new(store.clone(), clock.clone());
-    put(store.as_ref(), &approval("ap-merge", "merge", merge_args(), ApprovalState::Approved)).await;
-    put(store.as_ref(), &approval("ap-pending", "merge", merge_args(), ApprovalState::Pending)).await;
-    put(store.as_ref(), &approval("ap-denied", "merge", merge_args(), ApprovalState::Denied)).await;
-    put(store.as_ref(), &approval("ap-close", "close_pr", json!({"number": 7, "branch": "factory/r-1"}), ApprovalState::Approved))
-        .await;
+    put(
+        store.as_ref(),
+        &approval("ap-merge", "merge", merge_args(), ApprovalState::Approved),
+    )
+    .await;
+    put(
+        store.as_ref(),
+        &approval("ap-pending", "merge", merge_args(), ApprovalState::Pending),
+    )
+    .await;
+    put(
+        store.as_ref(),
+        &approval("ap-denied", "merge", merge_args(), ApprovalState::Denied),
+    )
+    .await;
+    put(
+        store.as_ref(),
+        &approval(
+            "ap-close",
+            "close_pr",
+            json!({"number": 7, "branch": "factory/r-1"}),
+            ApprovalState::Approved,
+        ),
+    )
+    .await;
     Records { store, clock, gate }
 }
 
@@ -138,34 +204,120 @@ fn refused(r: Result<(), GateError>, why: &str) {
 async fn the_gate_admits_exactly_the_approved_call() {
     let r = records().await;
     let g = &r.gate;
-    g.admit("acme", "forgejo", "merge", &merge_args(), "ap-merge").await.unwrap();
+    g.admit("acme", "forgejo", "merge", &merge_args(), "ap-merge")
+        .await
+        .unwrap();
     // The same args in another key order are the same call.
-    g.admit("acme", "forgejo", "merge", &json!({"head_sha": "abc123", "number": 7}), "ap-merge").await.unwrap();
+    g.admit(
+        "acme",
+        "forgejo",
+        "merge",
+        &json!({"head_sha": "abc123", "number": 7}),
+        "ap-merge",
+    )
+    .await
+    .unwrap();
     let close = json!({"number": 7, "branch": "factory/r-1"});
-    g.admit("acme", "forgejo", "close_pr", &close, "ap-close").await.unwrap();
+    g.admit("acme", "forgejo", "close_pr", &close, "ap-close")
+        .await
+        .unwrap();
 
-    refused(g.admit("acme", "forgejo", "merge", &json!({"number": 8, "head_sha": "abc123"}), "ap-merge").await, "hash");
-    refused(g.admit("acme", "forgejo", "merge", &json!({"number": 7, "head_sha": "evil"}), "ap-merge").await, "hash");
-    refused(g.admit("acme", "forgejo", "close_pr", &merge_args(), "ap-merge").await, "forgejo.merge");
-    refused(g.admit("acme", "forgejo", "revert", &close, "ap-close").await, "forgejo.close_pr");
-    refused(g.admit("acme", "plane", "merge", &merge_args(), "ap-merge").await, "forgejo.merge");
-    refused(g.admit("acme", "forgejo", "merge", &merge_args(), "ap-pending").await, "pending");
-    refused(g.admit("acme", "forgejo", "merge", &merge_args(), "ap-denied").await, "denied");
-    refused(g.admit("acme", "forgejo", "merge", &merge_args(), "ap-nope").await, "no such approval");
-    refused(g.admit("acme", "forgejo", "merge", &merge_args(), "").await, "malformed");
+    refused(
+        g.admit(
+            "acme",
+            "forgejo",
+            "merge",
+            &json!({"number": 8, "head_sha": "abc123"}),
+            "ap-merge",
+        )
+        .await,
+        "hash",
+    );
+    refused(
+        g.admit(
+            "acme",
+            "forgejo",
+            "merge",
+            &json!({"number": 7, "head_sha": "evil"}),
+            "ap-merge",
+        )
+        .await,
+        "hash",
+    );
+    refused(
+        g.admit("acme", "forgejo", "close_pr", &merge_args(), "ap-merge")
+            .await,
+        "forgejo.merge",
+    );
+    refused(
+        g.admit("acme", "forgejo", "revert", &close, "ap-close")
+            .await,
+        "forgejo.close_pr",
+    );
+    refused(
+        g.admit("acme", "plane", "merge", &merge_args(), "ap-merge")
+            .await,
+        "forgejo.merge",
+    );
+    refused(
+        g.admit("acme", "forgejo", "merge", &merge_args(), "ap-pending")
+            .await,
+        "pending",
+    );
+    refused(
+        g.admit("acme", "forgejo", "merge", &merge_args(), "ap-denied")
+            .await,
+        "denied",
+    );
+    refused(
+        g.admit("acme", "forgejo", "merge", &merge_args(), "ap-nope")
+            .await,
+        "no such approval",
+    );
+    refused(
+        g.admit("acme", "forgejo", "merge", &merge_args(), "").await,
+        "malformed",
+    );
     // Records are per organisation: another org's agent finds nothing.
-    refused(g.admit("globex", "forgejo", "merge", &merge_args(), "ap-merge").await, "no such approval");
+    refused(
+        g.admit("globex", "forgejo", "merge", &merge_args(), "ap-merge")
+            .await,
+        "no such approval",
+    );
 
     // A tampered record (action changed after hashing) admits neither the shown nor the hashed call.
-    let mut tampered = approval("ap-tampered", "merge", merge_args(), ApprovalState::Approved);
+    let mut tampered = approval(
+        "ap-tampered",
+        "merge",
+        merge_args(),
+        ApprovalState::Approved,
+    );
     tampered.action.args = json!({"number": 9, "head_sha": "abc123"});
     put(r.store.as_ref(), &tampered).await;
-    refused(g.admit("acme", "forgejo", "merge", &tampered.action.args, "ap-tampered").await, "hash");
+    refused(
+        g.admit(
+            "acme",
+            "forgejo",
+            "merge",
+            &tampered.action.args,
+            "ap-tampered",
+        )
+        .await,
+        "hash",
+    );
 
     // Past its expiry a pending approval reads as expired, and an approved one releases nothing more.
     r.clock.advance(APPROVAL_TTL_MS as u64);
-    refused(g.admit("acme", "forgejo", "merge", &merge_args(), "ap-pending").await, "expired");
-    refused(g.admit("acme", "forgejo", "merge", &merge_args(), "ap-merge").await, "expired");
+    refused(
+        g.admit("acme", "forgejo", "merge", &merge_args(), "ap-pending")
+            .await,
+        "expired",
+    );
+    refused(
+        g.admit("acme", "forgejo", "merge", &merge_args(), "ap-merge")
+            .await,
+        "expired",
+    );
 }
 
 /// A forgejo stand-in counting the app calls it makes.
@@ -189,7 +341,10 @@ impl Skills for Forge {
             name: "forgejo".into(),
             description: "forge".into(),
             version: "1.0.0".into(),
-            skills: vec![skill("merge", Risk::Destructive), skill("ci_status", Risk::Read)],
+            skills: vec![
+                skill("merge", Risk::Destructive),
+                skill("ci_status", Risk::Read),
+            ],
         }
     }
 
@@ -212,32 +367,89 @@ async fn an_agent_behind_the_broker_merges_only_with_token_and_approval() {
         auth: Arc::new(AgentAuth::new(issuer.verifier())),
         gate: Arc::new(ApprovalBroker::new(r.store.clone(), r.clock.clone())),
     };
-    let app = loams_a2a::router(forge.clone(), r.store.clone(), "acme".into(), signer, base.clone(), guards);
+    let app = loams_a2a::router(
+        forge.clone(),
+        r.store.clone(),
+        "acme".into(),
+        signer,
+        base.clone(),
+        guards,
+    );
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
     let anonymous = A2aClient::new(&base, &jwks).await.unwrap();
-    let err = anonymous.call("s-1", "merge", merge_args(), Some("ap-merge")).await.unwrap_err();
+    let err = anonymous
+        .call("s-1", "merge", merge_args(), Some("ap-merge"))
+        .await
+        .unwrap_err();
     assert!(matches!(err, CallError::Http(401)), "{err}");
     // A token of another organisation is refused as well.
-    let globex = A2aClient::new(&base, &jwks).await.unwrap().with_tokens(Arc::new(AgentTokens::new(issuer.clone(), "globex")));
-    let err = globex.call("s-1", "merge", merge_args(), Some("ap-merge")).await.unwrap_err();
+    let globex = A2aClient::new(&base, &jwks)
+        .await
+        .unwrap()
+        .with_tokens(Arc::new(AgentTokens::new(issuer.clone(), "globex")));
+    let err = globex
+        .call("s-1", "merge", merge_args(), Some("ap-merge"))
+        .await
+        .unwrap_err();
     assert!(matches!(err, CallError::Http(401)), "{err}");
 
-    let client = A2aClient::new(&base, &jwks).await.unwrap().with_tokens(Arc::new(AgentTokens::new(issuer.clone(), "acme")));
-    assert_eq!(client.call("s-read", "ci_status", json!({"sha": "abc"}), None).await.unwrap(), json!({"ran": "ci_status"}));
-    for (step, approval) in [("s-2", None), ("s-3", Some("ap-pending")), ("s-4", Some("ap-close"))] {
-        match client.call(step, "merge", merge_args(), approval).await.unwrap_err() {
+    let client = A2aClient::new(&base, &jwks)
+        .await
+        .unwrap()
+        .with_tokens(Arc::new(AgentTokens::new(issuer.clone(), "acme")));
+    assert_eq!(
+        client
+            .call("s-read", "ci_status", json!({"sha": "abc"}), None)
+            .await
+            .unwrap(),
+        json!({"ran": "ci_status"})
+    );
+    for (step, approval) in [
+        ("s-2", None),
+        ("s-3", Some("ap-pending")),
+        ("s-4", Some("ap-close")),
+    ] {
+        match client
+            .call(step, "merge", merge_args(), approval)
+            .await
+            .unwrap_err()
+        {
             CallError::Skill { retryable, .. } => assert!(!retryable),
             other => panic!("{other}"),
         }
     }
-    assert_eq!(forge.calls.load(Ordering::SeqCst), 1, "no merge reached the app");
+    assert_eq!(
+        forge.calls.load(Ordering::SeqCst),
+        1,
+        "no merge reached the app"
+    );
 
-    assert_eq!(client.call("s-5", "merge", merge_args(), Some("ap-merge")).await.unwrap(), json!({"ran": "merge"}));
+    assert_eq!(
+        client
+            .call("s-5", "merge", merge_args(), Some("ap-merge"))
+            .await
+            .unwrap(),
+        json!({"ran": "merge"})
+    );
     assert_eq!(forge.calls.load(Ordering::SeqCst), 2);
     // The step id cannot be reused for other args (a planted result), nor replayed into a second merge.
-    let err = client.call("s-5", "merge", json!({"number": 8, "head_sha": "abc123"}), Some("ap-merge")).await.unwrap_err();
-    assert!(matches!(err, CallError::Protocol { code: -32602, .. }), "{err}");
-    client.call("s-5", "merge", merge_args(), Some("ap-merge")).await.unwrap();
+    let err = client
+        .call(
+            "s-5",
+            "merge",
+            json!({"number": 8, "head_sha": "abc123"}),
+            Some("ap-merge"),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, CallError::Protocol { code: -32602, .. }),
+        "{err}"
+    );
+    client
+        .call("s-5", "merge", merge_args(), Some("ap-merge"))
+        .await
+        .unwrap();
     assert_eq!(forge.calls.load(Ordering::SeqCst), 2);
 }

@@ -173,7 +173,11 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 /// is only ever good for the action the record says it allows), the decision, device, challenge and signing time.
 pub fn decision_bytes(approval: &Approval, request: &DecisionRequest) -> Result<Vec<u8>, Refusal> {
     let hash = hex_decode(&approval.action_hash).ok_or(Refusal::ActionHashMismatch)?;
-    let decision = if request.approve { Decision::Approve } else { Decision::Deny };
+    let decision = if request.approve {
+        Decision::Approve
+    } else {
+        Decision::Deny
+    };
     Ok(loams_proto::canonical_decision_bytes(
         &approval.id,
         &hash,
@@ -188,7 +192,13 @@ fn hex_decode(text: &str) -> Option<Vec<u8>> {
     if !text.len().is_multiple_of(2) {
         return None;
     }
-    (0..text.len()).step_by(2).map(|i| text.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok())).collect()
+    (0..text.len())
+        .step_by(2)
+        .map(|i| {
+            text.get(i..i + 2)
+                .and_then(|b| u8::from_str_radix(b, 16).ok())
+        })
+        .collect()
 }
 
 /// Decides whether `request` may settle `approval`. The signature is verified over [`decision_bytes`], computed here.
@@ -201,7 +211,11 @@ pub fn check_decision(
     now_ms: i64,
 ) -> Result<(), Refusal> {
     if approval.state != ApprovalState::Pending {
-        return Err(if approval.state == ApprovalState::Expired { Refusal::Expired } else { Refusal::AlreadyDecided });
+        return Err(if approval.state == ApprovalState::Expired {
+            Refusal::Expired
+        } else {
+            Refusal::AlreadyDecided
+        });
     }
     if now_ms >= approval.expires_at_ms {
         return Err(Refusal::Expired);
@@ -213,13 +227,18 @@ pub fn check_decision(
         return Err(Refusal::DeviceRevoked);
     }
     // No one approves their own action, neither the requester nor the person the agent acts for.
-    if device.user == approval.requester || approval.on_behalf_of.as_deref() == Some(device.user.as_str()) {
+    if device.user == approval.requester
+        || approval.on_behalf_of.as_deref() == Some(device.user.as_str())
+    {
         return Err(Refusal::SelfApproval);
     }
     if challenge.used {
         return Err(Refusal::ChallengeUsed);
     }
-    let device_matches = challenge.device_id.as_deref().is_none_or(|d| d == device.id);
+    let device_matches = challenge
+        .device_id
+        .as_deref()
+        .is_none_or(|d| d == device.id);
     if challenge.approval_id != approval.id
         || request.approval_id != approval.id
         || !device_matches
@@ -232,7 +251,10 @@ pub fn check_decision(
     }
     // The record must say what it will allow: a hash that does not match the shown action would let a person
     // approve one call while the broker releases another.
-    if !same(crate::action_hash(&approval.action).as_bytes(), approval.action_hash.as_bytes()) {
+    if !same(
+        crate::action_hash(&approval.action).as_bytes(),
+        approval.action_hash.as_bytes(),
+    ) {
         return Err(Refusal::ActionHashMismatch);
     }
     // A typed phrase guards approving a destructive action; refusing it must stay a single tap.
@@ -242,11 +264,19 @@ pub fn check_decision(
     {
         return Err(Refusal::ConfirmationMismatch);
     }
-    verify_signature(&device.public_key, &decision_bytes(approval, request)?, &request.signature)
+    verify_signature(
+        &device.public_key,
+        &decision_bytes(approval, request)?,
+        &request.signature,
+    )
 }
 
 /// ECDSA P-256 SHA-256 with a DER signature over `message`, against a 65-byte uncompressed point.
-pub fn verify_signature(public_key: &[u8], message: &[u8], signature: &[u8]) -> Result<(), Refusal> {
+pub fn verify_signature(
+    public_key: &[u8],
+    message: &[u8],
+    signature: &[u8],
+) -> Result<(), Refusal> {
     if public_key.len() != P256_POINT_LEN || public_key.first() != Some(&0x04) {
         return Err(Refusal::BadSignature);
     }
@@ -266,7 +296,11 @@ pub fn valid_device_key(public_key: &[u8]) -> bool {
 /// The approval after an accepted decision, with its proof. Call only after [`check_decision`] returned `Ok`.
 pub fn settle(approval: &Approval, device: &Device, request: &DecisionRequest) -> Approval {
     let mut settled = approval.clone();
-    settled.state = if request.approve { ApprovalState::Approved } else { ApprovalState::Denied };
+    settled.state = if request.approve {
+        ApprovalState::Approved
+    } else {
+        ApprovalState::Denied
+    };
     settled.decision = Some(DecisionProof {
         device_id: device.id.clone(),
         signature: request.signature.clone(),
@@ -299,8 +333,19 @@ mod tests {
             .step_by(2)
             .map(|i| u8::from_str_radix(&a.action_hash[i..i + 2], 16).unwrap())
             .collect();
-        let d = if r.approve { Decision::Approve } else { Decision::Deny };
-        loams_proto::canonical_decision_bytes(&a.id, &hash, d, &r.device_id, &r.challenge, r.decided_at_ms)
+        let d = if r.approve {
+            Decision::Approve
+        } else {
+            Decision::Deny
+        };
+        loams_proto::canonical_decision_bytes(
+            &a.id,
+            &hash,
+            d,
+            &r.device_id,
+            &r.challenge,
+            r.decided_at_ms,
+        )
     }
 
     fn key() -> EcdsaKeyPair {
@@ -366,7 +411,13 @@ mod tests {
             signature: vec![],
         };
         sign(&key, &approval, &mut request);
-        Fixture { approval, device, challenge, request, key }
+        Fixture {
+            approval,
+            device,
+            challenge,
+            request,
+            key,
+        }
     }
 
     fn check(f: &Fixture) -> Result<(), Refusal> {
@@ -393,7 +444,10 @@ mod tests {
         f.request.confirmation = None;
         sign(&f.key, &f.approval, &mut f.request);
         assert_eq!(check(&f), Ok(()));
-        assert_eq!(settle(&f.approval, &f.device, &f.request).state, ApprovalState::Denied);
+        assert_eq!(
+            settle(&f.approval, &f.device, &f.request).state,
+            ApprovalState::Denied
+        );
     }
 
     #[test]
@@ -470,7 +524,10 @@ mod tests {
         let late = f.approval.expires_at_ms;
         let mut c = f.challenge.clone();
         c.expires_at_ms = late + 1;
-        assert_eq!(check_decision(&f.approval, &f.device, &c, &f.request, late), Err(Refusal::Expired));
+        assert_eq!(
+            check_decision(&f.approval, &f.device, &c, &f.request, late),
+            Err(Refusal::Expired)
+        );
         assert_eq!(f.approval.effective_state(late), ApprovalState::Expired);
         assert_eq!(f.approval.effective_state(late - 1), ApprovalState::Pending);
         let mut f = fixture();
@@ -542,7 +599,8 @@ mod tests {
     #[test]
     fn records_round_trip_as_json() {
         let f = fixture();
-        let back: Approval = serde_json::from_slice(&serde_json::to_vec(&f.approval).unwrap()).unwrap();
+        let back: Approval =
+            serde_json::from_slice(&serde_json::to_vec(&f.approval).unwrap()).unwrap();
         assert_eq!(back, f.approval);
         let json = serde_json::to_value(&f.approval).unwrap();
         assert_eq!(json["state"], "pending");

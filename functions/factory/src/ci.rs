@@ -43,7 +43,11 @@ pub fn parse_ci_log(log: &str) -> CiReport {
     for line in log.lines() {
         if let Some((passed, mut name)) = check_of(line) {
             name.truncate(200);
-            let list = if passed { &mut report.passing } else { &mut report.failing };
+            let list = if passed {
+                &mut report.passing
+            } else {
+                &mut report.failing
+            };
             if !list.contains(&name) {
                 list.push(name);
             }
@@ -55,7 +59,11 @@ pub fn parse_ci_log(log: &str) -> CiReport {
     report.signature = if report.failing.is_empty() {
         let normalized: String = log
             .split_whitespace()
-            .map(|w| w.chars().filter(|c| !c.is_ascii_digit()).collect::<String>())
+            .map(|w| {
+                w.chars()
+                    .filter(|c| !c.is_ascii_digit())
+                    .collect::<String>()
+            })
             .collect::<Vec<_>>()
             .join(" ");
         format!("log:{}", &sha256_hex(normalized.as_bytes())[..16])
@@ -71,7 +79,9 @@ mod tests {
 
     #[test]
     fn reads_both_forms() {
-        let r = parse_ci_log("PASS test_a\nFAIL test_b\nlint: success\nunit: failure - 2 failed\nnoise line\n");
+        let r = parse_ci_log(
+            "PASS test_a\nFAIL test_b\nlint: success\nunit: failure - 2 failed\nnoise line\n",
+        );
         assert_eq!(r.passing, vec!["lint", "test_a"]);
         assert_eq!(r.failing, vec!["test_b", "unit"]);
         assert_eq!(r.signature, "checks:test_b,unit");

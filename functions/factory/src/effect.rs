@@ -70,12 +70,23 @@ pub enum Effect {
         approval_id: Option<String>,
     },
     /// A model completion with purpose `fix`, `lead_review` or `security_audit`; answer with `Outcome::Model`.
-    Model { step: String, purpose: String, messages: Vec<ChatMessage> },
+    Model {
+        step: String,
+        purpose: String,
+        messages: Vec<ChatMessage>,
+    },
     /// Store the approval (pending) and answer with `Outcome::Agent({"approval_id": ...})`.
-    RequestApproval { step: String, approval: Box<ApprovalRequest> },
+    RequestApproval {
+        step: String,
+        approval: Box<ApprovalRequest>,
+    },
     /// Schedule the timer (upsert on `timer_id`) and answer with any `Outcome::Agent`; when it fires, send
     /// `Input::TimerFired`.
-    Wait { step: String, timer_id: String, due_ms: i64 },
+    Wait {
+        step: String,
+        timer_id: String,
+        due_ms: i64,
+    },
 }
 
 impl Effect {

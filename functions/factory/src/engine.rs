@@ -13,7 +13,10 @@ use crate::policy::{Risk, Verdict, risk_of};
 use crate::prompts::{approval_summary, tail};
 use crate::review::{audit_verdict, lead_approves};
 use crate::run::{Cursor, Run, RunState, gated_action};
-use crate::{Ctx, MAX_FEEDBACK, MAX_FILE_BYTES, MAX_FILES, MAX_ID, MAX_MODEL_TEXT, MAX_STEP_RETRIES, MAX_TITLE};
+use crate::{
+    Ctx, MAX_FEEDBACK, MAX_FILE_BYTES, MAX_FILES, MAX_ID, MAX_MODEL_TEXT, MAX_STEP_RETRIES,
+    MAX_TITLE,
+};
 use crate::{LastRunStatus, Rejection, Signal};
 
 /// The principal that requests the factory's approvals.
@@ -37,7 +40,8 @@ fn valid_org(org: &str) -> bool {
     !b.is_empty()
         && b.len() <= 63
         && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
 }
 
 fn check_signal(s: &Signal) -> Result<(), Rejection> {
@@ -81,12 +85,18 @@ fn check_signal(s: &Signal) -> Result<(), Rejection> {
 /// Also refused above the generation cap or when a kill switch covers it.
 pub fn open(signal: Signal, ctx: &Ctx) -> Result<(Run, Event), Rejection> {
     if !valid_org(&ctx.org) {
-        return Err(Rejection::InvalidSignal(format!("invalid org {:?}", ctx.org)));
+        return Err(Rejection::InvalidSignal(format!(
+            "invalid org {:?}",
+            ctx.org
+        )));
     }
     check_signal(&signal)?;
     let cap = ctx.config.max_generations;
     if signal.generation > cap {
-        return Err(Rejection::GenerationCap { generation: signal.generation, cap });
+        return Err(Rejection::GenerationCap {
+            generation: signal.generation,
+            cap,
+        });
     }
     let id = lineage_id(&signal, ctx)?;
     if ctx.kill.org {
@@ -112,13 +122,21 @@ pub fn open(signal: Signal, ctx: &Ctx) -> Result<(Run, Event), Rejection> {
 fn lineage_id(signal: &Signal, ctx: &Ctx) -> Result<String, Rejection> {
     let (org, fingerprint) = (ctx.org.as_str(), signal.fingerprint.as_str());
     if signal.generation > 1 {
-        return Ok(run_id_after(org, fingerprint, signal.generation, signal.parent_run.as_deref()));
+        return Ok(run_id_after(
+            org,
+            fingerprint,
+            signal.generation,
+            signal.parent_run.as_deref(),
+        ));
     }
     let Some(last) = &ctx.last_run else {
         return Ok(run_id(org, fingerprint, 1));
     };
     if !valid_run_id(&last.run_id) {
-        return Err(Rejection::InvalidInput(format!("the fingerprint's last run {:?} is not a run id", last.run_id)));
+        return Err(Rejection::InvalidInput(format!(
+            "the fingerprint's last run {:?} is not a run id",
+            last.run_id
+        )));
     }
     let cooldown = i64::try_from(ctx.config.cooldown_ms).unwrap_or(i64::MAX);
     let same = match ctx.last_run_status {
@@ -132,32 +150,49 @@ fn lineage_id(signal: &Signal, ctx: &Ctx) -> Result<String, Rejection> {
             false
         }
     };
-    Ok(if same { last.run_id.clone() } else { run_id_after(org, fingerprint, 1, Some(&last.run_id)) })
+    Ok(if same {
+        last.run_id.clone()
+    } else {
+        run_id_after(org, fingerprint, 1, Some(&last.run_id))
+    })
 }
 
 fn check_input(run: &Run, input: &Input, ctx: &Ctx) -> Result<(), Rejection> {
     let long = |v: &str| v.len() > MAX_ID;
     if ctx.org != run.org {
-        return Err(Rejection::InvalidInput("the context is for another organisation".into()));
+        return Err(Rejection::InvalidInput(
+            "the context is for another organisation".into(),
+        ));
     }
     let too_long = match input {
         Input::Continue => false,
         Input::Completed { step, .. } => {
             if !step.starts_with(&format!("{}:", run.id)) {
-                return Err(Rejection::InvalidInput(format!("step {step:?} is not a step of run {}", run.id)));
+                return Err(Rejection::InvalidInput(format!(
+                    "step {step:?} is not a step of run {}",
+                    run.id
+                )));
             }
             long(step)
         }
         Input::TriageDecided { by, .. } | Input::VerdictGiven { by, .. } => long(by),
-        Input::ApprovalSettled { approval_id, by, .. } => long(approval_id) || long(by),
+        Input::ApprovalSettled {
+            approval_id, by, ..
+        } => long(approval_id) || long(by),
         Input::TimerFired { timer_id } => long(timer_id),
         Input::Kill { by, reason } => long(by) || reason.len() > MAX_TEXT,
     };
     if too_long {
         return Err(Rejection::InvalidInput("a field is too long".into()));
     }
-    if let Input::VerdictGiven { verdict: ObserveVerdict::Inconclusive, .. } = input {
-        return Err(Rejection::InvalidInput("a person's verdict is resolved or regressed".into()));
+    if let Input::VerdictGiven {
+        verdict: ObserveVerdict::Inconclusive,
+        ..
+    } = input
+    {
+        return Err(Rejection::InvalidInput(
+            "a person's verdict is resolved or regressed".into(),
+        ));
     }
     Ok(())
 }
@@ -180,13 +215,25 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
             if run.cursor != Cursor::AwaitTriage || run.ending.is_some() {
                 return Ok(Vec::new());
             }
-            let mut ev = vec![Event::TriageDecided { accept: *accept, automatic: false, by: by.clone() }];
+            let mut ev = vec![Event::TriageDecided {
+                accept: *accept,
+                automatic: false,
+                by: by.clone(),
+            }];
             if !accept {
-                ev.push(abandon(RunState::Failed, Reason::TriageRejected, format!("rejected by {by}")));
+                ev.push(abandon(
+                    RunState::Failed,
+                    Reason::TriageRejected,
+                    format!("rejected by {by}"),
+                ));
             }
             ev
         }
-        Input::ApprovalSettled { approval_id, approved, by } => {
+        Input::ApprovalSettled {
+            approval_id,
+            approved,
+            by,
+        } => {
             let Some(gate) = &run.gate else {
                 return Ok(Vec::new());
             };
@@ -194,7 +241,10 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
                 return Ok(Vec::new());
             }
             let mut ev = vec![Event::ApprovalSettled {
-                approval_id: gate.approval_id.clone().unwrap_or_else(|| approval_id.clone()),
+                approval_id: gate
+                    .approval_id
+                    .clone()
+                    .unwrap_or_else(|| approval_id.clone()),
                 approved: *approved,
                 by: by.clone(),
             }];
@@ -215,45 +265,81 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
             // read from the store) comes in through the guards and other inputs, so the run just waits on.
             if wait.is_recheck() && ctx.now_ms < wait.due_ms {
                 let wake_ms = wake_ms(run, ctx.now_ms, wait.due_ms);
-                return Ok(guard(run, vec![Event::WaitRechecked { timer_id: wait.next_recheck_id(), wake_ms }], ctx));
+                return Ok(guard(
+                    run,
+                    vec![Event::WaitRechecked {
+                        timer_id: wait.next_recheck_id(),
+                        wake_ms,
+                    }],
+                    ctx,
+                ));
             }
-            let mut ev = vec![Event::TimerFired { timer_id: timer_id.clone() }];
+            let mut ev = vec![Event::TimerFired {
+                timer_id: timer_id.clone(),
+            }];
             match wait.kind {
-                WaitKind::Triage => {
-                    ev.push(abandon(RunState::Failed, Reason::Stalled, "no triage decision in time".into()))
-                }
-                WaitKind::Verdict => ev.push(abandon(RunState::Failed, Reason::Stalled, "no verdict in time".into())),
-                WaitKind::Approval => ev.push(gate_refused(run, Reason::Stalled, "the approval expired".into())),
+                WaitKind::Triage => ev.push(abandon(
+                    RunState::Failed,
+                    Reason::Stalled,
+                    "no triage decision in time".into(),
+                )),
+                WaitKind::Verdict => ev.push(abandon(
+                    RunState::Failed,
+                    Reason::Stalled,
+                    "no verdict in time".into(),
+                )),
+                WaitKind::Approval => ev.push(gate_refused(
+                    run,
+                    Reason::Stalled,
+                    "the approval expired".into(),
+                )),
                 WaitKind::Ci | WaitKind::Observe => {}
             }
             ev
         }
         Input::Kill { by, reason } => {
-            if run.ending.as_ref().is_some_and(|e| e.state == RunState::Killed) {
+            if run
+                .ending
+                .as_ref()
+                .is_some_and(|e| e.state == RunState::Killed)
+            {
                 return Ok(Vec::new());
             }
-            vec![abandon(RunState::Killed, Reason::Killed, format!("killed by {by}: {reason}"))]
+            vec![abandon(
+                RunState::Killed,
+                Reason::Killed,
+                format!("killed by {by}: {reason}"),
+            )]
         }
         Input::VerdictGiven { verdict, by } => {
             if run.cursor != Cursor::AwaitVerdict || run.ending.is_some() {
                 return Ok(Vec::new());
             }
-            vec![Event::VerdictReached { verdict: *verdict, by: Some(by.clone()) }]
+            vec![Event::VerdictReached {
+                verdict: *verdict,
+                by: Some(by.clone()),
+            }]
         }
     };
     Ok(guard(run, events, ctx))
 }
 
 fn abandon(state: RunState, reason: Reason, detail: String) -> Event {
-    Event::Abandoned { state, reason, detail: tail(&detail, MAX_TEXT) }
+    Event::Abandoned {
+        state,
+        reason,
+        detail: tail(&detail, MAX_TEXT),
+    }
 }
 
 /// A gated call that will not happen: while finishing, skip that step; otherwise the run stops.
 fn gate_refused(run: &Run, reason: Reason, detail: String) -> Event {
     match (run.cursor, run.finish.first(), &run.gate) {
-        (Cursor::Finishing, Some(action), Some(gate)) => {
-            Event::FinishStepSkipped { step: gate.request.id.clone(), action: *action, reason: detail }
-        }
+        (Cursor::Finishing, Some(action), Some(gate)) => Event::FinishStepSkipped {
+            step: gate.request.id.clone(),
+            action: *action,
+            reason: detail,
+        },
         _ => abandon(RunState::Failed, reason, detail),
     }
 }
@@ -261,15 +347,27 @@ fn gate_refused(run: &Run, reason: Reason, detail: String) -> Event {
 /// A failed step: retried under a new step id while retryable, then given up (skipped while finishing).
 fn failure(run: &Run, step: &str, error: &str, retryable: bool) -> Vec<Event> {
     let error = tail(error, MAX_TEXT);
-    let mut ev = vec![Event::StepFailed { step: step.into(), error: error.clone(), retryable }];
+    let mut ev = vec![Event::StepFailed {
+        step: step.into(),
+        error: error.clone(),
+        retryable,
+    }];
     if retryable && run.retries + 1 < MAX_STEP_RETRIES {
         return ev;
     }
     ev.push(match (run.cursor, run.finish.first()) {
         (Cursor::Finishing, Some(action)) if run.gate.is_none() && run.wait.is_none() => {
-            Event::FinishStepSkipped { step: step.into(), action: *action, reason: error }
+            Event::FinishStepSkipped {
+                step: step.into(),
+                action: *action,
+                reason: error,
+            }
         }
-        _ => abandon(RunState::Failed, Reason::StepFailed, format!("step {step}: {error}")),
+        _ => abandon(
+            RunState::Failed,
+            Reason::StepFailed,
+            format!("step {step}: {error}"),
+        ),
     });
     ev
 }
@@ -280,13 +378,30 @@ fn completed(run: &Run, effect: &Effect, outcome: &Outcome, ctx: &Ctx) -> Vec<Ev
         return failure(run, step, error, *retryable);
     }
     let result = match (effect, outcome) {
-        (Effect::Wait { timer_id, .. }, _) => Ok(vec![Event::TimerScheduled { timer_id: timer_id.clone() }]),
+        (Effect::Wait { timer_id, .. }, _) => Ok(vec![Event::TimerScheduled {
+            timer_id: timer_id.clone(),
+        }]),
         (Effect::RequestApproval { .. }, Outcome::Agent(v)) => {
-            let expires_ms = run.gate.as_ref().map_or(ctx.now_ms, |g| g.request.expires_at_ms);
+            let expires_ms = run
+                .gate
+                .as_ref()
+                .map_or(ctx.now_ms, |g| g.request.expires_at_ms);
             let wake_ms = Some(wake_ms(run, ctx.now_ms, expires_ms));
-            text(v, "approval_id").map(|approval_id| vec![Event::ApprovalRequested { approval_id, wake_ms }])
+            text(v, "approval_id").map(|approval_id| {
+                vec![Event::ApprovalRequested {
+                    approval_id,
+                    wake_ms,
+                }]
+            })
         }
-        (Effect::Model { purpose, .. }, Outcome::Model { text, input_tokens, output_tokens }) => {
+        (
+            Effect::Model { purpose, .. },
+            Outcome::Model {
+                text,
+                input_tokens,
+                output_tokens,
+            },
+        ) => {
             let answered = Event::ModelAnswered {
                 step: step.into(),
                 purpose: purpose.clone(),
@@ -326,7 +441,9 @@ fn text(v: &Value, key: &str) -> Result<String, String> {
 }
 
 fn number(v: &Value, key: &str) -> Result<u64, String> {
-    field(v, key)?.as_u64().ok_or_else(|| format!("field `{key}` is not a non-negative integer"))
+    field(v, key)?
+        .as_u64()
+        .ok_or_else(|| format!("field `{key}` is not a non-negative integer"))
 }
 
 fn attempt_failed(run: &Run, reason: &str, feedback: &str) -> Vec<Event> {
@@ -342,22 +459,29 @@ fn attempt_failed(run: &Run, reason: &str, feedback: &str) -> Vec<Event> {
             format!("{} attempts failed; the last: {reason}", run.attempt),
         ));
     } else {
-        ev.push(Event::AttemptStarted { attempt: run.attempt + 1 });
+        ev.push(Event::AttemptStarted {
+            attempt: run.attempt + 1,
+        });
     }
     ev
 }
 
 /// The record of the attempt before the current one.
 fn previous_attempt(run: &Run) -> Option<&crate::run::AttemptRecord> {
-    run.attempts.len().checked_sub(2).and_then(|i| run.attempts.get(i))
+    run.attempts
+        .len()
+        .checked_sub(2)
+        .and_then(|i| run.attempts.get(i))
 }
 
 fn model_result(run: &Run, answer: &str) -> Vec<Event> {
     match run.cursor {
         Cursor::ProposeFix => match parse_patch(answer) {
-            Err(e) => {
-                attempt_failed(run, &format!("no usable patch: {e}"), &format!("Your answer was not usable: {e}"))
-            }
+            Err(e) => attempt_failed(
+                run,
+                &format!("no usable patch: {e}"),
+                &format!("Your answer was not usable: {e}"),
+            ),
             Ok(files) => {
                 // A file outside the configured targets (or any CI file) never reaches forgejo.
                 if let Err(e) = check_scope(&files, &run.config.target_files) {
@@ -365,7 +489,9 @@ fn model_result(run: &Run, answer: &str) -> Vec<Event> {
                     return attempt_failed(
                         run,
                         &format!("patch refused: {e}"),
-                        &format!("Your patch was refused: {e}. Change only these files: {allowed}."),
+                        &format!(
+                            "Your patch was refused: {e}. Change only these files: {allowed}."
+                        ),
                     );
                 }
                 let patch_hash = sha256_hex(render_files(&files).as_bytes());
@@ -373,7 +499,11 @@ fn model_result(run: &Run, answer: &str) -> Vec<Event> {
                     return vec![abandon(
                         RunState::Failed,
                         Reason::NoProgress,
-                        format!("attempt {} proposes the same patch as attempt {}", run.attempt, run.attempt - 1),
+                        format!(
+                            "attempt {} proposes the same patch as attempt {}",
+                            run.attempt,
+                            run.attempt - 1
+                        ),
                     )];
                 }
                 vec![Event::PatchProposed { files, patch_hash }]
@@ -382,21 +512,43 @@ fn model_result(run: &Run, answer: &str) -> Vec<Event> {
         Cursor::LeadReview => {
             let approved = lead_approves(answer);
             let report = tail(answer, MAX_FEEDBACK);
-            let mut ev = vec![Event::LeadReviewed { approved, report: report.clone() }];
+            let mut ev = vec![Event::LeadReviewed {
+                approved,
+                report: report.clone(),
+            }];
             if !approved {
-                ev.extend(attempt_failed(run, "the lead review asks for changes", &report));
+                ev.extend(attempt_failed(
+                    run,
+                    "the lead review asks for changes",
+                    &report,
+                ));
             }
             ev
         }
         Cursor::SecurityAudit => {
             let (approved, findings) = audit_verdict(answer);
             let report = tail(answer, MAX_FEEDBACK);
-            let blocking: Vec<String> =
-                findings.iter().filter(|f| f.severity.blocks()).map(|f| f.text.clone()).collect();
-            let mut ev = vec![Event::SecurityAudited { approved, findings, report: report.clone() }];
+            let blocking: Vec<String> = findings
+                .iter()
+                .filter(|f| f.severity.blocks())
+                .map(|f| f.text.clone())
+                .collect();
+            let mut ev = vec![Event::SecurityAudited {
+                approved,
+                findings,
+                report: report.clone(),
+            }];
             if !approved {
-                let feedback = if blocking.is_empty() { report } else { blocking.join("\n") };
-                ev.extend(attempt_failed(run, "the security audit does not approve", &feedback));
+                let feedback = if blocking.is_empty() {
+                    report
+                } else {
+                    blocking.join("\n")
+                };
+                ev.extend(attempt_failed(
+                    run,
+                    "the security audit does not approve",
+                    &feedback,
+                ));
             }
             ev
         }
@@ -405,7 +557,9 @@ fn model_result(run: &Run, answer: &str) -> Vec<Event> {
 }
 
 fn read_files(v: &Value) -> Result<Vec<FileContent>, String> {
-    let items = field(v, "files")?.as_array().ok_or("field `files` is not an array")?;
+    let items = field(v, "files")?
+        .as_array()
+        .ok_or("field `files` is not an array")?;
     if items.len() > MAX_FILES {
         return Err(format!("more than {MAX_FILES} files"));
     }
@@ -427,7 +581,10 @@ fn read_files(v: &Value) -> Result<Vec<FileContent>, String> {
 fn call_result(run: &Run, v: &Value, ctx: &Ctx) -> Result<Vec<Event>, String> {
     Ok(match run.cursor {
         Cursor::OpenThread => {
-            let mut ev = vec![Event::ThreadOpened { message_id: number(v, "message_id")?, url: text(v, "url")? }];
+            let mut ev = vec![Event::ThreadOpened {
+                message_id: number(v, "message_id")?,
+                url: text(v, "url")?,
+            }];
             if ctx.policy.auto_triage {
                 ev.push(Event::TriageDecided {
                     accept: true,
@@ -438,22 +595,43 @@ fn call_result(run: &Run, v: &Value, ctx: &Ctx) -> Result<Vec<Event>, String> {
             ev
         }
         Cursor::CreateIssue => {
-            vec![Event::IssueCreated { id: text(v, "id")?, key: text(v, "key")?, url: text(v, "url")? }]
+            vec![Event::IssueCreated {
+                id: text(v, "id")?,
+                key: text(v, "key")?,
+                url: text(v, "url")?,
+            }]
         }
         Cursor::PostIssueLink => {
-            vec![Event::IssueLinked { message_id: number(v, "message_id")? }, Event::AttemptStarted { attempt: 1 }]
+            vec![
+                Event::IssueLinked {
+                    message_id: number(v, "message_id")?,
+                },
+                Event::AttemptStarted { attempt: 1 },
+            ]
         }
-        Cursor::ReadFiles => vec![Event::FilesRead { files: read_files(v)? }],
-        Cursor::CommitPatch => vec![Event::Committed { sha: text(v, "sha")? }],
+        Cursor::ReadFiles => vec![Event::FilesRead {
+            files: read_files(v)?,
+        }],
+        Cursor::CommitPatch => vec![Event::Committed {
+            sha: text(v, "sha")?,
+        }],
         Cursor::OpenPr => {
-            let (number, url, head_sha) = (number(v, "number")?, text(v, "url")?, text(v, "head_sha")?);
-            let opened = Event::PrOpened { number, url, head_sha: head_sha.clone() };
+            let (number, url, head_sha) =
+                (number(v, "number")?, text(v, "url")?, text(v, "head_sha")?);
+            let opened = Event::PrOpened {
+                number,
+                url,
+                head_sha: head_sha.clone(),
+            };
             let committed = run.links.commit_sha.as_deref().unwrap_or_default();
             // The agent answers only about a PR into the base it was asked for; an answer naming another base is
             // refused like a foreign head.
             let base = v.get("base").map(|_| text(v, "base")).transpose()?;
             if let Some(base) = base.filter(|b| *b != run.config.base_branch) {
-                return Err(format!("the PR targets `{base}`, not `{}`", run.config.base_branch));
+                return Err(format!(
+                    "the PR targets `{base}`, not `{}`",
+                    run.config.base_branch
+                ));
             }
             if head_sha.eq_ignore_ascii_case(committed) {
                 vec![opened]
@@ -466,33 +644,59 @@ fn call_result(run: &Run, v: &Value, ctx: &Ctx) -> Result<Vec<Event>, String> {
                 );
                 vec![
                     opened,
-                    Event::AttemptFailed { attempt: run.attempt, reason: reason.clone(), feedback: String::new() },
-                    abandon(RunState::Failed, Reason::StepFailed, format!("attempt {}: {reason}", run.attempt)),
+                    Event::AttemptFailed {
+                        attempt: run.attempt,
+                        reason: reason.clone(),
+                        feedback: String::new(),
+                    },
+                    abandon(
+                        RunState::Failed,
+                        Reason::StepFailed,
+                        format!("attempt {}: {reason}", run.attempt),
+                    ),
                 ]
             }
         }
         Cursor::CiStatus => ci_result(run, v)?,
-        Cursor::Merge => vec![Event::Merged { merge_sha: text(v, "merge_sha")?, at_ms: ctx.now_ms }],
+        Cursor::Merge => vec![Event::Merged {
+            merge_sha: text(v, "merge_sha")?,
+            at_ms: ctx.now_ms,
+        }],
         Cursor::IssueEvents => {
             let last_seen_ms = match v.get("last_seen_ms") {
                 None | Some(Value::Null) => None,
                 Some(t) => Some(t.as_i64().ok_or("field `last_seen_ms` is not an integer")?),
             };
-            vec![Event::IssueEventsRead { count: number(v, "count")?, last_seen_ms }]
+            vec![Event::IssueEventsRead {
+                count: number(v, "count")?,
+                last_seen_ms,
+            }]
         }
         Cursor::Series => {
             let total = number(v, "total")?;
-            let verdict = observe_verdict(run.observation.count, total, run.config.regression_threshold);
-            vec![Event::SeriesRead { total }, Event::VerdictReached { verdict, by: None }]
+            let verdict = observe_verdict(
+                run.observation.count,
+                total,
+                run.config.regression_threshold,
+            );
+            vec![
+                Event::SeriesRead { total },
+                Event::VerdictReached { verdict, by: None },
+            ]
         }
         Cursor::Finishing => {
             let action = *run.finish.first().ok_or("nothing to finish")?;
             if action == FinishStep::ClosePr {
-                match (field(v, "closed")?.as_bool(), v.get("merged").and_then(Value::as_bool)) {
+                match (
+                    field(v, "closed")?.as_bool(),
+                    v.get("merged").and_then(Value::as_bool),
+                ) {
                     (Some(true), _) => {}
                     // The merge happened but its outcome was lost: compensate for the deploy, not for an open PR.
                     (Some(false), Some(true)) => {
-                        return Ok(vec![Event::MergeFound { merge_sha: text(v, "merge_sha")? }]);
+                        return Ok(vec![Event::MergeFound {
+                            merge_sha: text(v, "merge_sha")?,
+                        }]);
                     }
                     _ => return Err("field `closed` is not true and the PR is not merged".into()),
                 }
@@ -537,9 +741,15 @@ fn ci_result(run: &Run, v: &Value) -> Result<Vec<Event>, String> {
             format!("CI still pending after {} polls", run.ci_polls + 1),
         )],
         "pending" => vec![Event::CiPending { poll: run.ci_polls }],
-        "success" => vec![Event::CiFinished { passed: true, report }],
+        "success" => vec![Event::CiFinished {
+            passed: true,
+            report,
+        }],
         "failure" | "error" => {
-            let mut ev = vec![Event::CiFinished { passed: false, report: report.clone() }];
+            let mut ev = vec![Event::CiFinished {
+                passed: false,
+                report: report.clone(),
+            }];
             let earlier = &run.attempts[..run.attempts.len().saturating_sub(1)];
             let oscillating = report.failing.iter().find_map(|check| {
                 earlier
@@ -548,7 +758,10 @@ fn ci_result(run: &Run, v: &Value) -> Result<Vec<Event>, String> {
                     .map(|a| (check.clone(), a.attempt))
             });
             let same_failure = previous_attempt(run).is_some_and(|a| {
-                a.ci_passed == Some(false) && a.ci.as_ref().is_some_and(|c| c.signature == report.signature)
+                a.ci_passed == Some(false)
+                    && a.ci
+                        .as_ref()
+                        .is_some_and(|c| c.signature == report.signature)
             });
             if same_failure {
                 ev.push(abandon(
@@ -565,7 +778,10 @@ fn ci_result(run: &Run, v: &Value) -> Result<Vec<Event>, String> {
                 ev.push(abandon(
                     RunState::Failed,
                     Reason::Oscillation,
-                    format!("check `{check}` passed in attempt {passed_in} and fails in attempt {}", run.attempt),
+                    format!(
+                        "check `{check}` passed in attempt {passed_in} and fails in attempt {}",
+                        run.attempt
+                    ),
                 ));
             } else {
                 ev.extend(attempt_failed(run, &format!("CI {state}"), &log));
@@ -603,10 +819,18 @@ fn guard_once(run: &Run, ctx: &Ctx) -> Option<Event> {
     }
     if run.ending.is_none() {
         if ctx.kill.org {
-            return Some(abandon(RunState::Killed, Reason::Killed, "kill switch: organisation".into()));
+            return Some(abandon(
+                RunState::Killed,
+                Reason::Killed,
+                "kill switch: organisation".into(),
+            ));
         }
         if ctx.kill.runs.contains(&run.id) {
-            return Some(abandon(RunState::Killed, Reason::Killed, "kill switch: run".into()));
+            return Some(abandon(
+                RunState::Killed,
+                Reason::Killed,
+                "kill switch: run".into(),
+            ));
         }
     }
     if run.wait.is_some() || run.gate.is_some() {
@@ -617,15 +841,28 @@ fn guard_once(run: &Run, ctx: &Ctx) -> Option<Event> {
             WaitKind::Triage => ("await_decision".to_string(), run.config.stall_ms),
             WaitKind::Ci => (format!("await_ci.{}", run.ci_polls), run.config.ci_poll_ms),
             WaitKind::Observe => ("await_window".to_string(), run.config.observe_window_ms),
-            WaitKind::Verdict | WaitKind::Approval => ("await_verdict".to_string(), run.config.stall_ms),
+            WaitKind::Verdict | WaitKind::Approval => {
+                ("await_verdict".to_string(), run.config.stall_ms)
+            }
         };
-        let due_ms = ctx.now_ms.saturating_add(i64::try_from(delay).unwrap_or(i64::MAX));
+        let due_ms = ctx
+            .now_ms
+            .saturating_add(i64::try_from(delay).unwrap_or(i64::MAX));
         let wake_ms = Some(wake_ms(run, ctx.now_ms, due_ms));
-        return Some(Event::WaitStarted { timer_id: run.step(&action), kind, due_ms, wake_ms });
+        return Some(Event::WaitStarted {
+            timer_id: run.step(&action),
+            kind,
+            due_ms,
+            wake_ms,
+        });
     }
     let planned = run.planned()?;
     let skip = |reason: String| match (run.finish.first(), run.ending.is_some()) {
-        (Some(action), true) => Some(Event::FinishStepSkipped { step: planned.step().into(), action: *action, reason }),
+        (Some(action), true) => Some(Event::FinishStepSkipped {
+            step: planned.step().into(),
+            action: *action,
+            reason,
+        }),
         _ => None,
     };
     match &planned {
@@ -634,24 +871,33 @@ fn guard_once(run: &Run, ctx: &Ctx) -> Option<Event> {
             Reason::Budget,
             format!(
                 "spent {} of {} tokens and {} of {} micro-dollars",
-                run.budget.tokens, run.budget.limit_tokens, run.budget.micros, run.budget.limit_micros
+                run.budget.tokens,
+                run.budget.limit_tokens,
+                run.budget.micros,
+                run.budget.limit_micros
             ),
         )),
         Effect::Call { agent, skill, .. } => {
             if ctx.kill.org || ctx.kill.agents.contains(agent) {
                 let why = format!("kill switch: agent {agent}");
-                return skip(why.clone()).or_else(|| Some(abandon(RunState::Killed, Reason::Killed, why)));
+                return skip(why.clone())
+                    .or_else(|| Some(abandon(RunState::Killed, Reason::Killed, why)));
             }
             let risk = risk_of(agent, skill);
             let verdict = ctx.policy.decide(agent, skill, risk, &run.env);
             if verdict == Verdict::Deny {
-                let why = format!("policy v{} denies {agent}.{skill} in {}", ctx.policy.version, run.env);
-                return skip(why.clone()).or_else(|| Some(abandon(RunState::Failed, Reason::PolicyDenied, why)));
+                let why = format!(
+                    "policy v{} denies {agent}.{skill} in {}",
+                    ctx.policy.version, run.env
+                );
+                return skip(why.clone())
+                    .or_else(|| Some(abandon(RunState::Failed, Reason::PolicyDenied, why)));
             }
             // The safety wall: destructive calls are gated whatever the policy says.
             let gated = verdict == Verdict::Approve || risk == Risk::Destructive;
             if gated && run.approval_for(&planned).is_none() {
-                return approval_request(run, &planned, risk, ctx).map(|request| Event::GateOpened { request });
+                return approval_request(run, &planned, risk, ctx)
+                    .map(|request| Event::GateOpened { request });
             }
             None
         }
@@ -662,14 +908,24 @@ fn guard_once(run: &Run, ctx: &Ctx) -> Option<Event> {
 fn approval_request(run: &Run, call: &Effect, risk: Risk, ctx: &Ctx) -> Option<ApprovalRequest> {
     let action = gated_action(run, call)?;
     let skill = action.skill.clone();
-    let confirmation_phrase = (risk == Risk::Destructive).then(|| match (skill.as_str(), run.links.pr_number) {
-        ("merge", Some(n)) => format!("merge #{n}"),
-        ("close_pr", Some(n)) => format!("close #{n}"),
-        ("revert", _) => {
-            format!("revert {}", run.links.deploy_ref.as_deref().unwrap_or("").chars().take(7).collect::<String>())
-        }
-        _ => skill.clone(),
-    });
+    let confirmation_phrase =
+        (risk == Risk::Destructive).then(|| match (skill.as_str(), run.links.pr_number) {
+            ("merge", Some(n)) => format!("merge #{n}"),
+            ("close_pr", Some(n)) => format!("close #{n}"),
+            ("revert", _) => {
+                format!(
+                    "revert {}",
+                    run.links
+                        .deploy_ref
+                        .as_deref()
+                        .unwrap_or("")
+                        .chars()
+                        .take(7)
+                        .collect::<String>()
+                )
+            }
+            _ => skill.clone(),
+        });
     Some(ApprovalRequest {
         id: run.step(&format!("approval.{skill}")),
         org: run.org.clone(),
@@ -687,18 +943,31 @@ fn approval_request(run: &Run, call: &Effect, risk: Risk, ctx: &Ctx) -> Option<A
 }
 
 fn ended(run: &Run) -> Event {
-    let (state, reason) = run.ending.as_ref().map_or((RunState::Failed, None), |e| (e.state, e.reason));
-    let follow_up =
-        (state == RunState::Failed && reason == Some(Reason::Regressed) && run.generation < run.config.max_generations)
-            .then(|| {
-                let generation = run.generation + 1;
-                FollowUp {
+    let (state, reason) = run
+        .ending
+        .as_ref()
+        .map_or((RunState::Failed, None), |e| (e.state, e.reason));
+    let follow_up = (state == RunState::Failed
+        && reason == Some(Reason::Regressed)
+        && run.generation < run.config.max_generations)
+        .then(|| {
+            let generation = run.generation + 1;
+            FollowUp {
+                generation,
+                parent_run: run.id.clone(),
+                signal: Signal {
                     generation,
-                    parent_run: run.id.clone(),
-                    signal: Signal { generation, parent_run: Some(run.id.clone()), ..run.signal.clone() },
-                }
-            });
-    Event::Ended { state, reason, verdict: run.verdict, follow_up }
+                    parent_run: Some(run.id.clone()),
+                    ..run.signal.clone()
+                },
+            }
+        });
+    Event::Ended {
+        state,
+        reason,
+        verdict: run.verdict,
+        follow_up,
+    }
 }
 
 #[cfg(test)]
@@ -710,11 +979,23 @@ mod tests {
         use ObserveVerdict::*;
         let t = 5;
         assert_eq!(observe_verdict(Some(0), 0, t), Resolved);
-        assert_eq!(observe_verdict(None, 0, t), Resolved, "no GlitchTip issue: analytics alone decide");
+        assert_eq!(
+            observe_verdict(None, 0, t),
+            Resolved,
+            "no GlitchTip issue: analytics alone decide"
+        );
         assert_eq!(observe_verdict(Some(6), 0, t), Regressed);
-        assert_eq!(observe_verdict(Some(0), 6, t), Regressed, "analytics above the threshold regress on their own");
+        assert_eq!(
+            observe_verdict(Some(0), 6, t),
+            Regressed,
+            "analytics above the threshold regress on their own"
+        );
         assert_eq!(observe_verdict(None, 6, t), Regressed);
-        assert_eq!(observe_verdict(Some(0), 3, t), Inconclusive, "GlitchTip quiet but analytics still count errors");
+        assert_eq!(
+            observe_verdict(Some(0), 3, t),
+            Inconclusive,
+            "GlitchTip quiet but analytics still count errors"
+        );
         assert_eq!(observe_verdict(Some(5), 0, t), Inconclusive);
         assert_eq!(observe_verdict(Some(2), 5, t), Inconclusive);
         assert_eq!(observe_verdict(None, 1, t), Inconclusive);

@@ -35,7 +35,10 @@ pub enum Reason {
 impl Reason {
     /// Reasons that hand the work to a person instead of undoing it.
     pub fn hands_off(self) -> bool {
-        matches!(self, Reason::FailSafe | Reason::NoProgress | Reason::Oscillation | Reason::Budget)
+        matches!(
+            self,
+            Reason::FailSafe | Reason::NoProgress | Reason::Oscillation | Reason::Budget
+        )
     }
 }
 
@@ -110,7 +113,11 @@ pub enum Event {
         config: Config,
         at_ms: i64,
     },
-    StepFailed { step: String, error: String, retryable: bool },
+    StepFailed {
+        step: String,
+        error: String,
+        retryable: bool,
+    },
     /// A wait until `due_ms`; its first timer fires at `wake_ms` (a re-check, see `Config::recheck_ms`), or at
     /// `due_ms` when absent (waits recorded before re-checks).
     WaitStarted {
@@ -122,26 +129,83 @@ pub enum Event {
     },
     /// A re-check timer fired before the wait's deadline with nothing new: the run waits on under timer
     /// `timer_id`, firing at `wake_ms`.
-    WaitRechecked { timer_id: String, wake_ms: i64 },
-    TimerScheduled { timer_id: String },
-    TimerFired { timer_id: String },
-    ThreadOpened { message_id: u64, url: String },
-    TriageDecided { accept: bool, automatic: bool, by: String },
-    IssueCreated { id: String, key: String, url: String },
-    IssueLinked { message_id: u64 },
-    AttemptStarted { attempt: u32 },
-    FilesRead { files: Vec<FileContent> },
-    ModelAnswered { step: String, purpose: String, input_tokens: u64, output_tokens: u64, cost_micros: u64 },
-    PatchProposed { files: Vec<FileContent>, patch_hash: String },
-    Committed { sha: String },
-    PrOpened { number: u64, url: String, head_sha: String },
-    CiPending { poll: u32 },
-    CiFinished { passed: bool, report: CiReport },
-    LeadReviewed { approved: bool, report: String },
-    SecurityAudited { approved: bool, findings: Vec<Finding>, report: String },
+    WaitRechecked {
+        timer_id: String,
+        wake_ms: i64,
+    },
+    TimerScheduled {
+        timer_id: String,
+    },
+    TimerFired {
+        timer_id: String,
+    },
+    ThreadOpened {
+        message_id: u64,
+        url: String,
+    },
+    TriageDecided {
+        accept: bool,
+        automatic: bool,
+        by: String,
+    },
+    IssueCreated {
+        id: String,
+        key: String,
+        url: String,
+    },
+    IssueLinked {
+        message_id: u64,
+    },
+    AttemptStarted {
+        attempt: u32,
+    },
+    FilesRead {
+        files: Vec<FileContent>,
+    },
+    ModelAnswered {
+        step: String,
+        purpose: String,
+        input_tokens: u64,
+        output_tokens: u64,
+        cost_micros: u64,
+    },
+    PatchProposed {
+        files: Vec<FileContent>,
+        patch_hash: String,
+    },
+    Committed {
+        sha: String,
+    },
+    PrOpened {
+        number: u64,
+        url: String,
+        head_sha: String,
+    },
+    CiPending {
+        poll: u32,
+    },
+    CiFinished {
+        passed: bool,
+        report: CiReport,
+    },
+    LeadReviewed {
+        approved: bool,
+        report: String,
+    },
+    SecurityAudited {
+        approved: bool,
+        findings: Vec<Finding>,
+        report: String,
+    },
     /// The attempt failed; `feedback` (CI log tail, review report, findings, parse error) goes to the next one.
-    AttemptFailed { attempt: u32, reason: String, feedback: String },
-    GateOpened { request: ApprovalRequest },
+    AttemptFailed {
+        attempt: u32,
+        reason: String,
+        feedback: String,
+    },
+    GateOpened {
+        request: ApprovalRequest,
+    },
     /// The approval is stored; the run waits for it until it expires, its first timer firing at `wake_ms` (see
     /// `WaitStarted`).
     ApprovalRequested {
@@ -149,20 +213,54 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         wake_ms: Option<i64>,
     },
-    ApprovalSettled { approval_id: String, approved: bool, by: String },
-    Merged { merge_sha: String, at_ms: i64 },
-    IssueEventsRead { count: u64, last_seen_ms: Option<i64> },
-    SeriesRead { total: u64 },
-    VerdictReached { verdict: ObserveVerdict, by: Option<String> },
+    ApprovalSettled {
+        approval_id: String,
+        approved: bool,
+        by: String,
+    },
+    Merged {
+        merge_sha: String,
+        at_ms: i64,
+    },
+    IssueEventsRead {
+        count: u64,
+        last_seen_ms: Option<i64>,
+    },
+    SeriesRead {
+        total: u64,
+    },
+    VerdictReached {
+        verdict: ObserveVerdict,
+        by: Option<String>,
+    },
     /// The run stops for `reason`; what follows (compensation, hand-off, revert) is derived from the run's links.
     /// A stop while already ending only turns the ending into `killed` when it is a kill.
-    Abandoned { state: RunState, reason: Reason, detail: String },
-    FinishStepDone { step: String, action: FinishStep, url: Option<String> },
+    Abandoned {
+        state: RunState,
+        reason: Reason,
+        detail: String,
+    },
+    FinishStepDone {
+        step: String,
+        action: FinishStep,
+        url: Option<String>,
+    },
     /// Closing the PR found it merged: the merge was performed but its outcome never recorded (a crash in between).
     /// The run now knows the deploy and compensates for it instead of closing the PR.
-    MergeFound { merge_sha: String },
-    FinishStepSkipped { step: String, action: FinishStep, reason: String },
-    Ended { state: RunState, reason: Option<Reason>, verdict: Option<ObserveVerdict>, follow_up: Option<FollowUp> },
+    MergeFound {
+        merge_sha: String,
+    },
+    FinishStepSkipped {
+        step: String,
+        action: FinishStep,
+        reason: String,
+    },
+    Ended {
+        state: RunState,
+        reason: Option<Reason>,
+        verdict: Option<ObserveVerdict>,
+        follow_up: Option<FollowUp>,
+    },
 }
 
 impl Event {
@@ -170,28 +268,57 @@ impl Event {
     /// stays out of it: those are in the event's fields, shown quoted where a person asks for them.
     pub fn summary(&self) -> String {
         match self {
-            Event::Opened { signal, .. } => format!("run opened from {} (generation {})", signal.source, signal.generation),
-            Event::StepFailed { step, retryable, .. } => {
-                format!("step {} failed{}", step.rsplit(':').next().unwrap_or(step), if *retryable { ", will retry" } else { "" })
+            Event::Opened { signal, .. } => format!(
+                "run opened from {} (generation {})",
+                signal.source, signal.generation
+            ),
+            Event::StepFailed {
+                step, retryable, ..
+            } => {
+                format!(
+                    "step {} failed{}",
+                    step.rsplit(':').next().unwrap_or(step),
+                    if *retryable { ", will retry" } else { "" }
+                )
             }
             Event::WaitStarted { kind, .. } => format!("waiting ({})", wait_name(*kind)),
             Event::WaitRechecked { .. } => "still waiting".into(),
             Event::TimerScheduled { .. } => "timer set".into(),
             Event::TimerFired { .. } => "timer fired".into(),
-            Event::ThreadOpened { message_id, .. } => format!("triage thread opened (message {message_id})"),
-            Event::TriageDecided { accept, automatic, by } => format!(
+            Event::ThreadOpened { message_id, .. } => {
+                format!("triage thread opened (message {message_id})")
+            }
+            Event::TriageDecided {
+                accept,
+                automatic,
+                by,
+            } => format!(
                 "triage {} {}",
                 if *accept { "accepted" } else { "rejected" },
-                if *automatic { "automatically by policy".to_string() } else { format!("by {by}") }
+                if *automatic {
+                    "automatically by policy".to_string()
+                } else {
+                    format!("by {by}")
+                }
             ),
             Event::IssueCreated { key, .. } => format!("issue {key} created"),
             Event::IssueLinked { .. } => "issue linked in the thread".into(),
             Event::AttemptStarted { attempt } => format!("fix attempt {attempt}"),
             Event::FilesRead { files } => format!("read {} file(s)", files.len()),
-            Event::ModelAnswered { purpose, input_tokens, output_tokens, .. } => {
-                format!("model answered for {purpose} ({} tokens)", input_tokens + output_tokens)
+            Event::ModelAnswered {
+                purpose,
+                input_tokens,
+                output_tokens,
+                ..
+            } => {
+                format!(
+                    "model answered for {purpose} ({} tokens)",
+                    input_tokens + output_tokens
+                )
             }
-            Event::PatchProposed { files, .. } => format!("patch proposed for {} file(s)", files.len()),
+            Event::PatchProposed { files, .. } => {
+                format!("patch proposed for {} file(s)", files.len())
+            }
             Event::Committed { sha } => format!("committed {}", short_sha(sha)),
             Event::PrOpened { number, .. } => format!("pull request #{number} opened"),
             Event::CiPending { poll } => format!("CI pending (poll {poll})"),
@@ -199,29 +326,54 @@ impl Event {
                 if *passed {
                     "CI passed".into()
                 } else {
-                    format!("CI failed ({} failing check(s))", report.failing.len().max(1))
+                    format!(
+                        "CI failed ({} failing check(s))",
+                        report.failing.len().max(1)
+                    )
                 }
             }
             Event::LeadReviewed { approved, .. } => {
-                if *approved { "lead review: All good".into() } else { "lead review asks for changes".into() }
+                if *approved {
+                    "lead review: All good".into()
+                } else {
+                    "lead review asks for changes".into()
+                }
             }
-            Event::SecurityAudited { approved, findings, .. } => {
-                format!("security audit {} ({} finding(s))", if *approved { "passed" } else { "blocks" }, findings.len())
+            Event::SecurityAudited {
+                approved, findings, ..
+            } => {
+                format!(
+                    "security audit {} ({} finding(s))",
+                    if *approved { "passed" } else { "blocks" },
+                    findings.len()
+                )
             }
-            Event::AttemptFailed { attempt, reason, .. } => format!("attempt {attempt} failed: {reason}"),
-            Event::GateOpened { request } => format!("approval needed for {}.{}", request.action.agent, request.action.skill),
+            Event::AttemptFailed {
+                attempt, reason, ..
+            } => format!("attempt {attempt} failed: {reason}"),
+            Event::GateOpened { request } => format!(
+                "approval needed for {}.{}",
+                request.action.agent, request.action.skill
+            ),
             Event::ApprovalRequested { .. } => "approval requested".into(),
             Event::ApprovalSettled { approved, by, .. } => {
                 format!("{} by {by}", if *approved { "approved" } else { "denied" })
             }
-            Event::Merged { merge_sha, .. } => format!("merged and deployed {}", short_sha(merge_sha)),
-            Event::IssueEventsRead { count, .. } => format!("{count} error event(s) since the merge"),
+            Event::Merged { merge_sha, .. } => {
+                format!("merged and deployed {}", short_sha(merge_sha))
+            }
+            Event::IssueEventsRead { count, .. } => {
+                format!("{count} error event(s) since the merge")
+            }
             Event::SeriesRead { total } => format!("analytics: {total} event(s)"),
             Event::VerdictReached { verdict, .. } => format!("verdict: {}", verdict_name(*verdict)),
             Event::Abandoned { reason, .. } => format!("stopped: {}", reason_name(*reason)),
             Event::FinishStepDone { action, .. } => format!("{} done", action.action()),
             Event::MergeFound { merge_sha } => {
-                format!("the PR was already merged and deployed {}", short_sha(merge_sha))
+                format!(
+                    "the PR was already merged and deployed {}",
+                    short_sha(merge_sha)
+                )
             }
             Event::FinishStepSkipped { action, .. } => format!("{} skipped", action.action()),
             Event::Ended { state, reason, .. } => match reason {
@@ -238,7 +390,10 @@ fn short_sha(sha: &str) -> &str {
 
 /// The snake_case wire name of a unit enum value.
 fn wire_name<T: Serialize>(value: T) -> String {
-    serde_json::to_value(value).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
+    serde_json::to_value(value)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
 }
 
 fn wait_name(kind: WaitKind) -> String {

@@ -30,8 +30,11 @@ pub fn run_id_after(org: &str, fingerprint: &str, generation: u32, after: Option
 
 /// `r-` and 16 lowercase hex digits: the only shape of a run id.
 pub(crate) fn valid_run_id(id: &str) -> bool {
-    id.strip_prefix("r-")
-        .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+    id.strip_prefix("r-").is_some_and(|h| {
+        h.len() == 16
+            && h.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
 }
 
 /// `<run>:<stage>:<attempt>:<action>`, the A2A messageId and idempotency key of one effect.
@@ -101,16 +104,26 @@ mod tests {
         assert_ne!(a, run_id("other", "fp-1", 1));
         assert_eq!(&a[2..], &sha256_hex(b"acme\nfp-1\n1")[..16]);
         let b = run_id_after("acme", "fp-1", 1, Some(&a));
-        assert_eq!(&b[2..], &sha256_hex(format!("acme\nfp-1\n1\n{a}").as_bytes())[..16]);
+        assert_eq!(
+            &b[2..],
+            &sha256_hex(format!("acme\nfp-1\n1\n{a}").as_bytes())[..16]
+        );
         assert_ne!(b, a);
         assert_ne!(run_id_after("acme", "fp-1", 1, Some(&b)), b);
         assert!(valid_run_id(&a) && valid_run_id(&b));
-        assert!(!valid_run_id("r-0123") && !valid_run_id("r-0123456789ABCDEF") && !valid_run_id("x-0123456789abcdef"));
+        assert!(
+            !valid_run_id("r-0123")
+                && !valid_run_id("r-0123456789ABCDEF")
+                && !valid_run_id("x-0123456789abcdef")
+        );
     }
 
     #[test]
     fn step_id_shape() {
-        assert_eq!(step_id("r-0123456789abcdef", "fix", 2, "open_pr"), "r-0123456789abcdef:fix:2:open_pr");
+        assert_eq!(
+            step_id("r-0123456789abcdef", "fix", 2, "open_pr"),
+            "r-0123456789abcdef:fix:2:open_pr"
+        );
     }
 
     #[test]

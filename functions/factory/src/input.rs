@@ -10,8 +10,15 @@ use crate::event::ObserveVerdict;
 pub enum Outcome {
     /// A skill's output object (or, for RequestApproval and Wait, the worker's acknowledgement).
     Agent(serde_json::Value),
-    Model { text: String, input_tokens: u64, output_tokens: u64 },
-    Failed { error: String, retryable: bool },
+    Model {
+        text: String,
+        input_tokens: u64,
+        output_tokens: u64,
+    },
+    Failed {
+        error: String,
+        retryable: bool,
+    },
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -19,13 +26,31 @@ pub enum Outcome {
 pub enum Input {
     /// Re-check the guards before performing `next_effect()` (the worker sends it for an envelope without input).
     Continue,
-    Completed { step: String, outcome: Outcome },
-    TriageDecided { accept: bool, by: String },
-    ApprovalSettled { approval_id: String, approved: bool, by: String },
-    TimerFired { timer_id: String },
-    Kill { by: String, reason: String },
+    Completed {
+        step: String,
+        outcome: Outcome,
+    },
+    TriageDecided {
+        accept: bool,
+        by: String,
+    },
+    ApprovalSettled {
+        approval_id: String,
+        approved: bool,
+        by: String,
+    },
+    TimerFired {
+        timer_id: String,
+    },
+    Kill {
+        by: String,
+        reason: String,
+    },
     /// A person's verdict after two inconclusive observation windows (`resolved` or `regressed`).
-    VerdictGiven { verdict: ObserveVerdict, by: String },
+    VerdictGiven {
+        verdict: ObserveVerdict,
+        by: String,
+    },
 }
 
 /// The queue message body: `input: None` means "continue: perform `next_effect()`".

@@ -33,8 +33,8 @@ pub use patch::{FileContent, PatchError, check_scope, parse_patch, render_files}
 pub use policy::{Policy, Risk, Rule, Verdict, risk_of};
 pub use review::{AUDIT_APPROVAL, Finding, LEAD_APPROVAL, Severity, audit_verdict, lead_approves};
 pub use run::{
-    ApprovalRecord, AttemptRecord, Budget, Cursor, Ending, Gate, Links, Observation, PendingWait, Run, RunState, Stage,
-    TriageRecord,
+    ApprovalRecord, AttemptRecord, Budget, Cursor, Ending, Gate, Links, Observation, PendingWait,
+    Run, RunState, Stage, TriageRecord,
 };
 
 use serde::{Deserialize, Serialize};
@@ -141,7 +141,10 @@ pub struct Prices {
 impl Default for Prices {
     fn default() -> Self {
         // deepseek-chat list prices (USD 0.27 / 1.10 per million tokens).
-        Prices { input_micros_per_mtok: 270_000, output_micros_per_mtok: 1_100_000 }
+        Prices {
+            input_micros_per_mtok: 270_000,
+            output_micros_per_mtok: 1_100_000,
+        }
     }
 }
 

@@ -29,7 +29,9 @@ pub struct FileContent {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PatchError {
-    #[error("the answer contains no file block (expected a line `=== path` followed by a fenced block)")]
+    #[error(
+        "the answer contains no file block (expected a line `=== path` followed by a fenced block)"
+    )]
     NoFiles,
     #[error("file block for {0} is not followed by a fenced block")]
     MissingFence(String),
@@ -73,8 +75,14 @@ const AUTOMATION: &[&str] = &[
 
 fn automation(path: &str) -> bool {
     let first = path.split('/').next().unwrap_or(path).to_ascii_lowercase();
-    AUTOMATION.iter().any(|name| first == *name || first.strip_prefix(name).is_some_and(|rest| rest.starts_with('.')))
-        || path.split('/').any(|c| c.eq_ignore_ascii_case("codeowners"))
+    AUTOMATION.iter().any(|name| {
+        first == *name
+            || first
+                .strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('.'))
+    }) || path
+        .split('/')
+        .any(|c| c.eq_ignore_ascii_case("codeowners"))
 }
 
 /// Refuses a patch that changes a file outside `targets` or any CI and automation file (even a configured one).
@@ -87,7 +95,10 @@ pub fn check_scope(files: &[FileContent], targets: &[String]) -> Result<(), Patc
         } else {
             continue;
         };
-        return Err(PatchError::Disallowed { path: f.path.clone(), why });
+        return Err(PatchError::Disallowed {
+            path: f.path.clone(),
+            why,
+        });
     }
     Ok(())
 }
@@ -98,7 +109,9 @@ fn valid_path(path: &str) -> bool {
         && !path.starts_with('/')
         && !path.contains('\\')
         && !path.chars().any(char::is_control)
-        && path.split('/').all(|c| !c.is_empty() && c != ".." && c != ".")
+        && path
+            .split('/')
+            .all(|c| !c.is_empty() && c != ".." && c != ".")
         && path.split('/').next() != Some(".git")
 }
 
@@ -143,9 +156,16 @@ pub fn parse_patch(text: &str) -> Result<Vec<FileContent>, PatchError> {
         if files.len() == MAX_FILES {
             return Err(PatchError::TooMany);
         }
-        files.push(FileContent { path, content: Some(content) });
+        files.push(FileContent {
+            path,
+            content: Some(content),
+        });
     }
-    if files.is_empty() { Err(PatchError::NoFiles) } else { Ok(files) }
+    if files.is_empty() {
+        Err(PatchError::NoFiles)
+    } else {
+        Ok(files)
+    }
 }
 
 /// Renders files in the same format the model is asked to answer in; a missing file is shown as such.
@@ -181,19 +201,30 @@ mod tests {
 
     #[test]
     fn parses_blocks_and_ignores_prose() {
-        let text =
-            "Here is the fix.\n=== src/a.py\n```python\nx = 1\n```\nand\n=== b/c.txt\n````\n```\ninner\n```\n````\n";
+        let text = "Here is the fix.\n=== src/a.py\n```python\nx = 1\n```\nand\n=== b/c.txt\n````\n```\ninner\n```\n````\n";
         let files = parse_patch(text).unwrap();
         assert_eq!(files.len(), 2);
-        assert_eq!(files[0], FileContent { path: "src/a.py".into(), content: Some("x = 1\n".into()) });
+        assert_eq!(
+            files[0],
+            FileContent {
+                path: "src/a.py".into(),
+                content: Some("x = 1\n".into())
+            }
+        );
         assert_eq!(files[1].content.as_deref(), Some("```\ninner\n```\n"));
     }
 
     #[test]
     fn round_trips_rendered_files() {
         let files = vec![
-            FileContent { path: "a.md".into(), content: Some("text\n```\ncode\n```\n".into()) },
-            FileContent { path: "src/b.rs".into(), content: Some("fn main() {}\n".into()) },
+            FileContent {
+                path: "a.md".into(),
+                content: Some("text\n```\ncode\n```\n".into()),
+            },
+            FileContent {
+                path: "src/b.rs".into(),
+                content: Some("fn main() {}\n".into()),
+            },
         ];
         assert_eq!(parse_patch(&render_files(&files)).unwrap(), files);
     }
@@ -201,10 +232,29 @@ mod tests {
     #[test]
     fn errors() {
         assert_eq!(parse_patch("no blocks at all"), Err(PatchError::NoFiles));
-        assert_eq!(parse_patch("=== a.py\nx = 1\n"), Err(PatchError::MissingFence("a.py".into())));
-        assert_eq!(parse_patch("=== a.py\n```\nx = 1\n"), Err(PatchError::Unclosed("a.py".into())));
-        for bad in ["/etc/passwd", "../x", "a/../../x", ".git/config", "a//b", ""] {
-            assert!(matches!(parse_patch(&format!("=== {bad}\n```\nx\n```\n")), Err(PatchError::BadPath(_))), "{bad}");
+        assert_eq!(
+            parse_patch("=== a.py\nx = 1\n"),
+            Err(PatchError::MissingFence("a.py".into()))
+        );
+        assert_eq!(
+            parse_patch("=== a.py\n```\nx = 1\n"),
+            Err(PatchError::Unclosed("a.py".into()))
+        );
+        for bad in [
+            "/etc/passwd",
+            "../x",
+            "a/../../x",
+            ".git/config",
+            "a//b",
+            "",
+        ] {
+            assert!(
+                matches!(
+                    parse_patch(&format!("=== {bad}\n```\nx\n```\n")),
+                    Err(PatchError::BadPath(_))
+                ),
+                "{bad}"
+            );
         }
         let dup = "=== a\n```\n1\n```\n=== a\n```\n2\n```\n";
         assert_eq!(parse_patch(dup), Err(PatchError::Duplicate("a".into())));
@@ -215,19 +265,40 @@ mod tests {
     #[test]
     fn scope_is_the_target_files_without_automation() {
         let patch = |paths: &[&str]| -> Vec<FileContent> {
-            paths.iter().map(|p| FileContent { path: (*p).into(), content: Some("x\n".into()) }).collect()
+            paths
+                .iter()
+                .map(|p| FileContent {
+                    path: (*p).into(),
+                    content: Some("x\n".into()),
+                })
+                .collect()
         };
-        let targets: Vec<String> =
-            ["src/checkout.py", "src/cart.py", ".github/workflows/ci.yml", ".woodpecker.yml"].map(String::from).into();
-        assert_eq!(check_scope(&patch(&["src/checkout.py", "src/cart.py"]), &targets), Ok(()));
+        let targets: Vec<String> = [
+            "src/checkout.py",
+            "src/cart.py",
+            ".github/workflows/ci.yml",
+            ".woodpecker.yml",
+        ]
+        .map(String::from)
+        .into();
+        assert_eq!(
+            check_scope(&patch(&["src/checkout.py", "src/cart.py"]), &targets),
+            Ok(())
+        );
         let refused = |paths: &[&str]| match check_scope(&patch(paths), &targets) {
             Err(PatchError::Disallowed { path, .. }) => path,
             other => panic!("{paths:?}: {other:?}"),
         };
-        assert_eq!(refused(&["src/checkout.py", "src/other.py"]), "src/other.py");
+        assert_eq!(
+            refused(&["src/checkout.py", "src/other.py"]),
+            "src/other.py"
+        );
         assert_eq!(refused(&["src/Checkout.py"]), "src/Checkout.py");
         // Configured or not, CI and automation stay out of reach.
-        assert_eq!(refused(&[".github/workflows/ci.yml"]), ".github/workflows/ci.yml");
+        assert_eq!(
+            refused(&[".github/workflows/ci.yml"]),
+            ".github/workflows/ci.yml"
+        );
         assert_eq!(refused(&[".woodpecker.yml"]), ".woodpecker.yml");
         for p in [
             ".forgejo/workflows/x.yml",

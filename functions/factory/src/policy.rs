@@ -73,15 +73,22 @@ pub struct Policy {
 
 impl Default for Policy {
     fn default() -> Self {
-        Policy { version: 1, auto_triage: false, protected_envs: Vec::new(), rules: Vec::new() }
+        Policy {
+            version: 1,
+            auto_triage: false,
+            protected_envs: Vec::new(),
+            rules: Vec::new(),
+        }
     }
 }
 
 impl Policy {
     pub fn decide(&self, agent: &str, skill: &str, risk: Risk, env: &str) -> Verdict {
         let hit = |field: &Option<String>, value: &str| field.as_deref().is_none_or(|f| f == value);
-        if let Some(rule) =
-            self.rules.iter().find(|r| hit(&r.agent, agent) && hit(&r.skill, skill) && hit(&r.env, env))
+        if let Some(rule) = self
+            .rules
+            .iter()
+            .find(|r| hit(&r.agent, agent) && hit(&r.skill, skill) && hit(&r.env, env))
         {
             return rule.verdict;
         }
@@ -114,26 +121,63 @@ mod tests {
     #[test]
     fn defaults() {
         let mut p = Policy::default();
-        assert_eq!(p.decide("forgejo", "read_files", Risk::Read, "production"), Verdict::Allow);
-        assert_eq!(p.decide("zulip", "post", Risk::Write, "production"), Verdict::Allow);
-        assert_eq!(p.decide("forgejo", "close_pr", Risk::Destructive, "staging"), Verdict::Approve);
-        assert_eq!(p.decide("forgejo", "merge", Risk::Destructive, "dev"), Verdict::Approve);
+        assert_eq!(
+            p.decide("forgejo", "read_files", Risk::Read, "production"),
+            Verdict::Allow
+        );
+        assert_eq!(
+            p.decide("zulip", "post", Risk::Write, "production"),
+            Verdict::Allow
+        );
+        assert_eq!(
+            p.decide("forgejo", "close_pr", Risk::Destructive, "staging"),
+            Verdict::Approve
+        );
+        assert_eq!(
+            p.decide("forgejo", "merge", Risk::Destructive, "dev"),
+            Verdict::Approve
+        );
         p.protected_envs = vec!["production".into()];
-        assert_eq!(p.decide("zulip", "post", Risk::Write, "production"), Verdict::Approve);
-        assert_eq!(p.decide("zulip", "post", Risk::Write, "staging"), Verdict::Allow);
+        assert_eq!(
+            p.decide("zulip", "post", Risk::Write, "production"),
+            Verdict::Approve
+        );
+        assert_eq!(
+            p.decide("zulip", "post", Risk::Write, "staging"),
+            Verdict::Allow
+        );
     }
 
     #[test]
     fn first_matching_rule_wins() {
         let p = Policy {
             rules: vec![
-                Rule { agent: Some("plane".into()), skill: None, env: Some("production".into()), verdict: Verdict::Deny },
-                Rule { agent: Some("plane".into()), skill: None, env: None, verdict: Verdict::Approve },
+                Rule {
+                    agent: Some("plane".into()),
+                    skill: None,
+                    env: Some("production".into()),
+                    verdict: Verdict::Deny,
+                },
+                Rule {
+                    agent: Some("plane".into()),
+                    skill: None,
+                    env: None,
+                    verdict: Verdict::Approve,
+                },
             ],
             ..Policy::default()
         };
-        assert_eq!(p.decide("plane", "comment", Risk::Write, "production"), Verdict::Deny);
-        assert_eq!(p.decide("plane", "comment", Risk::Write, "dev"), Verdict::Approve);
-        assert_eq!(p.decide("zulip", "post", Risk::Write, "production"), Verdict::Allow);
+        assert_eq!(
+            p.decide("plane", "comment", Risk::Write, "production"),
+            Verdict::Deny
+        );
+        assert_eq!(
+            p.decide("plane", "comment", Risk::Write, "dev"),
+            Verdict::Approve
+        );
+        assert_eq!(
+            p.decide("zulip", "post", Risk::Write, "production"),
+            Verdict::Allow
+        );
     }
 }

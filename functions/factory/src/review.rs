@@ -65,23 +65,34 @@ fn is_location(token: &str) -> bool {
 /// Words of a line: runs of ASCII letters and digits, so markdown (`**`, `|`, backticks, brackets), punctuation and
 /// slashes around a severity never hide it.
 fn words(line: &str) -> impl Iterator<Item = &str> {
-    line.split(|c: char| !c.is_ascii_alphanumeric()).filter(|w| !w.is_empty())
+    line.split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|w| !w.is_empty())
 }
 
 fn finding(line: &str) -> Option<Finding> {
     let text = line.trim();
     let severity = words(text).filter_map(Severity::parse).min()?;
     let location = text
-        .split(|c: char| c.is_whitespace() || matches!(c, '`' | ',' | ';' | '(' | ')' | '|' | '*' | '[' | ']'))
+        .split(|c: char| {
+            c.is_whitespace() || matches!(c, '`' | ',' | ';' | '(' | ')' | '|' | '*' | '[' | ']')
+        })
         .map(|w| w.trim_end_matches('.'))
         .find(|w| is_location(w))
         .map(str::to_string);
-    Some(Finding { severity, location, text: text.chars().take(500).collect() })
+    Some(Finding {
+        severity,
+        location,
+        text: text.chars().take(500).collect(),
+    })
 }
 
 /// The non-empty lines of a report, trimmed.
 fn lines(report: &str) -> Vec<&str> {
-    report.lines().map(str::trim).filter(|l| !l.is_empty()).collect()
+    report
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect()
 }
 
 /// The auditor's verdict and the findings it listed. The approval line itself names CRITICAL and HIGH, so it is the
@@ -89,7 +100,11 @@ fn lines(report: &str) -> Vec<&str> {
 pub fn audit_verdict(report: &str) -> (bool, Vec<Finding>) {
     let all = lines(report);
     let approval_last = all.last() == Some(&AUDIT_APPROVAL);
-    let body = if approval_last { &all[..all.len() - 1] } else { &all[..] };
+    let body = if approval_last {
+        &all[..all.len() - 1]
+    } else {
+        &all[..]
+    };
     let found: Vec<Finding> = body.iter().filter_map(|l| finding(l)).collect();
     let approved = approval_last && !found.iter().any(|f| f.severity.blocks());
     (approved, found)
@@ -103,7 +118,10 @@ mod tests {
     fn lead_needs_exactly_the_approval_and_nothing_else() {
         assert!(lead_approves("All good"));
         assert!(lead_approves("  All good\n\n"));
-        assert!(!lead_approves("Looks fine.\nAll good\n"), "anything beside the approval is a remark");
+        assert!(
+            !lead_approves("Looks fine.\nAll good\n"),
+            "anything beside the approval is a remark"
+        );
         assert!(!lead_approves("All good\nbut rename x"));
         assert!(!lead_approves("All good, but rename x"));
         assert!(!lead_approves("all good"));
@@ -114,7 +132,8 @@ mod tests {
 
     #[test]
     fn audit_approves_with_only_minor_findings_and_the_last_line() {
-        let ok = format!("LOW src/a.py:3 verbose log; exploit: none; remedy: trim\n{AUDIT_APPROVAL}\n");
+        let ok =
+            format!("LOW src/a.py:3 verbose log; exploit: none; remedy: trim\n{AUDIT_APPROVAL}\n");
         let (approved, f) = audit_verdict(&ok);
         assert!(approved);
         assert_eq!(
@@ -127,7 +146,10 @@ mod tests {
         );
         assert!(audit_verdict(AUDIT_APPROVAL).0);
         assert!(
-            audit_verdict(&format!("Scope: arithmetic only.\nMEDIUM: src/b.py:2-4 weak check\n\n{AUDIT_APPROVAL}")).0
+            audit_verdict(&format!(
+                "Scope: arithmetic only.\nMEDIUM: src/b.py:2-4 weak check\n\n{AUDIT_APPROVAL}"
+            ))
+            .0
         );
     }
 
@@ -151,7 +173,11 @@ mod tests {
             let report = format!("{shape}\n{AUDIT_APPROVAL}");
             let (approved, f) = audit_verdict(&report);
             assert!(!approved, "{shape:?} must block");
-            assert!(f[0].severity.blocks(), "{shape:?} read as {:?}", f[0].severity);
+            assert!(
+                f[0].severity.blocks(),
+                "{shape:?} read as {:?}",
+                f[0].severity
+            );
         }
         let (_, f) = audit_verdict(&format!(
             "- **HIGH** `src/a.py:10` SQL injection\nMEDIUM: src/b.py:2-4 weak\n{AUDIT_APPROVAL}"
@@ -164,8 +190,14 @@ mod tests {
 
     #[test]
     fn audit_approval_must_be_the_exact_last_line() {
-        assert!(!audit_verdict("Nothing to report.").0, "no approval string, no approval");
-        assert!(!audit_verdict(&format!("{AUDIT_APPROVAL}\nLOW src/a.py:1 nit")).0, "not the last line");
+        assert!(
+            !audit_verdict("Nothing to report.").0,
+            "no approval string, no approval"
+        );
+        assert!(
+            !audit_verdict(&format!("{AUDIT_APPROVAL}\nLOW src/a.py:1 nit")).0,
+            "not the last line"
+        );
         assert!(!audit_verdict(&format!("{AUDIT_APPROVAL}\nHIGH src/a.py:1 rce")).0);
         assert!(!audit_verdict("No critical or high findings.").0);
         assert!(!audit_verdict(&format!("LOW a.py:1 x\n> {AUDIT_APPROVAL}")).0);

@@ -34,13 +34,22 @@ impl RunState {
 
     /// The state a stored name (`as_str`) stands for; the store indexes runs by that name.
     pub fn parse(name: &str) -> Option<RunState> {
-        [RunState::Open, RunState::Waiting, RunState::Succeeded, RunState::Failed, RunState::Killed]
-            .into_iter()
-            .find(|s| s.as_str() == name)
+        [
+            RunState::Open,
+            RunState::Waiting,
+            RunState::Succeeded,
+            RunState::Failed,
+            RunState::Killed,
+        ]
+        .into_iter()
+        .find(|s| s.as_str() == name)
     }
 
     pub fn is_terminal(self) -> bool {
-        matches!(self, RunState::Succeeded | RunState::Failed | RunState::Killed)
+        matches!(
+            self,
+            RunState::Succeeded | RunState::Failed | RunState::Killed
+        )
     }
 }
 
@@ -181,7 +190,14 @@ pub struct PendingWait {
 
 impl PendingWait {
     fn new(timer_id: String, kind: WaitKind, due_ms: i64, wake_ms: Option<i64>) -> PendingWait {
-        PendingWait { timer_id, kind, due_ms, scheduled: false, wake_ms, rechecks: 0 }
+        PendingWait {
+            timer_id,
+            kind,
+            due_ms,
+            scheduled: false,
+            wake_ms,
+            rechecks: 0,
+        }
     }
 
     /// When the current timer fires.
@@ -199,7 +215,10 @@ impl PendingWait {
     pub(crate) fn next_recheck_id(&self) -> String {
         let first = match self.rechecks {
             0 => self.timer_id.as_str(),
-            n => self.timer_id.strip_suffix(&format!(".recheck{n}")).unwrap_or(&self.timer_id),
+            n => self
+                .timer_id
+                .strip_suffix(&format!(".recheck{n}"))
+                .unwrap_or(&self.timer_id),
         };
         format!("{first}.recheck{}", self.rechecks + 1)
     }
@@ -333,8 +352,19 @@ impl Run {
 
     /// Rebuilds a run from its event log (the first event must be `Opened`).
     pub fn from_events(events: &[Event]) -> Result<Run, Rejection> {
-        let Some(Event::Opened { id, org, env, signal, owner, config, at_ms }) = events.first() else {
-            return Err(Rejection::InvalidInput("an event log starts with `opened`".into()));
+        let Some(Event::Opened {
+            id,
+            org,
+            env,
+            signal,
+            owner,
+            config,
+            at_ms,
+        }) = events.first()
+        else {
+            return Err(Rejection::InvalidInput(
+                "an event log starts with `opened`".into(),
+            ));
         };
         let mut run = Run::opened(id, org, env, signal, owner, config, *at_ms);
         run.version = 1;
@@ -348,11 +378,24 @@ impl Run {
     pub fn apply(&mut self, e: &Event) {
         let progress = !matches!(e, Event::StepFailed { .. });
         match e {
-            Event::Opened { id, org, env, signal, owner, config, at_ms } => {
+            Event::Opened {
+                id,
+                org,
+                env,
+                signal,
+                owner,
+                config,
+                at_ms,
+            } => {
                 *self = Run::opened(id, org, env, signal, owner, config, *at_ms);
             }
             Event::StepFailed { .. } => self.retries += 1,
-            Event::WaitStarted { timer_id, kind, due_ms, wake_ms } => {
+            Event::WaitStarted {
+                timer_id,
+                kind,
+                due_ms,
+                wake_ms,
+            } => {
                 self.wait = Some(PendingWait::new(timer_id.clone(), *kind, *due_ms, *wake_ms));
             }
             Event::WaitRechecked { timer_id, wake_ms } => {
@@ -392,8 +435,16 @@ impl Run {
                 self.links.thread_url = Some(url.clone());
                 self.cursor = Cursor::AwaitTriage;
             }
-            Event::TriageDecided { accept, automatic, by } => {
-                self.triage = Some(TriageRecord { accept: *accept, automatic: *automatic, by: by.clone() });
+            Event::TriageDecided {
+                accept,
+                automatic,
+                by,
+            } => {
+                self.triage = Some(TriageRecord {
+                    accept: *accept,
+                    automatic: *automatic,
+                    by: by.clone(),
+                });
                 self.wait = None;
                 if *accept {
                     self.cursor = Cursor::CreateIssue;
@@ -424,8 +475,16 @@ impl Run {
                 self.files = files.clone();
                 self.cursor = Cursor::ProposeFix;
             }
-            Event::ModelAnswered { input_tokens, output_tokens, cost_micros, .. } => {
-                self.budget.tokens = self.budget.tokens.saturating_add(input_tokens.saturating_add(*output_tokens));
+            Event::ModelAnswered {
+                input_tokens,
+                output_tokens,
+                cost_micros,
+                ..
+            } => {
+                self.budget.tokens = self
+                    .budget
+                    .tokens
+                    .saturating_add(input_tokens.saturating_add(*output_tokens));
                 self.budget.micros = self.budget.micros.saturating_add(*cost_micros);
             }
             Event::PatchProposed { files, patch_hash } => {
@@ -439,7 +498,11 @@ impl Run {
                 self.links.commit_sha = Some(sha.clone());
                 self.cursor = Cursor::OpenPr;
             }
-            Event::PrOpened { number, url, head_sha } => {
+            Event::PrOpened {
+                number,
+                url,
+                head_sha,
+            } => {
                 self.links.pr_number = Some(*number);
                 self.links.pr_url = Some(url.clone());
                 self.links.head_sha = Some(head_sha.clone());
@@ -466,16 +529,24 @@ impl Run {
                     self.cursor = Cursor::Merge;
                 }
             }
-            Event::AttemptFailed { reason, feedback, .. } => {
+            Event::AttemptFailed {
+                reason, feedback, ..
+            } => {
                 if let Some(a) = self.attempts.last_mut() {
                     a.failure = Some(reason.clone());
                 }
                 self.feedback = Some(feedback.clone());
             }
             Event::GateOpened { request } => {
-                self.gate = Some(Gate { request: request.clone(), approval_id: None });
+                self.gate = Some(Gate {
+                    request: request.clone(),
+                    approval_id: None,
+                });
             }
-            Event::ApprovalRequested { approval_id, wake_ms } => {
+            Event::ApprovalRequested {
+                approval_id,
+                wake_ms,
+            } => {
                 if let Some(g) = self.gate.as_mut() {
                     g.approval_id = Some(approval_id.clone());
                     self.approvals.push(ApprovalRecord {
@@ -493,11 +564,23 @@ impl Run {
                     ));
                 }
             }
-            Event::ApprovalSettled { approval_id, approved, by } => {
-                let state = if *approved { ApprovalState::Approved } else { ApprovalState::Denied };
+            Event::ApprovalSettled {
+                approval_id,
+                approved,
+                by,
+            } => {
+                let state = if *approved {
+                    ApprovalState::Approved
+                } else {
+                    ApprovalState::Denied
+                };
                 if let Some(g) = self.gate.take() {
                     let ids = [Some(&g.request.id), g.approval_id.as_ref()];
-                    match self.approvals.iter_mut().find(|a| ids.contains(&Some(&a.id))) {
+                    match self
+                        .approvals
+                        .iter_mut()
+                        .find(|a| ids.contains(&Some(&a.id)))
+                    {
                         Some(rec) => {
                             rec.state = state;
                             rec.by = Some(by.clone());
@@ -519,7 +602,10 @@ impl Run {
                 self.observe_round = 1;
                 self.cursor = Cursor::AwaitObserve;
             }
-            Event::IssueEventsRead { count, last_seen_ms } => {
+            Event::IssueEventsRead {
+                count,
+                last_seen_ms,
+            } => {
                 self.observation.count = Some(*count);
                 self.observation.last_seen_ms = *last_seen_ms;
                 self.cursor = Cursor::Series;
@@ -542,7 +628,12 @@ impl Run {
                     }
                     ObserveVerdict::Regressed => {
                         let steps = self.tell(vec![FinishStep::Revert]);
-                        self.start_finish(RunState::Failed, Some(Reason::Regressed), String::new(), steps);
+                        self.start_finish(
+                            RunState::Failed,
+                            Some(Reason::Regressed),
+                            String::new(),
+                            steps,
+                        );
                     }
                     ObserveVerdict::Inconclusive if self.observe_round < 2 => {
                         self.observe_round += 1;
@@ -551,7 +642,11 @@ impl Run {
                     ObserveVerdict::Inconclusive => self.cursor = Cursor::AwaitVerdict,
                 }
             }
-            Event::Abandoned { state, reason, detail } => match self.ending.as_mut() {
+            Event::Abandoned {
+                state,
+                reason,
+                detail,
+            } => match self.ending.as_mut() {
                 Some(ending) => {
                     if *state == RunState::Killed {
                         ending.state = RunState::Killed;
@@ -594,7 +689,12 @@ impl Run {
                 self.gate = None;
                 self.wait = None;
             }
-            Event::Ended { state, verdict, follow_up, .. } => {
+            Event::Ended {
+                state,
+                verdict,
+                follow_up,
+                ..
+            } => {
                 self.state = *state;
                 if verdict.is_some() {
                     self.verdict = *verdict;
@@ -619,9 +719,15 @@ impl Run {
         if self.links.deploy_ref.is_some() {
             killed.then_some(FinishStep::Revert)
         } else if hands_off {
-            self.links.commit_sha.is_some().then_some(FinishStep::DraftPr)
+            self.links
+                .commit_sha
+                .is_some()
+                .then_some(FinishStep::DraftPr)
         } else {
-            self.links.pr_number.is_some().then_some(FinishStep::ClosePr)
+            self.links
+                .pr_number
+                .is_some()
+                .then_some(FinishStep::ClosePr)
         }
     }
 
@@ -636,8 +742,19 @@ impl Run {
         steps
     }
 
-    fn start_finish(&mut self, state: RunState, reason: Option<Reason>, detail: String, steps: Vec<FinishStep>) {
-        self.ending = Some(Ending { state, reason, detail, announced: Some(state) });
+    fn start_finish(
+        &mut self,
+        state: RunState,
+        reason: Option<Reason>,
+        detail: String,
+        steps: Vec<FinishStep>,
+    ) {
+        self.ending = Some(Ending {
+            state,
+            reason,
+            detail,
+            announced: Some(state),
+        });
         self.finish = steps;
         self.cursor = Cursor::Finishing;
         self.gate = None;
@@ -662,13 +779,19 @@ impl Run {
                 Some(call) if self.approval_for(&call).is_some() => Stage::Deploy,
                 _ => Stage::Approve,
             },
-            Cursor::AwaitObserve | Cursor::IssueEvents | Cursor::Series | Cursor::AwaitVerdict => Stage::Observe,
+            Cursor::AwaitObserve | Cursor::IssueEvents | Cursor::Series | Cursor::AwaitVerdict => {
+                Stage::Observe
+            }
             Cursor::Finishing | Cursor::Done => Stage::Close,
         };
         let waiting = self.wait.is_some()
             || self.gate.is_some()
             || matches!(self.cursor, Cursor::AwaitTriage | Cursor::AwaitVerdict);
-        self.state = if waiting { RunState::Waiting } else { RunState::Open };
+        self.state = if waiting {
+            RunState::Waiting
+        } else {
+            RunState::Open
+        };
     }
 
     /// The `<attempt>` part of step ids: the fix attempt, or the observe round while observing.
@@ -682,15 +805,27 @@ impl Run {
 
     /// The step id of `action` at the run's current position.
     pub fn step(&self, action: &str) -> String {
-        let action = if self.retries > 0 { format!("{action}~{}", self.retries + 1) } else { action.to_string() };
+        let action = if self.retries > 0 {
+            format!("{action}~{}", self.retries + 1)
+        } else {
+            action.to_string()
+        };
         step_id(&self.id, self.stage.as_str(), self.slot(), &action)
     }
 
     /// The current attempt's patch: its short hash and the paths it changes (`patch 0123456789ab: a.py, b.py`).
     pub fn change_binding(&self) -> String {
-        let hash = self.attempts.last().and_then(|a| a.patch_hash.as_deref()).unwrap_or("none");
+        let hash = self
+            .attempts
+            .last()
+            .and_then(|a| a.patch_hash.as_deref())
+            .unwrap_or("none");
         let paths: Vec<&str> = self.patch.iter().map(|f| f.path.as_str()).collect();
-        format!("patch {}: {}", hash.get(..12).unwrap_or(hash), paths.join(", "))
+        format!(
+            "patch {}: {}",
+            hash.get(..12).unwrap_or(hash),
+            paths.join(", ")
+        )
     }
 
     /// What an attempt commits: the patched files, and every other target file as it is on the base. So the
@@ -719,7 +854,9 @@ impl Run {
     pub(crate) fn approval_for(&self, call: &Effect) -> Option<&ApprovalRecord> {
         let action = gated_action(self, call)?;
         let hash = action_hash(&action);
-        self.approvals.iter().find(|a| a.state == ApprovalState::Approved && a.action_hash == hash)
+        self.approvals
+            .iter()
+            .find(|a| a.state == ApprovalState::Approved && a.action_hash == hash)
     }
 
     /// What the worker must do next, or `None` while the run waits or has ended. A destructive call is returned only
@@ -754,7 +891,13 @@ impl Run {
         Some(effect)
     }
 
-    fn call(&self, action: &str, agent: &str, skill: &str, args: serde_json::Value) -> Option<Effect> {
+    fn call(
+        &self,
+        action: &str,
+        agent: &str,
+        skill: &str,
+        args: serde_json::Value,
+    ) -> Option<Effect> {
         Some(Effect::Call {
             step: self.step(action),
             agent: agent.into(),
@@ -927,7 +1070,10 @@ impl Run {
 /// change shown to them, and the action hash the agent-side gate checks covers it. Only `target_commit` carries it,
 /// so the call's own args stay exactly what the skill takes.
 pub(crate) fn gated_action(run: &Run, call: &Effect) -> Option<ApprovalAction> {
-    let Effect::Call { agent, skill, args, .. } = call else {
+    let Effect::Call {
+        agent, skill, args, ..
+    } = call
+    else {
         return None;
     };
     let commit = |key: &str| args.get(key).and_then(|v| v.as_str()).map(str::to_string);
@@ -939,7 +1085,12 @@ pub(crate) fn gated_action(run: &Run, call: &Effect) -> Option<ApprovalAction> {
         "revert" => commit("merge_sha"),
         _ => None,
     };
-    Some(ApprovalAction { agent: agent.clone(), skill: skill.clone(), args: args.clone(), target_commit })
+    Some(ApprovalAction {
+        agent: agent.clone(),
+        skill: skill.clone(),
+        args: args.clone(),
+        target_commit,
+    })
 }
 
 #[cfg(test)]
@@ -948,7 +1099,13 @@ mod tests {
 
     #[test]
     fn state_names_round_trip() {
-        for s in [RunState::Open, RunState::Waiting, RunState::Succeeded, RunState::Failed, RunState::Killed] {
+        for s in [
+            RunState::Open,
+            RunState::Waiting,
+            RunState::Succeeded,
+            RunState::Failed,
+            RunState::Killed,
+        ] {
             assert_eq!(RunState::parse(s.as_str()), Some(s));
         }
         assert_eq!(RunState::parse("paused"), None);

@@ -71,7 +71,11 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn path() -> impl Strategy<Value = Path> {
-    prop_oneof![Just(Path::Happy), Just(Path::DeniedMerge), Just(Path::Regression)]
+    prop_oneof![
+        Just(Path::Happy),
+        Just(Path::DeniedMerge),
+        Just(Path::Regression)
+    ]
 }
 
 fn crash(c: u8) -> Crash {
@@ -84,7 +88,10 @@ fn crash(c: u8) -> Crash {
 }
 
 fn kill() -> Input {
-    Input::Kill { by: "carol".into(), reason: "stop".into() }
+    Input::Kill {
+        by: "carol".into(),
+        reason: "stop".into(),
+    }
 }
 
 fn is_wait(e: &Effect) -> bool {
@@ -111,7 +118,11 @@ fn straight_of(path: Path) -> Rc<Straight> {
 
 /// Non-timer steps performed, sorted.
 fn steps(performed: &HashMap<String, (Effect, Outcome)>) -> Vec<&String> {
-    let mut s: Vec<&String> = performed.iter().filter(|(_, (e, _))| !is_wait(e)).map(|(s, _)| s).collect();
+    let mut s: Vec<&String> = performed
+        .iter()
+        .filter(|(_, (e, _))| !is_wait(e))
+        .map(|(s, _)| s)
+        .collect();
     s.sort();
     s
 }
@@ -119,7 +130,13 @@ fn steps(performed: &HashMap<String, (Effect, Outcome)>) -> Vec<&String> {
 fn chaos(path: Path, ops: Vec<Op>, kill_at: Option<usize>) -> Result<(), TestCaseError> {
     let straight = straight_of(path);
     let (expected, straight_performed) = (&straight.0, &straight.1);
-    prop_assert_eq!((expected.state, expected.ending.as_ref().and_then(|e| e.reason)), path.ending());
+    prop_assert_eq!(
+        (
+            expected.state,
+            expected.ending.as_ref().and_then(|e| e.reason)
+        ),
+        path.ending()
+    );
 
     let mut world = path.world();
     let mut worker = Worker::start(signal(), ctx());
@@ -136,7 +153,11 @@ fn chaos(path: Path, ops: Vec<Op>, kill_at: Option<usize>) -> Result<(), TestCas
             Op::Deliver(i) | Op::Redeliver(i) | Op::Crash(i, _) => {
                 let idx = i % len;
                 let msg = worker.queue[idx].clone();
-                let crash_at = if let Op::Crash(_, c) = op { Some(crash(c)) } else { None };
+                let crash_at = if let Op::Crash(_, c) = op {
+                    Some(crash(c))
+                } else {
+                    None
+                };
                 let done = worker.process(&msg, &mut world, crash_at);
                 if done && matches!(op, Op::Deliver(_)) {
                     let _ = worker.queue.remove(idx);
@@ -154,10 +175,14 @@ fn chaos(path: Path, ops: Vec<Op>, kill_at: Option<usize>) -> Result<(), TestCas
             Op::Duplicate(i) => {
                 let settled: Vec<&Input> = seen
                     .iter()
-                    .filter(|m| matches!(m, Input::TimerFired { .. } | Input::ApprovalSettled { .. }))
+                    .filter(|m| {
+                        matches!(m, Input::TimerFired { .. } | Input::ApprovalSettled { .. })
+                    })
                     .collect();
                 if !settled.is_empty() {
-                    worker.queue.push_back(Some(settled[i % settled.len()].clone()));
+                    worker
+                        .queue
+                        .push_back(Some(settled[i % settled.len()].clone()));
                 }
             }
         }
@@ -168,7 +193,15 @@ fn chaos(path: Path, ops: Vec<Op>, kill_at: Option<usize>) -> Result<(), TestCas
     // up to it, continued by a worker that is never disturbed. It gets the kill, then everything the outside world
     // sent during the chaotic run (a settlement of an approval requested before the kill is still to come); what
     // the prefix already consumed is a duplicate and must change nothing.
-    let cut = worker.log.iter().position(|e| matches!(e, Event::Abandoned { state: RunState::Killed, .. }));
+    let cut = worker.log.iter().position(|e| {
+        matches!(
+            e,
+            Event::Abandoned {
+                state: RunState::Killed,
+                ..
+            }
+        )
+    });
     let Some(cut) = cut else {
         prop_assert_eq!(json_of(&run), json_of(expected));
         // Exactly the straight run's calls, model calls and approval requests, each with the same effect. Timers
@@ -185,14 +218,19 @@ fn chaos(path: Path, ops: Vec<Op>, kill_at: Option<usize>) -> Result<(), TestCas
     let mut reference = Worker::start(signal(), ctx());
     reference.log = worker.log[..cut].to_vec();
     reference.cached = None;
-    reference.queue = std::iter::once(kill()).chain(worker.sent.iter().cloned()).map(Some).collect();
+    reference.queue = std::iter::once(kill())
+        .chain(worker.sent.iter().cloned())
+        .map(Some)
+        .collect();
     // The reference continues in the world the kill found: a merge performed before it (its outcome perhaps lost
     // to a crash) is still merged there.
     let mut reference_world = path.world();
     reference_world.performed.extend(
-        world.performed.iter().filter(|(_, (e, _))| matches!(e, Effect::Call { skill, .. } if skill == "merge")).map(
-            |(s, p)| (s.clone(), p.clone()),
-        ),
+        world
+            .performed
+            .iter()
+            .filter(|(_, (e, _))| matches!(e, Effect::Call { skill, .. } if skill == "merge"))
+            .map(|(s, p)| (s.clone(), p.clone())),
     );
     let want = reference.drain(&mut reference_world);
     prop_assert_eq!(json_of(&run), json_of(&want));
@@ -200,11 +238,21 @@ fn chaos(path: Path, ops: Vec<Op>, kill_at: Option<usize>) -> Result<(), TestCas
     // ran without the approval recorded for it.
     for (step, (effect, _)) in &reference_world.performed {
         if !is_wait(effect) {
-            prop_assert_eq!(world.performed.get(step).map(|p| &p.0), Some(effect), "step {}", step);
+            prop_assert_eq!(
+                world.performed.get(step).map(|p| &p.0),
+                Some(effect),
+                "step {}",
+                step
+            );
         }
     }
     for (effect, _) in world.performed.values() {
-        if let Effect::Call { skill, approval_id, step, .. } = effect
+        if let Effect::Call {
+            skill,
+            approval_id,
+            step,
+            ..
+        } = effect
             && matches!(skill.as_str(), "merge" | "close_pr" | "revert")
         {
             prop_assert!(approval_id.is_some(), "{} ran without an approval", step);

@@ -298,7 +298,10 @@ impl Story {
     fn from_demo() -> anyhow::Result<Self> {
         let demo: Value = serde_json::from_str(DEMO_CASSETTE).context("the demo cassette")?;
         let mut completions: HashMap<&'static str, Vec<ChatResponse>> = HashMap::new();
-        for c in demo["completions"].as_array().ok_or_else(|| anyhow!("the demo cassette has no completions"))? {
+        for c in demo["completions"]
+            .as_array()
+            .ok_or_else(|| anyhow!("the demo cassette has no completions"))?
+        {
             let purpose = match c["purpose"].as_str() {
                 Some("fix") => "fix",
                 Some("lead_review") => "lead_review",
@@ -322,9 +325,21 @@ impl Story {
 #[async_trait::async_trait]
 impl ChatModel for Story {
     async fn complete(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
-        let prompt = req.messages.iter().map(|m| m.content.as_str()).collect::<String>();
-        let unknown = || ModelError::Config(format!("the bench story has no answer for {:?}", req.purpose));
-        let answers = self.completions.get(req.purpose.as_str()).ok_or_else(unknown)?;
+        let prompt = req
+            .messages
+            .iter()
+            .map(|m| m.content.as_str())
+            .collect::<String>();
+        let unknown = || {
+            ModelError::Config(format!(
+                "the bench story has no answer for {:?}",
+                req.purpose
+            ))
+        };
+        let answers = self
+            .completions
+            .get(req.purpose.as_str())
+            .ok_or_else(unknown)?;
         if req.purpose != "fix" {
             return answers.first().cloned().ok_or_else(unknown);
         }
@@ -335,7 +350,10 @@ impl ChatModel for Story {
             .nth(1)
             .and_then(|rest| rest.split(')').next())
             .ok_or_else(|| ModelError::Config("the fix prompt names no fingerprint".into()))?;
-        answer.text = answer.text.replacen("```python\n", &format!("```python\n# {fingerprint}\n"), 1);
+        answer.text =
+            answer
+                .text
+                .replacen("```python\n", &format!("```python\n# {fingerprint}\n"), 1);
         Ok(answer)
     }
 }

@@ -5,10 +5,12 @@
 use std::convert::Infallible;
 
 fn main() -> Result<(), lambda_http::Error> {
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(lambda_http::run_with_streaming_response(lambda_http::service_fn(
-        |_request: lambda_http::Request| async {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(lambda_http::run_with_streaming_response(
+        lambda_http::service_fn(|_request: lambda_http::Request| async {
             Ok::<_, Infallible>(http::Response::new(axum::body::Body::from("hello")))
-        },
-    )))
+        }),
+    ))
 }

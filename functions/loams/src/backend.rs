@@ -23,21 +23,36 @@ impl Backend {
         }
         // Timers live with the store; the embedded file serves whatever part AWS does not.
         let embedded = match (b.store, b.queue) {
-            (StoreKind::Sqlite, _) | (_, QueueKind::Sqlite) => Some(Backend::sqlite(&config.data_dir)?),
+            (StoreKind::Sqlite, _) | (_, QueueKind::Sqlite) => {
+                Some(Backend::sqlite(&config.data_dir)?)
+            }
             _ => None,
         };
-        aws_backend(config, embedded, provision_locally && b.aws_endpoint.is_some()).await
+        aws_backend(
+            config,
+            embedded,
+            provision_locally && b.aws_endpoint.is_some(),
+        )
+        .await
     }
 }
 
 #[cfg(not(feature = "aws"))]
-async fn aws_backend(_config: &Config, _embedded: Option<Backend>, _provision: bool) -> anyhow::Result<Backend> {
+async fn aws_backend(
+    _config: &Config,
+    _embedded: Option<Backend>,
+    _provision: bool,
+) -> anyhow::Result<Backend> {
     // `Config::validate` refuses this first; kept so a config built in code fails the same way.
     bail!("setting `backend`: this build has no AWS adapters (build loams with `--features aws`)")
 }
 
 #[cfg(feature = "aws")]
-async fn aws_backend(config: &Config, embedded: Option<Backend>, provision: bool) -> anyhow::Result<Backend> {
+async fn aws_backend(
+    config: &Config,
+    embedded: Option<Backend>,
+    provision: bool,
+) -> anyhow::Result<Backend> {
     use std::sync::Arc;
 
     use anyhow::Context;
@@ -53,25 +68,37 @@ async fn aws_backend(config: &Config, embedded: Option<Backend>, provision: bool
             if provision {
                 aws::provision_table(&ddb, &b.table)
                     .await
-                    .with_context(|| format!("setting `backend.table`: creating table {}", b.table))?;
+                    .with_context(|| {
+                        format!("setting `backend.table`: creating table {}", b.table)
+                    })?;
             }
             let dynamo = Arc::new(DynamoStore::new(ddb, b.table.clone(), clock.clone()));
             (dynamo.clone(), dynamo)
         }
         (StoreKind::Sqlite, Some(e)) => (e.store.clone(), e.timers.clone()),
-        (StoreKind::Sqlite, None) => bail!("setting `backend.store`: the embedded store was not opened"),
+        (StoreKind::Sqlite, None) => {
+            bail!("setting `backend.store`: the embedded store was not opened")
+        }
     };
     let queue: Arc<dyn Queue> = match (b.queue, &embedded) {
         (QueueKind::Sqs, _) => {
             let sqs = aws_sdk_sqs::Client::new(&sdk);
             let urls = match (&b.queue_url, &b.dead_letter_url) {
-                (Some(queue_url), Some(dead_letter_url)) => {
-                    QueueUrls { queue_url: queue_url.clone(), dead_letter_url: dead_letter_url.clone() }
-                }
+                (Some(queue_url), Some(dead_letter_url)) => QueueUrls {
+                    queue_url: queue_url.clone(),
+                    dead_letter_url: dead_letter_url.clone(),
+                },
                 _ if provision => aws::provision_queue(&sqs, &b.queue_name, QueueSpec::default())
                     .await
-                    .with_context(|| format!("setting `backend.queue_name`: creating queue {}", b.queue_name))?,
-                _ => bail!("setting `backend.queue_url`: required unless the queue is created on an emulator"),
+                    .with_context(|| {
+                        format!(
+                            "setting `backend.queue_name`: creating queue {}",
+                            b.queue_name
+                        )
+                    })?,
+                _ => bail!(
+                    "setting `backend.queue_url`: required unless the queue is created on an emulator"
+                ),
             };
             // Long polling: an idle worker then costs one receive per wait instead of one per pause. Short
             // against an emulator, so that stopping (which lets the outstanding receive finish) stays quick.
@@ -79,9 +106,16 @@ async fn aws_backend(config: &Config, embedded: Option<Backend>, provision: bool
             Arc::new(SqsQueue::new(sqs, urls, clock.clone()).with_wait_time(wait_s))
         }
         (QueueKind::Sqlite, Some(e)) => e.queue.clone(),
-        (QueueKind::Sqlite, None) => bail!("setting `backend.queue`: the embedded queue was not opened"),
+        (QueueKind::Sqlite, None) => {
+            bail!("setting `backend.queue`: the embedded queue was not opened")
+        }
     };
-    Ok(Backend { store, queue, timers, clock })
+    Ok(Backend {
+        store,
+        queue,
+        timers,
+        clock,
+    })
 }
 
 /// The SDK configuration: a local emulator's (dummy credentials, fixed region), or the environment's.

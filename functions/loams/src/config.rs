@@ -39,13 +39,19 @@ impl std::fmt::Debug for Secret {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("config file {path} is larger than {MAX_CONFIG_BYTES} bytes")]
     TooLarge { path: PathBuf },
     #[error("config file {path}: {message}")]
     Parse { path: PathBuf, message: String },
     #[error("setting `{setting}`: {message}")]
-    Invalid { setting: &'static str, message: String },
+    Invalid {
+        setting: &'static str,
+        message: String,
+    },
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -106,16 +112,25 @@ impl WebhookSettings {
             for hook in hooks {
                 let id_ok = !hook.id.is_empty()
                     && hook.id.len() <= 64
-                    && hook.id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+                    && hook
+                        .id
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
                 if !id_ok {
-                    return Err(ConfigError::Invalid { setting, message: "a hook id is 1..=64 of [A-Za-z0-9_-]".into() });
+                    return Err(ConfigError::Invalid {
+                        setting,
+                        message: "a hook id is 1..=64 of [A-Za-z0-9_-]".into(),
+                    });
                 }
                 // The API refuses deliveries to a hook with a shorter secret; say so at start instead.
                 let min = loams_api::webhooks::MIN_SECRET;
                 if hook.secret.expose().len() < min {
                     return Err(ConfigError::Invalid {
                         setting,
-                        message: format!("hook `{}`: the secret is shorter than {min} bytes", hook.id),
+                        message: format!(
+                            "hook `{}`: the secret is shorter than {min} bytes",
+                            hook.id
+                        ),
                     });
                 }
             }
@@ -127,7 +142,11 @@ impl WebhookSettings {
     pub fn for_api(hooks: &[HookSettings], org: &str) -> Vec<loams_api::AppHook> {
         hooks
             .iter()
-            .map(|h| loams_api::AppHook { id: h.id.clone(), org: org.to_string(), secret: h.secret.expose().to_string() })
+            .map(|h| loams_api::AppHook {
+                id: h.id.clone(),
+                org: org.to_string(),
+                secret: h.secret.expose().to_string(),
+            })
             .collect()
     }
 }
@@ -191,10 +210,15 @@ impl BackendSettings {
     fn validate(&self) -> Result<(), ConfigError> {
         self.validate_settings()?;
         if self.uses_aws() && !cfg!(feature = "aws") {
-            let setting = if self.store == StoreKind::Dynamodb { "backend.store" } else { "backend.queue" };
+            let setting = if self.store == StoreKind::Dynamodb {
+                "backend.store"
+            } else {
+                "backend.queue"
+            };
             return Err(ConfigError::Invalid {
                 setting,
-                message: "this build has no AWS adapters (build loams with `--features aws`)".into(),
+                message: "this build has no AWS adapters (build loams with `--features aws`)"
+                    .into(),
             });
         }
         Ok(())
@@ -205,23 +229,38 @@ impl BackendSettings {
         if let Some(url) = &self.aws_endpoint
             && !(url.starts_with("http://") || url.starts_with("https://"))
         {
-            return invalid("backend.aws_endpoint", format!("must be an http(s) URL, not {url:?}"));
+            return invalid(
+                "backend.aws_endpoint",
+                format!("must be an http(s) URL, not {url:?}"),
+            );
         }
         // DynamoDB's table name rule.
         let table_ok = (3..=255).contains(&self.table.len())
-            && self.table.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+            && self
+                .table
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
         if self.store == StoreKind::Dynamodb && !table_ok {
-            return invalid("backend.table", "must be 3-255 characters of a-z, A-Z, 0-9, '_', '.' and '-'".into());
+            return invalid(
+                "backend.table",
+                "must be 3-255 characters of a-z, A-Z, 0-9, '_', '.' and '-'".into(),
+            );
         }
         if self.queue != QueueKind::Sqs {
             return Ok(());
         }
         match (&self.queue_url, &self.dead_letter_url, &self.aws_endpoint) {
             (Some(_), None, _) => {
-                return invalid("backend.dead_letter_url", "must be set together with backend.queue_url".into());
+                return invalid(
+                    "backend.dead_letter_url",
+                    "must be set together with backend.queue_url".into(),
+                );
             }
             (None, Some(_), _) => {
-                return invalid("backend.queue_url", "must be set together with backend.dead_letter_url".into());
+                return invalid(
+                    "backend.queue_url",
+                    "must be set together with backend.dead_letter_url".into(),
+                );
             }
             (None, None, None) => {
                 return invalid(
@@ -231,7 +270,10 @@ impl BackendSettings {
                 );
             }
             (Some(queue), Some(dlq), _) => {
-                for (setting, url) in [("backend.queue_url", queue), ("backend.dead_letter_url", dlq)] {
+                for (setting, url) in [
+                    ("backend.queue_url", queue),
+                    ("backend.dead_letter_url", dlq),
+                ] {
                     if !(url.starts_with("http://") || url.starts_with("https://")) {
                         return invalid(setting, format!("must be an http(s) URL, not {url:?}"));
                     }
@@ -241,9 +283,15 @@ impl BackendSettings {
         }
         // SQS's queue name rule, leaving room for the `-dlq` suffix of the dead-letter queue.
         let name_ok = (1..=76).contains(&self.queue_name.len())
-            && self.queue_name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b));
+            && self
+                .queue_name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b));
         if !name_ok {
-            return invalid("backend.queue_name", "must be 1-76 characters of a-z, A-Z, 0-9, '_' and '-'".into());
+            return invalid(
+                "backend.queue_name",
+                "must be 1-76 characters of a-z, A-Z, 0-9, '_' and '-'".into(),
+            );
         }
         Ok(())
     }
@@ -382,14 +430,21 @@ impl Config {
         let config = match path {
             None => Config::default(),
             Some(path) => {
-                let meta = std::fs::metadata(path)
-                    .map_err(|source| ConfigError::Read { path: path.into(), source })?;
+                let meta = std::fs::metadata(path).map_err(|source| ConfigError::Read {
+                    path: path.into(),
+                    source,
+                })?;
                 if meta.len() > MAX_CONFIG_BYTES {
                     return Err(ConfigError::TooLarge { path: path.into() });
                 }
-                let text = std::fs::read_to_string(path)
-                    .map_err(|source| ConfigError::Read { path: path.into(), source })?;
-                Config::parse(&text).map_err(|message| ConfigError::Parse { path: path.into(), message })?
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.into(),
+                    source,
+                })?;
+                Config::parse(&text).map_err(|message| ConfigError::Parse {
+                    path: path.into(),
+                    message,
+                })?
             }
         };
         config.validate()?;
@@ -406,7 +461,11 @@ impl Config {
                 let line_start = before.rfind('\n').map_or(0, |i| i + 1);
                 let column = before.len() - line_start + 1;
                 // The key on that line names the setting; what follows the `=` may be a secret.
-                let key = text[line_start..].lines().next().and_then(|l| l.split_once('=')).map(|(k, _)| k.trim());
+                let key = text[line_start..]
+                    .lines()
+                    .next()
+                    .and_then(|l| l.split_once('='))
+                    .map(|(k, _)| k.trim());
                 match key.filter(|k| !k.is_empty() && k.len() <= 64) {
                     Some(key) => format!("line {line}, column {column} (`{key}`): {}", e.message()),
                     None => format!("line {line}, column {column}: {}", e.message()),
@@ -417,13 +476,24 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |setting, message: &str| Err(ConfigError::Invalid { setting, message: message.into() });
+        let invalid = |setting, message: &str| {
+            Err(ConfigError::Invalid {
+                setting,
+                message: message.into(),
+            })
+        };
         let org_ok = !self.org.is_empty()
             && self.org.len() <= 63
-            && self.org.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && self
+                .org
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
             && !self.org.starts_with('-');
         if !org_ok {
-            return invalid("org", "must be 1-63 characters of a-z, 0-9 and '-', not starting with '-'");
+            return invalid(
+                "org",
+                "must be 1-63 characters of a-z, 0-9 and '-', not starting with '-'",
+            );
         }
         if self.env.is_empty() {
             return invalid("env", "must not be empty");
@@ -431,8 +501,15 @@ impl Config {
         if self.owner.trim().is_empty() || self.owner.len() > 200 {
             return invalid("owner", "must name a user (1-200 characters)");
         }
-        if self.webhook_token.as_ref().is_some_and(|t| t.expose().len() < MIN_WEBHOOK_TOKEN) {
-            return invalid("webhook_token", "must be at least 24 characters (or unset, to generate one)");
+        if self
+            .webhook_token
+            .as_ref()
+            .is_some_and(|t| t.expose().len() < MIN_WEBHOOK_TOKEN)
+        {
+            return invalid(
+                "webhook_token",
+                "must be at least 24 characters (or unset, to generate one)",
+            );
         }
         for (i, rule) in self.policy.rules.iter().enumerate() {
             if let Some(agent) = &rule.agent
@@ -440,7 +517,11 @@ impl Config {
             {
                 return Err(ConfigError::Invalid {
                     setting: "policy.rules",
-                    message: format!("rule {} names agent `{agent}`; known agents: {}", i + 1, AGENTS.join(", ")),
+                    message: format!(
+                        "rule {} names agent `{agent}`; known agents: {}",
+                        i + 1,
+                        AGENTS.join(", ")
+                    ),
                 });
             }
         }
@@ -461,7 +542,9 @@ impl Config {
             return invalid("factory.channel", "must not be empty");
         }
         if self.model.cassette.is_none() {
-            if !self.model.base_url.starts_with("https://") && !self.model.base_url.starts_with("http://") {
+            if !self.model.base_url.starts_with("https://")
+                && !self.model.base_url.starts_with("http://")
+            {
                 return invalid("model.base_url", "must be an http(s) URL");
             }
             if self.model.model.is_empty() {
@@ -489,7 +572,10 @@ impl Config {
     pub fn model_api_key(&self) -> Result<String, ConfigError> {
         std::env::var(&self.model.api_key_env).map_err(|_| ConfigError::Invalid {
             setting: "model.api_key_env",
-            message: format!("environment variable {} is not set (or set model.cassette to replay)", self.model.api_key_env),
+            message: format!(
+                "environment variable {} is not set (or set model.cassette to replay)",
+                self.model.api_key_env
+            ),
         })
     }
 }
@@ -515,17 +601,36 @@ mod tests {
             ("org = \"Acme\"", "org"),
             ("owner = \"\"", "owner"),
             ("webhook_token = \"short-token\"", "webhook_token"),
-            ("[[policy.rules]]\nagent = \"jira\"\nverdict = \"allow\"", "policy.rules"),
+            (
+                "[[policy.rules]]\nagent = \"jira\"\nverdict = \"allow\"",
+                "policy.rules",
+            ),
             ("[factory]\nmax_attempts = 0", "factory.max_attempts"),
             ("[model]\nbase_url = \"ftp://x\"", "model.base_url"),
-            ("[backend]\nqueue = \"sqs\"\naws_endpoint = \"localhost:5000\"", "backend.aws_endpoint"),
+            (
+                "[backend]\nqueue = \"sqs\"\naws_endpoint = \"localhost:5000\"",
+                "backend.aws_endpoint",
+            ),
             ("[backend]\nqueue = \"sqs\"", "backend.queue_url"),
-            ("[backend]\nqueue = \"sqs\"\nqueue_url = \"https://q\"", "backend.dead_letter_url"),
-            ("[backend]\nqueue = \"sqs\"\naws_endpoint = \"http://m\"\nqueue_name = \"a.fifo\"", "backend.queue_name"),
-            ("[backend]\nstore = \"dynamodb\"\naws_endpoint = \"http://m\"\ntable = \"t\"", "backend.table"),
+            (
+                "[backend]\nqueue = \"sqs\"\nqueue_url = \"https://q\"",
+                "backend.dead_letter_url",
+            ),
+            (
+                "[backend]\nqueue = \"sqs\"\naws_endpoint = \"http://m\"\nqueue_name = \"a.fifo\"",
+                "backend.queue_name",
+            ),
+            (
+                "[backend]\nstore = \"dynamodb\"\naws_endpoint = \"http://m\"\ntable = \"t\"",
+                "backend.table",
+            ),
         ];
         for (text, setting) in cases {
-            let err = Config::parse(text).unwrap().validate().unwrap_err().to_string();
+            let err = Config::parse(text)
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(setting), "{text}: {err}");
         }
     }
@@ -542,10 +647,20 @@ mod tests {
         let config = Config::parse(text).unwrap();
         config.validate().unwrap();
         let shown = format!("{config:?}");
-        for secret in ["zulip-secret-1", "plane-secret-2", "forgejo-secret-3", "glitchtip-secret-4", "openpanel-secret-5", "webhook-secret-6"] {
+        for secret in [
+            "zulip-secret-1",
+            "plane-secret-2",
+            "forgejo-secret-3",
+            "glitchtip-secret-4",
+            "openpanel-secret-5",
+            "webhook-secret-6",
+        ] {
             assert!(!shown.contains(secret), "{secret} leaked: {shown}");
         }
-        assert_eq!(config.apps.unwrap().zulip.api_key.expose(), "zulip-secret-1");
+        assert_eq!(
+            config.apps.unwrap().zulip.api_key.expose(),
+            "zulip-secret-1"
+        );
     }
 
     #[test]
@@ -576,7 +691,10 @@ mod tests {
         )
         .unwrap();
         let b = &config.backend;
-        assert_eq!((b.store, b.queue, b.table.as_str()), (StoreKind::Dynamodb, QueueKind::Sqs, "loams-prod"));
+        assert_eq!(
+            (b.store, b.queue, b.table.as_str()),
+            (StoreKind::Dynamodb, QueueKind::Sqs, "loams-prod")
+        );
         let checked = config.validate();
         if cfg!(feature = "aws") {
             checked.unwrap();
@@ -592,14 +710,26 @@ mod tests {
     fn malformed_toml_is_a_parse_error() {
         assert!(Config::parse("listen = ").is_err());
         // Webhook hooks: a short secret is refused by name, a good one accepted.
-        let hooks = |secret: &str| format!("[[webhooks.forgejo]]\nid = \"repo\"\nsecret = \"{secret}\"\n");
-        let err = Config::parse(&hooks("tiny")).unwrap().validate().unwrap_err().to_string();
-        assert!(err.contains("webhooks.forgejo") && !err.contains("tiny"), "{err}");
+        let hooks =
+            |secret: &str| format!("[[webhooks.forgejo]]\nid = \"repo\"\nsecret = \"{secret}\"\n");
+        let err = Config::parse(&hooks("tiny"))
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("webhooks.forgejo") && !err.contains("tiny"),
+            "{err}"
+        );
         let config = Config::parse(&hooks("0123456789abcdef")).unwrap();
         config.validate().unwrap();
-        assert_eq!(WebhookSettings::for_api(&config.webhooks.forgejo, "acme")[0].id, "repo");
+        assert_eq!(
+            WebhookSettings::for_api(&config.webhooks.forgejo, "acme")[0].id,
+            "repo"
+        );
         // A secret on the line with the mistake is not repeated in the error.
-        let err = Config::parse("webhook_token = \"s3cret-s3cret-s3cret-s3cret\" oops").unwrap_err();
+        let err =
+            Config::parse("webhook_token = \"s3cret-s3cret-s3cret-s3cret\" oops").unwrap_err();
         assert!(err.starts_with("line 1, column "), "{err}");
         assert!(!err.contains("s3cret"), "{err}");
         assert!(Config::parse("listen = \"not an address\"").is_err());

@@ -54,7 +54,11 @@ pub struct Scenario {
 impl Scenario {
     /// The demo: auto-triage, a short observe window, fast CI polling, the phone approves.
     pub fn demo(data_dir: PathBuf) -> Scenario {
-        let mut config = Config { listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)), data_dir, ..Config::default() };
+        let mut config = Config {
+            listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            data_dir,
+            ..Config::default()
+        };
         config.policy.auto_triage = true;
         config.factory.observe_window_ms = 1_500;
         config.factory.ci_poll_ms = 100;
@@ -109,9 +113,14 @@ pub async fn run(data_dir: Option<PathBuf>) -> anyhow::Result<()> {
 /// Plays a scenario, printing the runs live to `out`; returns once every run has ended.
 pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Report> {
     let started = Instant::now();
-    let sandbox = Sandbox::start(scenario.sandbox.clone()).await.context("starting the sandbox apps")?;
+    let sandbox = Sandbox::start(scenario.sandbox.clone())
+        .await
+        .context("starting the sandbox apps")?;
     if let Some(mode) = scenario.glitchtip_mode {
-        let url = format!("{}/_sandbox/glitchtip/producing", sandbox.info().urls.glitchtip);
+        let url = format!(
+            "{}/_sandbox/glitchtip/producing",
+            sandbox.info().urls.glitchtip
+        );
         reqwest::Client::new()
             .post(&url)
             .json(&serde_json::json!({ "mode": mode }))
@@ -120,24 +129,59 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
             .error_for_status()
             .context("switching GlitchTip production")?;
     }
-    let model = Arc::new(Replay::from_json_str(&scenario.cassette).context("reading the cassette")?);
+    let model =
+        Arc::new(Replay::from_json_str(&scenario.cassette).context("reading the cassette")?);
     let config = &scenario.config;
-    let stack = Stack::start(config, &sandbox_apps(&sandbox.info()), model, Backend::from_config(config).await?).await?;
-    writeln!(out, "loams demo: API {}  store {}", stack.api_url, config.data_dir.display())?;
+    let stack = Stack::start(
+        config,
+        &sandbox_apps(&sandbox.info()),
+        model,
+        Backend::from_config(config).await?,
+    )
+    .await?;
+    writeln!(
+        out,
+        "loams demo: API {}  store {}",
+        stack.api_url,
+        config.data_dir.display()
+    )?;
 
     // The approver's phone, and the on-call engineer's view of the runs (the run acts on their behalf, so they
     // cannot approve its actions themselves).
-    let phone = Phone::register(&stack.api_url, &stack.token("alice", &config.org)?, "alice-phone").await?;
-    let oncall = ConnectClient::new(stack.api_url.clone())
-        .with_header("authorization", format!("Bearer {}", stack.token(&config.owner, &config.org)?))?;
+    let phone = Phone::register(
+        &stack.api_url,
+        &stack.token("alice", &config.org)?,
+        "alice-phone",
+    )
+    .await?;
+    let oncall = ConnectClient::new(stack.api_url.clone()).with_header(
+        "authorization",
+        format!("Bearer {}", stack.token(&config.owner, &config.org)?),
+    )?;
 
     let alert = sandbox.alert_payload();
-    let hook = format!("{}/webhooks/glitchtip/{}", stack.api_url, crate::stack::webhook_token(config)?);
-    let response = reqwest::Client::new().post(&hook).json(&alert).send().await.context("posting the alert")?;
+    let hook = format!(
+        "{}/webhooks/glitchtip/{}",
+        stack.api_url,
+        crate::stack::webhook_token(config)?
+    );
+    let response = reqwest::Client::new()
+        .post(&hook)
+        .json(&alert)
+        .send()
+        .await
+        .context("posting the alert")?;
     let status = response.status();
     let body: serde_json::Value = response.json().await.unwrap_or_default();
-    let first_run = body["run"].as_str().ok_or_else(|| anyhow!("webhook answered {status}: {body}"))?.to_string();
-    writeln!(out, "GlitchTip alert posted: {}  ->  run {first_run}\n", alert["attachments"][0]["title"])?;
+    let first_run = body["run"]
+        .as_str()
+        .ok_or_else(|| anyhow!("webhook answered {status}: {body}"))?
+        .to_string();
+    writeln!(
+        out,
+        "GlitchTip alert posted: {}  ->  run {first_run}\n",
+        alert["attachments"][0]["title"]
+    )?;
 
     let mut seen: Vec<(String, u64)> = Vec::new();
     let mut decided = std::collections::HashSet::new();
@@ -149,7 +193,13 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
             bail!("scenario did not finish within {:?}", scenario.deadline);
         }
         let runs: factory::ListRunsResponse = oncall
-            .unary(&format!("{FACTORY}/ListRuns"), &factory::ListRunsRequest { page_size: 100, ..Default::default() })
+            .unary(
+                &format!("{FACTORY}/ListRuns"),
+                &factory::ListRunsRequest {
+                    page_size: 100,
+                    ..Default::default()
+                },
+            )
             .await?;
         let mut all_ended = !runs.runs.is_empty();
         for run in runs.runs.iter().rev() {
@@ -163,7 +213,11 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
             let timeline: factory::GetTimelineResponse = oncall
                 .unary(
                     &format!("{FACTORY}/GetTimeline"),
-                    &factory::GetTimelineRequest { run_id: run.id.clone(), after_seq: after, page_size: 200 },
+                    &factory::GetTimelineRequest {
+                        run_id: run.id.clone(),
+                        after_seq: after,
+                        page_size: 200,
+                    },
                 )
                 .await?;
             for event in &timeline.events {
@@ -201,9 +255,17 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
                         },
                     )
                     .await?;
-                writeln!(out, "           on-call {} triage of run {}", if accept { "accepts" } else { "rejects" }, short(&run.id))?;
+                writeln!(
+                    out,
+                    "           on-call {} triage of run {}",
+                    if accept { "accepts" } else { "rejects" },
+                    short(&run.id)
+                )?;
             }
-            if !killed && run.id == first_run && scenario.kill_at_stage.as_deref() == Some(run.stage.as_str()) {
+            if !killed
+                && run.id == first_run
+                && scenario.kill_at_stage.as_deref() == Some(run.stage.as_str())
+            {
                 let _: factory::KillRunResponse = oncall
                     .unary(
                         &format!("{FACTORY}/KillRun"),
@@ -215,7 +277,11 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
                     )
                     .await?;
                 killed = true;
-                writeln!(out, "           kill switch pulled for run {}", short(&run.id))?;
+                writeln!(
+                    out,
+                    "           kill switch pulled for run {}",
+                    short(&run.id)
+                )?;
             }
         }
         for approval in phone.pending().await? {
@@ -244,18 +310,30 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
 
     let mut report_runs = Vec::new();
     let runs: factory::ListRunsResponse = oncall
-        .unary(&format!("{FACTORY}/ListRuns"), &factory::ListRunsRequest { page_size: 100, ..Default::default() })
+        .unary(
+            &format!("{FACTORY}/ListRuns"),
+            &factory::ListRunsRequest {
+                page_size: 100,
+                ..Default::default()
+            },
+        )
         .await?;
     for run in runs.runs.into_iter().rev() {
         let timeline: factory::GetTimelineResponse = oncall
             .unary(
                 &format!("{FACTORY}/GetTimeline"),
-                &factory::GetTimelineRequest { run_id: run.id.clone(), after_seq: 0, page_size: 1000 },
+                &factory::GetTimelineRequest {
+                    run_id: run.id.clone(),
+                    after_seq: 0,
+                    page_size: 1000,
+                },
             )
             .await?;
         report_runs.push((run, timeline.events));
     }
-    let sandbox_state = sandbox_counts(&sandbox.info().urls.forgejo).await.unwrap_or_default();
+    let sandbox_state = sandbox_counts(&sandbox.info().urls.forgejo)
+        .await
+        .unwrap_or_default();
     writeln!(out)?;
     for (run, timeline) in &report_runs {
         let links = run.links.clone().unwrap_or_default();
@@ -266,7 +344,11 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
             run.id,
             run.generation,
             run.state,
-            if run.verdict.is_empty() { String::new() } else { format!("[{}]", run.verdict) },
+            if run.verdict.is_empty() {
+                String::new()
+            } else {
+                format!("[{}]", run.verdict)
+            },
             timeline.len(),
             took.as_secs_f64()
         )?;
@@ -275,13 +357,22 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
         writeln!(out, "  pr:     {}", or_none(&links.pr))?;
         writeln!(out, "  deploy: {}", or_none(&links.deploy_ref))?;
         if let Some(budget) = &run.budget {
-            writeln!(out, "  spent:  {} tokens, ${:.4}", budget.tokens_spent, budget.spent_micros as f64 / 1e6)?;
+            writeln!(
+                out,
+                "  spent:  {} tokens, ${:.4}",
+                budget.tokens_spent,
+                budget.spent_micros as f64 / 1e6
+            )?;
         }
     }
     writeln!(out, "finished in {:.1}s", started.elapsed().as_secs_f64())?;
     stack.shutdown().await;
     sandbox.shutdown().await;
-    Ok(Report { runs: report_runs, sandbox_state, approvals_decided: decided.len() })
+    Ok(Report {
+        runs: report_runs,
+        sandbox_state,
+        approvals_decided: decided.len(),
+    })
 }
 
 fn is_ended(state: &str) -> bool {

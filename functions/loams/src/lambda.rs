@@ -30,14 +30,20 @@ use loams_a2a::{A2aClient, CardSigner, Guards, Jwks};
 use loams_api::{AgentAuth, AgentTokens, ApiState, ApprovalBroker, Issuer};
 use loams_factory::Envelope;
 use loams_model::Replay;
-use loams_platform::aws::{BODY_ENCODING_ATTRIBUTE, BatchOutcome, batch_item_failures, decode_body};
-use loams_worker::{A2aAgents, AgentCaller, AgentReply, Scheduler, Settlement, Worker, WorkerError};
+use loams_platform::aws::{
+    BODY_ENCODING_ATTRIBUTE, BatchOutcome, batch_item_failures, decode_body,
+};
+use loams_worker::{
+    A2aAgents, AgentCaller, AgentReply, Scheduler, Settlement, Worker, WorkerError,
+};
 use serde_json::Value;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use crate::config::{AGENTS, AppSettings, Config, ConfigError, QueueKind, Secret, StoreKind};
-use crate::stack::{Backend, DEV_AUDIENCE, DEV_ISSUER, WorkerOpener, agent, api_config, model, worker_deps};
+use crate::stack::{
+    Backend, DEV_AUDIENCE, DEV_ISSUER, WorkerOpener, agent, api_config, model, worker_deps,
+};
 
 /// Largest value accepted from one environment variable (Lambda allows 4 KiB for all of them together).
 const MAX_VAR_BYTES: usize = 64 * 1024;
@@ -100,12 +106,17 @@ impl Settings {
             }
         };
         let need = |name: &'static str| -> Result<String, ConfigError> {
-            get(name)?.ok_or(ConfigError::Invalid { setting: name, message: "is not set".into() })
+            get(name)?.ok_or(ConfigError::Invalid {
+                setting: name,
+                message: "is not set".into(),
+            })
         };
         let function = Function::parse(&need("LOAMS_FUNCTION")?)?;
         let mut config = match get("LOAMS_CONFIG")? {
-            Some(text) => Config::parse(&text)
-                .map_err(|message| ConfigError::Invalid { setting: "LOAMS_CONFIG", message })?,
+            Some(text) => Config::parse(&text).map_err(|message| ConfigError::Invalid {
+                setting: "LOAMS_CONFIG",
+                message,
+            })?,
             None => Config::default(),
         };
         config.org = need("LOAMS_ORG")?;
@@ -150,15 +161,23 @@ impl Settings {
             Function::Scheduler => {}
         }
         // The API too: a run it opens takes its base branch and analytics project from them.
-        if matches!(function, Function::Api | Function::Worker | Function::Agent(_)) && settings.config.apps.is_none() {
+        if matches!(
+            function,
+            Function::Api | Function::Worker | Function::Agent(_)
+        ) && settings.config.apps.is_none()
+        {
             return Err(ConfigError::Invalid {
                 setting: "LOAMS_CONFIG",
-                message: "must hold the [apps] settings for the API, the worker and the agents".into(),
+                message: "must hold the [apps] settings for the API, the worker and the agents"
+                    .into(),
             });
         }
         settings.config.validate()?;
         check_url("LOAMS_BASE_URL", settings.base_url.as_deref())?;
-        check_url("LOAMS_GLITCHTIP_ORIGIN", settings.glitchtip_origin.as_deref())?;
+        check_url(
+            "LOAMS_GLITCHTIP_ORIGIN",
+            settings.glitchtip_origin.as_deref(),
+        )?;
         for (agent, var) in AGENTS.into_iter().zip(AGENT_URL_VARS) {
             check_url(var, settings.agent_urls.get(agent).map(String::as_str))?;
         }
@@ -181,26 +200,34 @@ const AGENT_URL_VARS: [&str; 5] = [
 
 fn check_url(setting: &'static str, url: Option<&str>) -> Result<(), ConfigError> {
     match url {
-        Some(u) if !(u.starts_with("https://") || u.starts_with("http://")) => Err(ConfigError::Invalid {
-            setting,
-            message: format!("must be an http(s) URL, not {u:?}"),
-        }),
+        Some(u) if !(u.starts_with("https://") || u.starts_with("http://")) => {
+            Err(ConfigError::Invalid {
+                setting,
+                message: format!("must be an http(s) URL, not {u:?}"),
+            })
+        }
         _ => Ok(()),
     }
 }
 
 /// A base64 PKCS#8 key from the environment.
 fn key_bytes(setting: &'static str, key: Option<&Secret>) -> Result<Vec<u8>, ConfigError> {
-    let key = key.ok_or(ConfigError::Invalid { setting, message: "is not set".into() })?;
-    STANDARD.decode(key.expose().trim()).map_err(|e| ConfigError::Invalid {
+    let key = key.ok_or(ConfigError::Invalid {
         setting,
-        message: format!("is not base64 (a PKCS#8 P-256 key, base64-encoded): {e}"),
-    })
+        message: "is not set".into(),
+    })?;
+    STANDARD
+        .decode(key.expose().trim())
+        .map_err(|e| ConfigError::Invalid {
+            setting,
+            message: format!("is not base64 (a PKCS#8 P-256 key, base64-encoded): {e}"),
+        })
 }
 
 fn issuer(settings: &Settings) -> anyhow::Result<Issuer> {
     let der = key_bytes("LOAMS_ISSUER_KEY", settings.issuer_key.as_ref())?;
-    Issuer::from_pkcs8(&der, DEV_ISSUER, DEV_AUDIENCE).map_err(|e| anyhow!("setting `LOAMS_ISSUER_KEY`: {e}"))
+    Issuer::from_pkcs8(&der, DEV_ISSUER, DEV_AUDIENCE)
+        .map_err(|e| anyhow!("setting `LOAMS_ISSUER_KEY`: {e}"))
 }
 
 fn card_signer(settings: &Settings) -> anyhow::Result<CardSigner> {
@@ -209,7 +236,11 @@ fn card_signer(settings: &Settings) -> anyhow::Result<CardSigner> {
 }
 
 fn apps(settings: &Settings) -> anyhow::Result<&AppSettings> {
-    settings.config.apps.as_ref().ok_or_else(|| anyhow!("setting `LOAMS_CONFIG`: [apps] is missing"))
+    settings
+        .config
+        .apps
+        .as_ref()
+        .ok_or_else(|| anyhow!("setting `LOAMS_CONFIG`: [apps] is missing"))
 }
 
 /// Runs the function the settings name until the Lambda runtime stops it.
@@ -232,19 +263,27 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
                 Arc::new(lazy_agents(&settings)?),
                 model(&settings.config)?,
             )));
-            lambda_runtime::run(lambda_runtime::service_fn(move |event: lambda_runtime::LambdaEvent<SqsEvent>| {
-                let worker = worker.clone();
-                let deadline = invocation_deadline(event.context.deadline);
-                async move { Ok::<_, std::convert::Infallible>(handle_sqs(&worker, event.payload, deadline).await) }
-            }))
+            lambda_runtime::run(lambda_runtime::service_fn(
+                move |event: lambda_runtime::LambdaEvent<SqsEvent>| {
+                    let worker = worker.clone();
+                    let deadline = invocation_deadline(event.context.deadline);
+                    async move {
+                        Ok::<_, std::convert::Infallible>(
+                            handle_sqs(&worker, event.payload, deadline).await,
+                        )
+                    }
+                },
+            ))
             .await
         }
         Function::Scheduler => {
             let scheduler = Arc::new(Scheduler::new(backend.timers, backend.queue, backend.clock));
-            lambda_runtime::run(lambda_runtime::service_fn(move |_: lambda_runtime::LambdaEvent<Value>| {
-                let scheduler = scheduler.clone();
-                async move { fire_due(&scheduler).await.map_err(|e| e.to_string()) }
-            }))
+            lambda_runtime::run(lambda_runtime::service_fn(
+                move |_: lambda_runtime::LambdaEvent<Value>| {
+                    let scheduler = scheduler.clone();
+                    async move { fire_due(&scheduler).await.map_err(|e| e.to_string()) }
+                },
+            ))
             .await
         }
     };
@@ -257,7 +296,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
 fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Router> {
     let config = &settings.config;
     let issuer = issuer(settings)?;
-    let no_model = Replay::from_json_str(r#"{"completions": []}"#).context("the API's empty model")?;
+    let no_model =
+        Replay::from_json_str(r#"{"completions": []}"#).context("the API's empty model")?;
     // The API opens runs: the factory settings (cooldown, ...) and the app settings a run starts with (base
     // branch, analytics project) come from the same LOAMS_CONFIG as the worker function's.
     let worker = Worker::new(worker_deps(
@@ -267,7 +307,12 @@ fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Rou
         Arc::new(A2aAgents::new(HashMap::new())),
         Arc::new(no_model),
     ));
-    let Backend { store, queue, clock, .. } = backend;
+    let Backend {
+        store,
+        queue,
+        clock,
+        ..
+    } = backend;
     let state = ApiState {
         store,
         queue,
@@ -275,7 +320,11 @@ fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Rou
         clock,
         config: Arc::new(api_config(
             config,
-            config.webhook_token.as_ref().map(|t| t.expose().to_string()).unwrap_or_default(),
+            config
+                .webhook_token
+                .as_ref()
+                .map(|t| t.expose().to_string())
+                .unwrap_or_default(),
             settings.glitchtip_origin.clone().unwrap_or_default(),
         )),
         opener: Arc::new(WorkerOpener(Arc::new(worker))),
@@ -302,10 +351,15 @@ fn agent_service(
     let skills = agent(apps(settings)?, name).context("setting `LOAMS_FUNCTION`")?;
     let issuer = issuer(settings)?;
     // Loaded once here so a bad key fails at start; the router takes a signer of its own when it is built.
-    let card_key = card_signer(settings)?.to_pkcs8().map_err(|e| anyhow!("setting `LOAMS_CARD_KEY`: {e}"))?;
+    let card_key = card_signer(settings)?
+        .to_pkcs8()
+        .map_err(|e| anyhow!("setting `LOAMS_CARD_KEY`: {e}"))?;
     let guards = Guards {
         auth: Arc::new(AgentAuth::new(issuer.verifier())),
-        gate: Arc::new(ApprovalBroker::new(backend.store.clone(), backend.clock.clone())),
+        gate: Arc::new(ApprovalBroker::new(
+            backend.store.clone(),
+            backend.clock.clone(),
+        )),
     };
     let org = settings.config.org.clone();
     let fixed_url = settings.base_url.clone();
@@ -315,12 +369,22 @@ fn agent_service(
             Some(router) => Ok(router.clone()),
             None => {
                 let url = fixed_url.clone().unwrap_or_else(|| {
-                    let host = req.headers().get(http::header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("localhost");
+                    let host = req
+                        .headers()
+                        .get(http::header::HOST)
+                        .and_then(|h| h.to_str().ok())
+                        .unwrap_or("localhost");
                     format!("https://{host}")
                 });
                 CardSigner::from_pkcs8(&card_key).map(|signer| {
-                    let built =
-                        loams_a2a::router(skills.clone(), backend.store.clone(), org.clone(), signer, url, guards.clone());
+                    let built = loams_a2a::router(
+                        skills.clone(),
+                        backend.store.clone(),
+                        org.clone(),
+                        signer,
+                        url,
+                        guards.clone(),
+                    );
                     router.get_or_init(|| built).clone()
                 })
             }
@@ -341,10 +405,23 @@ fn agent_service(
 /// The worker's agent clients, each connected (its signed card fetched and verified) on its first call, so a
 /// cold start does not fetch five cards for a step that calls one agent.
 fn lazy_agents(settings: &Settings) -> anyhow::Result<LazyAgents> {
-    let trusted = card_signer(settings)?.jwks().map_err(|e| anyhow!("setting `LOAMS_CARD_KEY`: {e}"))?;
-    let tokens = Arc::new(AgentTokens::new(issuer(settings)?, settings.config.org.clone()));
-    let clients = settings.agent_urls.iter().map(|(name, url)| (name.to_string(), (url.clone(), OnceCell::new()))).collect();
-    Ok(LazyAgents { clients, trusted, tokens })
+    let trusted = card_signer(settings)?
+        .jwks()
+        .map_err(|e| anyhow!("setting `LOAMS_CARD_KEY`: {e}"))?;
+    let tokens = Arc::new(AgentTokens::new(
+        issuer(settings)?,
+        settings.config.org.clone(),
+    ));
+    let clients = settings
+        .agent_urls
+        .iter()
+        .map(|(name, url)| (name.to_string(), (url.clone(), OnceCell::new())))
+        .collect();
+    Ok(LazyAgents {
+        clients,
+        trusted,
+        tokens,
+    })
 }
 
 struct LazyAgents {
@@ -355,18 +432,33 @@ struct LazyAgents {
 
 #[async_trait::async_trait]
 impl AgentCaller for LazyAgents {
-    async fn call(&self, agent: &str, step: &str, skill: &str, args: Value, approval_id: Option<&str>) -> AgentReply {
+    async fn call(
+        &self,
+        agent: &str,
+        step: &str,
+        skill: &str,
+        args: Value,
+        approval_id: Option<&str>,
+    ) -> AgentReply {
         let Some((url, cell)) = self.clients.get(agent) else {
-            return AgentReply::Failed { error: format!("no agent named {agent} is configured"), retryable: false };
+            return AgentReply::Failed {
+                error: format!("no agent named {agent} is configured"),
+                retryable: false,
+            };
         };
         let connected = cell
             .get_or_try_init(|| async {
-                A2aClient::new(url, &self.trusted).await.map(|c| c.with_tokens(self.tokens.clone()))
+                A2aClient::new(url, &self.trusted)
+                    .await
+                    .map(|c| c.with_tokens(self.tokens.clone()))
             })
             .await;
         match connected {
             Ok(client) => AgentReply::from_call(client.call(step, skill, args, approval_id).await),
-            Err(e) => AgentReply::Failed { error: format!("connecting to agent {agent}: {e}"), retryable: true },
+            Err(e) => AgentReply::Failed {
+                error: format!("connecting to agent {agent}: {e}"),
+                retryable: true,
+            },
         }
     }
 }
@@ -382,7 +474,11 @@ impl AgentCaller for LazyAgents {
 /// dead-letters it after the queue's `maxReceiveCount`; a step held by another
 /// worker moves to a timer, so waiting for its lease does not use up receives.
 pub async fn handle_sqs(worker: &Worker, event: SqsEvent, deadline: Instant) -> SqsBatchResponse {
-    let fifo = event.records.first().and_then(|r| r.event_source_arn.as_deref()).is_some_and(|arn| arn.ends_with(".fifo"));
+    let fifo = event
+        .records
+        .first()
+        .and_then(|r| r.event_source_arn.as_deref())
+        .is_some_and(|arn| arn.ends_with(".fifo"));
     let steps = event.records.iter().map(|record| async move {
         BatchOutcome {
             id: record.message_id.clone().unwrap_or_default(),
@@ -408,7 +504,10 @@ fn invocation_deadline(deadline_ms: u64) -> Instant {
 
 async fn handle_record(worker: &Worker, record: &SqsMessage, deadline: Instant) -> bool {
     let id = record.message_id.as_deref().unwrap_or("?");
-    let encoding = record.message_attributes.get(BODY_ENCODING_ATTRIBUTE).and_then(|a| a.string_value.as_deref());
+    let encoding = record
+        .message_attributes
+        .get(BODY_ENCODING_ATTRIBUTE)
+        .and_then(|a| a.string_value.as_deref());
     let body = match decode_body(record.body.as_deref().unwrap_or_default(), encoding) {
         Ok(body) => body,
         Err(e) => {
@@ -417,13 +516,22 @@ async fn handle_record(worker: &Worker, record: &SqsMessage, deadline: Instant) 
         }
     };
     let Ok(envelope) = serde_json::from_slice::<Envelope>(&body) else {
-        tracing::warn!(message = id, "dropping a queue message that is not an envelope");
+        tracing::warn!(
+            message = id,
+            "dropping a queue message that is not an envelope"
+        );
         return true;
     };
     // SQS counts deliveries; a message that came back moves its run by one step (see `Worker::handle_received`).
-    let receive_count = record.attributes.get("ApproximateReceiveCount").and_then(|n| n.parse().ok()).unwrap_or(1);
+    let receive_count = record
+        .attributes
+        .get("ApproximateReceiveCount")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1);
     // Steps after the first start only while one more fits in the invocation's remaining time.
-    let handled = worker.handle_received(&envelope, receive_count, Some(deadline)).await;
+    let handled = worker
+        .handle_received(&envelope, receive_count, Some(deadline))
+        .await;
     // A retry is reported as a batch item failure: SQS makes the message visible again after its timeout.
     worker.settlement(&envelope, handled, receive_count).await == Settlement::Done
 }
@@ -454,7 +562,10 @@ mod tests {
     }
 
     fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         move |name| map.get(name).cloned()
     }
 
@@ -462,8 +573,14 @@ mod tests {
         ("LOAMS_ORG", "acme"),
         ("LOAMS_ENV", "production"),
         ("LOAMS_TABLE", "loams-prod"),
-        ("LOAMS_QUEUE_URL", "https://sqs.eu-west-1.amazonaws.com/1/work"),
-        ("LOAMS_DEAD_LETTER_URL", "https://sqs.eu-west-1.amazonaws.com/1/work-dlq"),
+        (
+            "LOAMS_QUEUE_URL",
+            "https://sqs.eu-west-1.amazonaws.com/1/work",
+        ),
+        (
+            "LOAMS_DEAD_LETTER_URL",
+            "https://sqs.eu-west-1.amazonaws.com/1/work-dlq",
+        ),
     ];
 
     fn error(pairs: &[(&str, &str)]) -> String {
@@ -485,7 +602,10 @@ mod tests {
         pairs.retain(|(k, _)| *k != "LOAMS_TABLE");
         assert!(error(&pairs).contains("LOAMS_TABLE"));
         pairs.push(("LOAMS_TABLE", "x"));
-        assert!(error(&pairs).contains("backend.table"), "a bad table name is refused at start");
+        assert!(
+            error(&pairs).contains("backend.table"),
+            "a bad table name is refused at start"
+        );
         pairs.retain(|(k, _)| *k != "LOAMS_TABLE");
         pairs.push(("LOAMS_TABLE", "loams-prod"));
 
@@ -496,13 +616,19 @@ mod tests {
         for var in AGENT_URL_VARS {
             pairs.push((var, "https://agent.lambda-url.eu-west-1.on.aws/"));
         }
-        assert!(error(&pairs).contains("LOAMS_CONFIG"), "the worker needs [apps]");
+        assert!(
+            error(&pairs).contains("LOAMS_CONFIG"),
+            "the worker needs [apps]"
+        );
         pairs[0].1 = "api";
         assert!(error(&pairs).contains("LOAMS_WEBHOOK_TOKEN"));
         // The API opens runs, which start with the app settings.
         pairs.push(("LOAMS_WEBHOOK_TOKEN", "0123456789abcdef0123456789abcdef"));
         pairs.push(("LOAMS_GLITCHTIP_ORIGIN", "https://glitchtip.example.com"));
-        assert!(error(&pairs).contains("LOAMS_CONFIG"), "the API needs [apps]");
+        assert!(
+            error(&pairs).contains("LOAMS_CONFIG"),
+            "the API needs [apps]"
+        );
         pairs.truncate(pairs.len() - 2);
         pairs.push(("LOAMS_CONFIG", super::template_tests::APPS));
         pairs.push(("LOAMS_WEBHOOK_TOKEN", "0123456789abcdef0123456789abcdef"));
@@ -514,7 +640,10 @@ mod tests {
         // The key is only decoded when the function starts: not base64 of a PKCS#8 key.
         let err = issuer(&api).err().unwrap().to_string();
         assert!(err.contains("LOAMS_ISSUER_KEY"), "{err}");
-        let bad = format!("{}\n[factory]\nmax_attempts = 0\n", super::template_tests::APPS);
+        let bad = format!(
+            "{}\n[factory]\nmax_attempts = 0\n",
+            super::template_tests::APPS
+        );
         pairs.push(("LOAMS_CONFIG", &bad));
         assert!(error(&pairs).contains("factory.max_attempts"));
     }
@@ -540,7 +669,9 @@ mod tests {
             attributes["MessageGroupId"] = json!(group);
         }
         let message_attributes = match encoding {
-            Some(e) => json!({ BODY_ENCODING_ATTRIBUTE: { "stringValue": e, "dataType": "String" } }),
+            Some(e) => {
+                json!({ BODY_ENCODING_ATTRIBUTE: { "stringValue": e, "dataType": "String" } })
+            }
             None => json!({}),
         };
         json!({
@@ -572,7 +703,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let backend = Backend::sqlite(dir.path()).unwrap();
         let model = Arc::new(Replay::from_json_str(crate::demo::DEMO_CASSETTE).unwrap());
-        let worker = Worker::new(worker_deps(&Config::default(), None, &backend, Arc::new(Agents), model));
+        let worker = Worker::new(worker_deps(
+            &Config::default(),
+            None,
+            &backend,
+            Arc::new(Agents),
+            model,
+        ));
         let signal = Signal {
             source: "glitchtip".into(),
             fingerprint: "fp-lambda".into(),
@@ -584,10 +721,17 @@ mod tests {
             parent_run: None,
         };
         let run = worker.open("acme", signal).await.unwrap().run_id;
-        let before = backend.store.get_run("acme", &run).await.unwrap().unwrap().version;
+        let before = backend
+            .store
+            .get_run("acme", &run)
+            .await
+            .unwrap()
+            .unwrap()
+            .version;
 
         let step = json!({ "org": "acme", "run": run, "input": null }).to_string();
-        let unknown = json!({ "org": "acme", "run": "r-0000000000000000", "input": null }).to_string();
+        let unknown =
+            json!({ "org": "acme", "run": "r-0000000000000000", "input": null }).to_string();
         let event: SqsEvent = serde_json::from_value(json!({ "Records": [
             record("m-step", &STANDARD.encode(&step), None, Some("base64")),
             record("m-unknown-run", &unknown, None, None),
@@ -599,8 +743,17 @@ mod tests {
         let response = handle_sqs(&worker, event.payload, far()).await;
         // A run that is not (yet) there may appear: delivered again. Bodies that never parse are dropped.
         assert_eq!(failures(&response), ["m-unknown-run"]);
-        let after = backend.store.get_run("acme", &run).await.unwrap().unwrap().version;
-        assert!(after > before, "the base64 record moved the run: version {before} -> {after}");
+        let after = backend
+            .store
+            .get_run("acme", &run)
+            .await
+            .unwrap()
+            .unwrap()
+            .version;
+        assert!(
+            after > before,
+            "the base64 record moved the run: version {before} -> {after}"
+        );
 
         // FIFO: a failed record fails the rest of its group, not other groups.
         let fifo: SqsEvent = serde_json::from_value(json!({ "Records": [
@@ -609,7 +762,10 @@ mod tests {
             record("f3", "not json", Some("g1"), None),
         ]}))
         .unwrap();
-        assert_eq!(failures(&handle_sqs(&worker, fifo, far()).await), ["f1", "f3"]);
+        assert_eq!(
+            failures(&handle_sqs(&worker, fifo, far()).await),
+            ["f1", "f3"]
+        );
     }
 }
 
@@ -663,18 +819,31 @@ mod template_tests {
                 _ => blocks.push(line.trim().to_string()),
             }
         }
-        for block in blocks.iter().filter(|b| b.contains("Type: AWS::Serverless::Function")) {
+        for block in blocks
+            .iter()
+            .filter(|b| b.contains("Type: AWS::Serverless::Function"))
+        {
             let name = block.lines().next().unwrap().trim_end_matches(':');
             let own = variables(block);
-            let pairs: Vec<(String, String)> =
-                common.iter().chain(own.iter()).map(|(k, v)| (k.clone(), stand_in(k, v))).collect();
-            let settings = Settings::read(|var| pairs.iter().find(|(k, _)| k == var).map(|(_, v)| v.clone()))
-                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let pairs: Vec<(String, String)> = common
+                .iter()
+                .chain(own.iter())
+                .map(|(k, v)| (k.clone(), stand_in(k, v)))
+                .collect();
+            let settings =
+                Settings::read(|var| pairs.iter().find(|(k, _)| k == var).map(|(_, v)| v.clone()))
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
             seen.push(settings.function);
         }
         let agents = AGENTS.iter().map(|a| Function::Agent(a));
-        for function in [Function::Api, Function::Worker, Function::Scheduler].into_iter().chain(agents) {
-            assert!(seen.contains(&function), "no function {function:?} in the template: {seen:?}");
+        for function in [Function::Api, Function::Worker, Function::Scheduler]
+            .into_iter()
+            .chain(agents)
+        {
+            assert!(
+                seen.contains(&function),
+                "no function {function:?} in the template: {seen:?}"
+            );
         }
     }
 }

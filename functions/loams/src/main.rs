@@ -9,7 +9,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "loams", version, about = "Loams Software Factory: production signal to verified fix")]
+#[command(
+    name = "loams",
+    version,
+    about = "Loams Software Factory: production signal to verified fix"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -111,12 +115,16 @@ impl From<QueueArg> for config::QueueKind {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("LOAMS_LOG").unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_env("LOAMS_LOG")
+                .unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("loams: cannot start the async runtime: {e}");
@@ -126,7 +134,18 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Demo { data_dir } => demo::run(data_dir).await,
-            Command::Dev { config, listen, data_dir, cassette, sandbox_state, store, queue, aws_endpoint, table, queue_name } => {
+            Command::Dev {
+                config,
+                listen,
+                data_dir,
+                cassette,
+                sandbox_state,
+                store,
+                queue,
+                aws_endpoint,
+                table,
+                queue_name,
+            } => {
                 let mut config = config::Config::load(config.as_deref())?;
                 if let Some(listen) = listen {
                     config.listen = listen;
@@ -156,7 +175,11 @@ fn main() -> ExitCode {
                 config.validate()?;
                 stack::dev(config, sandbox_state).await
             }
-            Command::Token { config, data_dir, user } => {
+            Command::Token {
+                config,
+                data_dir,
+                user,
+            } => {
                 let mut config = config::Config::load(config.as_deref())?;
                 if let Some(dir) = data_dir {
                     config.data_dir = dir;
@@ -166,8 +189,12 @@ fn main() -> ExitCode {
                 Ok(())
             }
             Command::Keygen => {
-                let key = loams_api::Issuer::generate_pkcs8().map_err(|e| anyhow::anyhow!("generating a key: {e}"))?;
-                println!("{}", base64::Engine::encode(&base64::engine::general_purpose::STANDARD, key));
+                let key = loams_api::Issuer::generate_pkcs8()
+                    .map_err(|e| anyhow::anyhow!("generating a key: {e}"))?;
+                println!(
+                    "{}",
+                    base64::Engine::encode(&base64::engine::general_purpose::STANDARD, key)
+                );
                 Ok(())
             }
             Command::Sandbox { state, urls_file } => stack::sandbox_only(state, urls_file).await,

@@ -21,7 +21,8 @@ pub struct Phone {
 impl Phone {
     /// Generates a device key and registers it for the user the bearer token names.
     pub async fn register(api_url: &str, token: &str, name: &str) -> anyhow::Result<Phone> {
-        let api = ConnectClient::new(api_url).with_header("authorization", format!("Bearer {token}"))?;
+        let api =
+            ConnectClient::new(api_url).with_header("authorization", format!("Bearer {token}"))?;
         let rng = SystemRandom::new();
         let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, &rng)
             .map_err(|_| anyhow!("cannot generate a P-256 device key"))?;
@@ -38,7 +39,11 @@ impl Phone {
             .unary(&format!("{SERVICE_DEVICES}/RegisterDevice"), &request)
             .await
             .context("registering the device")?;
-        Ok(Phone { api, key, device_id: device.device_id })
+        Ok(Phone {
+            api,
+            key,
+            device_id: device.device_id,
+        })
     }
 
     pub fn device_id(&self) -> &str {
@@ -51,18 +56,26 @@ impl Phone {
             page_token: String::new(),
             state: approvals::ApprovalState::Pending as i32,
         };
-        let response: approvals::ListApprovalsResponse =
-            self.api.unary(&format!("{SERVICE_APPROVALS}/ListApprovals"), &request).await?;
+        let response: approvals::ListApprovalsResponse = self
+            .api
+            .unary(&format!("{SERVICE_APPROVALS}/ListApprovals"), &request)
+            .await?;
         Ok(response.approvals)
     }
 
     /// Reads the approval as the server renders it, gets a fresh challenge, signs and decides.
-    pub async fn decide(&self, approval_id: &str, approve: bool) -> anyhow::Result<approvals::Approval> {
+    pub async fn decide(
+        &self,
+        approval_id: &str,
+        approve: bool,
+    ) -> anyhow::Result<approvals::Approval> {
         let shown: approvals::GetApprovalResponse = self
             .api
             .unary(
                 &format!("{SERVICE_APPROVALS}/GetApproval"),
-                &approvals::GetApprovalRequest { approval_id: approval_id.to_string() },
+                &approvals::GetApprovalRequest {
+                    approval_id: approval_id.to_string(),
+                },
             )
             .await?;
         let approval = shown.approval.context("server returned no approval")?;
@@ -76,7 +89,11 @@ impl Phone {
                 },
             )
             .await?;
-        let decision = if approve { approvals::Decision::Approve } else { approvals::Decision::Deny };
+        let decision = if approve {
+            approvals::Decision::Approve
+        } else {
+            approvals::Decision::Deny
+        };
         let decided_at_ms = now_ms();
         let bytes = loams_proto::canonical_decision_bytes(
             approval_id,
@@ -101,8 +118,10 @@ impl Phone {
             typed_confirmation: approval.confirmation_phrase.clone(),
             idempotency_key: format!("decide-{approval_id}-{}", self.device_id),
         };
-        let decided: approvals::DecideResponse =
-            self.api.unary(&format!("{SERVICE_APPROVALS}/Decide"), &request).await?;
+        let decided: approvals::DecideResponse = self
+            .api
+            .unary(&format!("{SERVICE_APPROVALS}/Decide"), &request)
+            .await?;
         decided.approval.context("server returned no approval")
     }
 }

@@ -10,11 +10,12 @@ use anyhow::{Context, anyhow, bail};
 use async_trait::async_trait;
 use loams_a2a::{A2aClient, CardSigner, Guards, Skills};
 use loams_agents::{
-    AnalyticsAgent, AnalyticsConfig, ForgejoAgent, ForgejoConfig, GlitchTipAgent, GlitchTipConfig, PlaneAgent,
-    PlaneConfig, ZulipAgent, ZulipConfig,
+    AnalyticsAgent, AnalyticsConfig, ForgejoAgent, ForgejoConfig, GlitchTipAgent, GlitchTipConfig,
+    PlaneAgent, PlaneConfig, ZulipAgent, ZulipConfig,
 };
 use loams_api::{
-    AgentAuth, AgentTokens, ApiConfig, ApiError, ApiState, ApprovalBroker, GlitchtipHook, Issuer, RunOpener,
+    AgentAuth, AgentTokens, ApiConfig, ApiError, ApiState, ApprovalBroker, GlitchtipHook, Issuer,
+    RunOpener,
 };
 use loams_factory::Signal;
 use loams_model::{ChatModel, ModelConfig, OpenAiCompatible, Replay};
@@ -26,9 +27,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::{
-    AGENTS, MIN_WEBHOOK_TOKEN,
-    AnalyticsSettings, AppSettings, Config, ForgejoSettings, GlitchtipSettings, PlaneSettings, Secret, WebhookSettings,
-    ZulipSettings,
+    AGENTS, AnalyticsSettings, AppSettings, Config, ForgejoSettings, GlitchtipSettings,
+    MIN_WEBHOOK_TOKEN, PlaneSettings, Secret, WebhookSettings, ZulipSettings,
 };
 
 /// Timeout of every app call an agent makes.
@@ -56,9 +56,16 @@ impl Backend {
         create_private_dir(data_dir)?;
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let db = data_dir.join("loams.db");
-        let sqlite =
-            Arc::new(Sqlite::open(&db, clock.clone()).with_context(|| format!("opening the store {}", db.display()))?);
-        Ok(Backend { store: sqlite.clone(), queue: sqlite.clone(), timers: sqlite, clock })
+        let sqlite = Arc::new(
+            Sqlite::open(&db, clock.clone())
+                .with_context(|| format!("opening the store {}", db.display()))?,
+        );
+        Ok(Backend {
+            store: sqlite.clone(),
+            queue: sqlite.clone(),
+            timers: sqlite,
+            clock,
+        })
     }
 }
 
@@ -87,19 +94,31 @@ impl Stack {
         let issuer = dev_issuer(&config.data_dir)?;
         let guards = Guards {
             auth: Arc::new(AgentAuth::new(issuer.verifier())),
-            gate: Arc::new(ApprovalBroker::new(backend.store.clone(), backend.clock.clone())),
+            gate: Arc::new(ApprovalBroker::new(
+                backend.store.clone(),
+                backend.clock.clone(),
+            )),
         };
         let tokens = Arc::new(AgentTokens::new(issuer.clone(), config.org.clone()));
         let mut clients = HashMap::new();
         for (name, skills) in agents(apps)? {
-            let (url, task) =
-                serve_agent(name, skills, backend.store.clone(), &config.org, guards.clone(), stop_rx.clone()).await?;
+            let (url, task) = serve_agent(
+                name,
+                skills,
+                backend.store.clone(),
+                &config.org,
+                guards.clone(),
+                stop_rx.clone(),
+            )
+            .await?;
             tasks.push(task);
             clients.insert(name.to_string(), url);
         }
         let mut directory = HashMap::new();
         for (name, (url, jwks)) in clients {
-            let client = A2aClient::new(&url, &jwks).await.with_context(|| format!("connecting to agent {name}"))?;
+            let client = A2aClient::new(&url, &jwks)
+                .await
+                .with_context(|| format!("connecting to agent {name}"))?;
             directory.insert(name, client.with_tokens(tokens.clone()));
         }
 
@@ -115,7 +134,11 @@ impl Stack {
             let stop = stop_rx.clone();
             tasks.push(tokio::spawn(async move { worker.run(stop).await }));
         }
-        let scheduler = Scheduler::new(backend.timers.clone(), backend.queue.clone(), backend.clock.clone());
+        let scheduler = Scheduler::new(
+            backend.timers.clone(),
+            backend.queue.clone(),
+            backend.clock.clone(),
+        );
         let mut scheduler_stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
             while !*scheduler_stop.borrow() {
@@ -134,7 +157,11 @@ impl Stack {
             queue: backend.queue,
             verifier: issuer.verifier(),
             clock: backend.clock,
-            config: Arc::new(api_config(config, webhook_token(config)?, apps.glitchtip.url.clone())),
+            config: Arc::new(api_config(
+                config,
+                webhook_token(config)?,
+                apps.glitchtip.url.clone(),
+            )),
             opener: Arc::new(WorkerOpener(worker.clone())),
             jwks: Some(Arc::new(issuer.jwks())),
         };
@@ -144,7 +171,14 @@ impl Stack {
         let api_url = format!("http://{}", listener.local_addr()?);
         tasks.push(serve(listener, loams_api::router(state), stop_rx.clone()));
 
-        Ok(Stack { api_url, worker, store: backend.store, issuer, stop, tasks })
+        Ok(Stack {
+            api_url,
+            worker,
+            store: backend.store,
+            issuer,
+            stop,
+            tasks,
+        })
     }
 
     /// A bearer token of the dev issuer for `user` in `org`, valid for an hour.
@@ -162,7 +196,11 @@ impl Stack {
 
 /// The API's webhooks, from the configuration; shared by `loams dev` and the API function. `glitchtip_token` is the
 /// alert webhook's path secret, `glitchtip_origin` the GlitchTip whose issue links an alert may carry.
-pub(crate) fn api_config(config: &Config, glitchtip_token: String, glitchtip_origin: String) -> ApiConfig {
+pub(crate) fn api_config(
+    config: &Config,
+    glitchtip_token: String,
+    glitchtip_origin: String,
+) -> ApiConfig {
     ApiConfig {
         glitchtip_hooks: vec![GlitchtipHook {
             org: config.org.clone(),
@@ -229,7 +267,8 @@ pub fn dev_issuer(data_dir: &Path) -> anyhow::Result<Issuer> {
         }
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
-    Issuer::from_pkcs8(&pkcs8, DEV_ISSUER, DEV_AUDIENCE).map_err(|e| anyhow!("{}: {e}", path.display()))
+    Issuer::from_pkcs8(&pkcs8, DEV_ISSUER, DEV_AUDIENCE)
+        .map_err(|e| anyhow!("{}: {e}", path.display()))
 }
 
 /// The GlitchTip webhook's URL token: the configured one, or one made at first start and kept in the data
@@ -241,10 +280,14 @@ pub fn webhook_token(config: &Config) -> anyhow::Result<String> {
     let path = config.data_dir.join("webhook.token");
     match std::fs::read_to_string(&path) {
         Ok(token) if token.trim().len() >= MIN_WEBHOOK_TOKEN => Ok(token.trim().to_string()),
-        Ok(_) => bail!("{}: the webhook token is shorter than {MIN_WEBHOOK_TOKEN} characters", path.display()),
+        Ok(_) => bail!(
+            "{}: the webhook token is shorter than {MIN_WEBHOOK_TOKEN} characters",
+            path.display()
+        ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let mut bytes = [0u8; 24];
-            aws_lc_rs::rand::fill(&mut bytes).map_err(|_| anyhow!("no randomness for the webhook token"))?;
+            aws_lc_rs::rand::fill(&mut bytes)
+                .map_err(|_| anyhow!("no randomness for the webhook token"))?;
             let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
             create_private_dir(&config.data_dir)?;
             write_private(&path, token.as_bytes())?;
@@ -285,8 +328,12 @@ fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 
 /// A bearer token of `issuer` for `user` in `org`, valid for an hour.
 pub fn dev_token(issuer: &Issuer, user: &str, org: &str) -> anyhow::Result<String> {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
-    issuer.issue(user, org, loams_api::scope::ALL, now, 3600).map_err(|e| anyhow!("issuing a token: {e}"))
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    issuer
+        .issue(user, org, loams_api::scope::ALL, now, 3600)
+        .map_err(|e| anyhow!("issuing a token: {e}"))
 }
 
 /// The webhook opens runs through the worker, which owns run creation and the cooldown.
@@ -364,15 +411,23 @@ async fn serve_agent(
     guards: Guards,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<((String, loams_a2a::Jwks), JoinHandle<()>)> {
-    let listener = TcpListener::bind(("127.0.0.1", 0)).await.with_context(|| format!("binding agent {name}"))?;
+    let listener = TcpListener::bind(("127.0.0.1", 0))
+        .await
+        .with_context(|| format!("binding agent {name}"))?;
     let url = format!("http://{}", listener.local_addr()?);
     let signer = CardSigner::generate().map_err(|e| anyhow!("agent {name} card key: {e}"))?;
-    let jwks = signer.jwks().map_err(|e| anyhow!("agent {name} card key: {e}"))?;
+    let jwks = signer
+        .jwks()
+        .map_err(|e| anyhow!("agent {name} card key: {e}"))?;
     let router = loams_a2a::router(skills, store, org.to_string(), signer, url.clone(), guards);
     Ok(((url, jwks), serve(listener, router, stop)))
 }
 
-fn serve(listener: TcpListener, router: axum::Router, mut stop: watch::Receiver<bool>) -> JoinHandle<()> {
+fn serve(
+    listener: TcpListener,
+    router: axum::Router,
+    mut stop: watch::Receiver<bool>,
+) -> JoinHandle<()> {
     tokio::spawn(async move {
         let shutdown = async move {
             while !*stop.borrow() {
@@ -381,7 +436,10 @@ fn serve(listener: TcpListener, router: axum::Router, mut stop: watch::Receiver<
                 }
             }
         };
-        if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(shutdown).await {
+        if let Err(e) = axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown)
+            .await
+        {
             tracing::error!(error = %e, "server stopped");
         }
     })
@@ -390,7 +448,8 @@ fn serve(listener: TcpListener, router: axum::Router, mut stop: watch::Receiver<
 /// The model the config asks for: a replayed cassette, or an OpenAI-compatible endpoint.
 pub fn model(config: &Config) -> anyhow::Result<Arc<dyn ChatModel>> {
     if let Some(path) = &config.model.cassette {
-        let replay = Replay::from_file(path).with_context(|| format!("setting `model.cassette`: {}", path.display()))?;
+        let replay = Replay::from_file(path)
+            .with_context(|| format!("setting `model.cassette`: {}", path.display()))?;
         return Ok(Arc::new(replay));
     }
     let client = OpenAiCompatible::new(ModelConfig {
@@ -407,7 +466,11 @@ pub fn model(config: &Config) -> anyhow::Result<Arc<dyn ChatModel>> {
 pub fn sandbox_apps(info: &SandboxInfo) -> AppSettings {
     let t = &info.tokens;
     AppSettings {
-        zulip: ZulipSettings { url: info.urls.zulip.clone(), email: t.zulip_email.clone(), api_key: Secret::new(t.zulip_api_key.clone()) },
+        zulip: ZulipSettings {
+            url: info.urls.zulip.clone(),
+            email: t.zulip_email.clone(),
+            api_key: Secret::new(t.zulip_api_key.clone()),
+        },
         plane: PlaneSettings {
             url: info.urls.plane.clone(),
             api_key: Secret::new(t.plane_api_key.clone()),
@@ -441,21 +504,33 @@ pub async fn dev(config: Config, sandbox_state: Option<PathBuf>) -> anyhow::Resu
     let (apps, sandbox) = match &config.apps {
         Some(apps) => (apps.clone(), None),
         None => {
-            let sandbox = Sandbox::start(SandboxConfig { state_file: sandbox_state, ..SandboxConfig::default() })
-                .await
-                .context("starting the sandbox apps")?;
+            let sandbox = Sandbox::start(SandboxConfig {
+                state_file: sandbox_state,
+                ..SandboxConfig::default()
+            })
+            .await
+            .context("starting the sandbox apps")?;
             (sandbox_apps(&sandbox.info()), Some(sandbox))
         }
     };
     let stack = Stack::start(&config, &apps, model, Backend::from_config(&config).await?).await?;
     println!("loams dev: API on {}", stack.api_url);
     println!("  JWKS:     {}/.well-known/jwks.json", stack.api_url);
-    println!("  webhook:  {}/webhooks/glitchtip/{}", stack.api_url, webhook_token(&config)?);
+    println!(
+        "  webhook:  {}/webhooks/glitchtip/{}",
+        stack.api_url,
+        webhook_token(&config)?
+    );
     println!("  token:    {}", stack.token("dev", &config.org)?);
     if let Some(sandbox) = &sandbox {
-        println!("  sandbox:  {}", serde_json::to_string(&sandbox.info().urls)?);
+        println!(
+            "  sandbox:  {}",
+            serde_json::to_string(&sandbox.info().urls)?
+        );
     }
-    tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for Ctrl-C")?;
     stack.shutdown().await;
     if let Some(sandbox) = sandbox {
         sandbox.shutdown().await;
@@ -464,10 +539,16 @@ pub async fn dev(config: Config, sandbox_state: Option<PathBuf>) -> anyhow::Resu
 }
 
 /// `loams sandbox`: the fake apps alone, in their own process, so they outlive a killed `loams`.
-pub async fn sandbox_only(state: Option<PathBuf>, urls_file: Option<PathBuf>) -> anyhow::Result<()> {
-    let sandbox = Sandbox::start(SandboxConfig { state_file: state, ..SandboxConfig::default() })
-        .await
-        .context("starting the sandbox apps")?;
+pub async fn sandbox_only(
+    state: Option<PathBuf>,
+    urls_file: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let sandbox = Sandbox::start(SandboxConfig {
+        state_file: state,
+        ..SandboxConfig::default()
+    })
+    .await
+    .context("starting the sandbox apps")?;
     let info = serde_json::to_string_pretty(&sandbox.info())?;
     match urls_file {
         Some(path) => {
@@ -478,7 +559,9 @@ pub async fn sandbox_only(state: Option<PathBuf>, urls_file: Option<PathBuf>) ->
         }
         None => println!("{info}"),
     }
-    tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for Ctrl-C")?;
     sandbox.shutdown().await;
     Ok(())
 }

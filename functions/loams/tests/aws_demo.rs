@@ -27,7 +27,11 @@ fn endpoint() -> String {
 async fn demo_scenario_on_dynamodb_and_sqs() {
     let endpoint = endpoint();
     // Names of their own, so parallel runs on one moto do not share a table or queue.
-    let suffix = format!("{}-{}", std::process::id(), std::time::UNIX_EPOCH.elapsed().unwrap().as_millis());
+    let suffix = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::UNIX_EPOCH.elapsed().unwrap().as_millis()
+    );
     let table = format!("loams-demo-{suffix}");
     let queue_name = format!("loams-demo-{suffix}");
 
@@ -50,14 +54,24 @@ async fn demo_scenario_on_dynamodb_and_sqs() {
     let ddb = aws_sdk_dynamodb::Client::new(&sdk);
     let items = ddb.scan().table_name(&table).send().await.unwrap().count();
     let sqs = aws_sdk_sqs::Client::new(&sdk);
-    let queue_made = sqs.get_queue_url().queue_name(&queue_name).send().await.is_ok();
+    let queue_made = sqs
+        .get_queue_url()
+        .queue_name(&queue_name)
+        .send()
+        .await
+        .is_ok();
     // Looks both queues up (creating nothing, they exist) for the clean-up.
-    let urls = provision_queue(&sqs, &queue_name, QueueSpec::default()).await.unwrap();
+    let urls = provision_queue(&sqs, &queue_name, QueueSpec::default())
+        .await
+        .unwrap();
     delete_table(&ddb, &table).await.unwrap();
     delete_queue(&sqs, &urls).await.unwrap();
 
     let report = result.unwrap_or_else(|e| panic!("scenario failed: {e:#}\n{out}"));
-    assert!(items > 10, "the run's records are in DynamoDB ({items} items)\n{out}");
+    assert!(
+        items > 10,
+        "the run's records are in DynamoDB ({items} items)\n{out}"
+    );
     assert!(queue_made, "loams made its SQS queue\n{out}");
     assert!(
         !dir.path().join("loams.db").exists(),
@@ -65,13 +79,29 @@ async fn demo_scenario_on_dynamodb_and_sqs() {
     );
     assert_eq!(report.runs.len(), 1, "{out}");
     let run = report.first();
-    assert_eq!((run.state.as_str(), run.verdict.as_str()), ("succeeded", "resolved"), "{out}");
+    assert_eq!(
+        (run.state.as_str(), run.verdict.as_str()),
+        ("succeeded", "resolved"),
+        "{out}"
+    );
     let events: Vec<&str> = report.runs[0].1.iter().map(|e| e.r#type.as_str()).collect();
-    assert_eq!(events.iter().filter(|t| **t == "attempt_failed").count(), 1, "first attempt fails CI: {out}");
+    assert_eq!(
+        events.iter().filter(|t| **t == "attempt_failed").count(),
+        1,
+        "first attempt fails CI: {out}"
+    );
     assert!(events.contains(&"merged"), "{out}");
     assert_eq!(report.approvals_decided, 1, "one merge approval: {out}");
     let s = &report.sandbox_state;
-    for (app, key, want) in [("plane", "issues", 1), ("forgejo", "prs", 1), ("forgejo", "merges", 1)] {
-        assert_eq!(s[app][key].as_u64(), Some(want), "{app}.{key} exactly once: {s}");
+    for (app, key, want) in [
+        ("plane", "issues", 1),
+        ("forgejo", "prs", 1),
+        ("forgejo", "merges", 1),
+    ] {
+        assert_eq!(
+            s[app][key].as_u64(),
+            Some(want),
+            "{app}.{key} exactly once: {s}"
+        );
     }
 }

@@ -29,8 +29,20 @@ const BIN: &str = env!("CARGO_BIN_EXE_loams");
 /// The fault of each start, cycled. Each plan moves the run one step per start and receives no message more than
 /// three times; the second cuts, roughly, at the other boundary the steps the first cut at one.
 const PLANS: [&[&str]; 2] = [
-    &["after_effect:1", "after_effect:2", "after_effect:2", "after_record:1", "after_record:2"],
-    &["after_record:1", "after_record:2", "after_effect:2", "after_effect:2", "after_effect:1"],
+    &[
+        "after_effect:1",
+        "after_effect:2",
+        "after_effect:2",
+        "after_record:1",
+        "after_record:2",
+    ],
+    &[
+        "after_record:1",
+        "after_record:2",
+        "after_effect:2",
+        "after_effect:2",
+        "after_effect:1",
+    ],
 ];
 /// Short, so the message of an aborted start comes back soon; the worker extends it while a step runs.
 const VISIBILITY_MS: &str = "300";
@@ -54,13 +66,21 @@ fn wait_for_file(path: &Path) -> String {
         if let Ok(text) = std::fs::read_to_string(path) {
             return text;
         }
-        assert!(start.elapsed() < Duration::from_secs(30), "{} never appeared", path.display());
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{} never appeared",
+            path.display()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn config(dir: &Path, port: u16, info: &SandboxInfo, model_url: &str) -> String {
@@ -145,12 +165,20 @@ fn token(config: &Path, user: &str) -> String {
         .args(["--user", user])
         .output()
         .expect("loams token runs");
-    assert!(out.status.success(), "loams token: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "loams token: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
 fn start_dev(config: &Path, log: &Path, fault: &str) -> Reaped {
-    let log = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap();
     Reaped(
         Command::new(BIN)
             .args(["dev", "--config"])
@@ -180,14 +208,22 @@ impl ModelService {
         let cassette: Value = serde_json::from_str(cassette).unwrap();
         let mut answers: HashMap<String, VecDeque<Value>> = HashMap::new();
         for c in cassette["completions"].as_array().unwrap() {
-            answers.entry(c["purpose"].as_str().unwrap().to_string()).or_default().push_back(c.clone());
+            answers
+                .entry(c["purpose"].as_str().unwrap().to_string())
+                .or_default()
+                .push_back(c.clone());
         }
-        ModelService { answers: Arc::new(Mutex::new(answers)), served: Arc::default() }
+        ModelService {
+            answers: Arc::new(Mutex::new(answers)),
+            served: Arc::default(),
+        }
     }
 
     /// The purpose of a request, told by its system prompt.
     fn purpose(request: &Value) -> &'static str {
-        let system = request["messages"][0]["content"].as_str().unwrap_or_default();
+        let system = request["messages"][0]["content"]
+            .as_str()
+            .unwrap_or_default();
         if system.starts_with("You are the fix engineer") {
             "fix"
         } else if system.starts_with("You are the senior lead") {
@@ -231,10 +267,19 @@ impl ModelService {
 /// then enqueues the settlement; a crash between the two would strand the run until the approval expires, which
 /// this test is not about.)
 async fn idle_in_wait(oncall: &ConnectClient, run: &factory::Run) -> bool {
-    let request = factory::GetTimelineRequest { run_id: run.id.clone(), after_seq: run.version.saturating_sub(1), page_size: 1 };
-    let timeline: Result<factory::GetTimelineResponse, _> =
-        oncall.unary("/loams.factory.v1.FactoryService/GetTimeline", &request).await;
-    timeline.is_ok_and(|t| t.events.last().is_some_and(|e| e.r#type == "timer_scheduled"))
+    let request = factory::GetTimelineRequest {
+        run_id: run.id.clone(),
+        after_seq: run.version.saturating_sub(1),
+        page_size: 1,
+    };
+    let timeline: Result<factory::GetTimelineResponse, _> = oncall
+        .unary("/loams.factory.v1.FactoryService/GetTimeline", &request)
+        .await;
+    timeline.is_ok_and(|t| {
+        t.events
+            .last()
+            .is_some_and(|e| e.r#type == "timer_scheduled")
+    })
 }
 
 /// The log without its colour codes (an ESC, `[`, parameters, a final letter).
@@ -260,15 +305,23 @@ fn cassette_counts(cassette: &str) -> BTreeMap<String, u32> {
     let cassette: Value = serde_json::from_str(cassette).unwrap();
     let mut counts = BTreeMap::new();
     for c in cassette["completions"].as_array().unwrap() {
-        *counts.entry(c["purpose"].as_str().unwrap().to_string()).or_default() += 1;
+        *counts
+            .entry(c["purpose"].as_str().unwrap().to_string())
+            .or_default() += 1;
     }
     counts
 }
 
 async fn wait_api(api: &str) {
     let start = Instant::now();
-    while !reqwest::get(format!("{api}/.well-known/jwks.json")).await.is_ok_and(|r| r.status().is_success()) {
-        assert!(start.elapsed() < Duration::from_secs(30), "API at {api} never came up");
+    while !reqwest::get(format!("{api}/.well-known/jwks.json"))
+        .await
+        .is_ok_and(|r| r.status().is_success())
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "API at {api} never came up"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -291,22 +344,39 @@ fn effects(state: &Value) -> Value {
 async fn crashed_at_every_step_boundary_the_run_completes_without_duplicates() {
     // What an uninterrupted run leaves in the apps.
     let clean = tempfile::tempdir().unwrap();
-    let baseline = play(Scenario::demo(clean.path().to_path_buf()), &mut Vec::new()).await.unwrap();
+    let baseline = play(Scenario::demo(clean.path().to_path_buf()), &mut Vec::new())
+        .await
+        .unwrap();
     assert_eq!(baseline.first().state, "succeeded");
     let expected = effects(&baseline.sandbox_state);
 
     let mut cuts = BTreeSet::new();
     for plan in PLANS {
         let crashed = crashed_run(plan).await;
-        assert_eq!(crashed.apps, expected, "apps after a crashed run differ from a clean run ({plan:?})");
-        assert_eq!(crashed.paid, cassette_counts(DEMO_CASSETTE), "a model answer was paid twice or never ({plan:?})");
+        assert_eq!(
+            crashed.apps, expected,
+            "apps after a crashed run differ from a clean run ({plan:?})"
+        );
+        assert_eq!(
+            crashed.paid,
+            cassette_counts(DEMO_CASSETTE),
+            "a model answer was paid twice or never ({plan:?})"
+        );
         cuts.extend(crashed.cuts);
     }
     let at = |boundary: &str| cuts.iter().filter(|(b, _)| b == boundary).count();
     let steps: BTreeSet<&String> = cuts.iter().map(|(_, step)| step).collect();
-    eprintln!("cut {} steps: {} after their effect, {} after their record", steps.len(), at("AfterEffect"), at("AfterRecord"));
+    eprintln!(
+        "cut {} steps: {} after their effect, {} after their record",
+        steps.len(),
+        at("AfterEffect"),
+        at("AfterRecord")
+    );
     // The demo run performs about twenty-five steps; the two plans cut most of them, many at both boundaries.
-    assert!(steps.len() >= 17 && at("AfterEffect") >= 16 && at("AfterRecord") >= 11, "too few cuts: {cuts:?}");
+    assert!(
+        steps.len() >= 17 && at("AfterEffect") >= 16 && at("AfterRecord") >= 11,
+        "too few cuts: {cuts:?}"
+    );
 }
 
 /// What a run crashed according to one plan left behind.
@@ -343,9 +413,14 @@ async fn crashed_run(plan: &[&str]) -> Crashed {
 
     let mut dev = start_dev(&config_path, &log, plan[0]);
     wait_api(&api).await;
-    let phone = Phone::register(&api, &token(&config_path, "alice"), "alice-phone").await.unwrap();
+    let phone = Phone::register(&api, &token(&config_path, "alice"), "alice-phone")
+        .await
+        .unwrap();
     let oncall = ConnectClient::new(api.clone())
-        .with_header("authorization", format!("Bearer {}", token(&config_path, "oncall")))
+        .with_header(
+            "authorization",
+            format!("Bearer {}", token(&config_path, "oncall")),
+        )
         .unwrap();
     // The first start may abort on the run's first step before it answers: the run is then found by listing.
     let _ = reqwest::Client::new()
@@ -363,7 +438,11 @@ async fn crashed_run(plan: &[&str]) -> Crashed {
     let mut starts = 1;
     let deadline = Instant::now() + Duration::from_secs(80);
     loop {
-        assert!(Instant::now() < deadline, "run did not complete after {starts} starts; log: {}", log_text());
+        assert!(
+            Instant::now() < deadline,
+            "run did not complete after {starts} starts; log: {}",
+            log_text()
+        );
         if let Some(status) = dev.0.try_wait().unwrap() {
             assert_eq!(
                 status.signal(),
@@ -379,16 +458,26 @@ async fn crashed_run(plan: &[&str]) -> Crashed {
         // While a start is down or coming up these calls fail; they are simply tried again.
         if run_id.is_none() {
             let runs: Result<factory::ListRunsResponse, _> = oncall
-                .unary("/loams.factory.v1.FactoryService/ListRuns", &factory::ListRunsRequest::default())
+                .unary(
+                    "/loams.factory.v1.FactoryService/ListRuns",
+                    &factory::ListRunsRequest::default(),
+                )
                 .await;
             if let Ok(runs) = runs {
-                assert!(runs.runs.len() <= 1, "one alert opened {} runs", runs.runs.len());
+                assert!(
+                    runs.runs.len() <= 1,
+                    "one alert opened {} runs",
+                    runs.runs.len()
+                );
                 run_id = runs.runs.first().map(|r| r.id.clone());
             }
         }
         if let Some(id) = &run_id {
             let run: Result<factory::GetRunResponse, _> = oncall
-                .unary("/loams.factory.v1.FactoryService/GetRun", &factory::GetRunRequest { run_id: id.clone() })
+                .unary(
+                    "/loams.factory.v1.FactoryService/GetRun",
+                    &factory::GetRunRequest { run_id: id.clone() },
+                )
                 .await;
             if let Ok(factory::GetRunResponse { run: Some(run) }) = run {
                 if matches!(run.state.as_str(), "succeeded" | "failed" | "killed") {
@@ -408,12 +497,19 @@ async fn crashed_run(plan: &[&str]) -> Crashed {
 
     // Every start but the last aborted at its fault, naming the step it was cut at.
     let text = strip_ansi(&log_text());
-    let aborts: Vec<&str> = text.lines().filter(|l| l.contains("fault injection: aborting the process")).collect();
+    let aborts: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("fault injection: aborting the process"))
+        .collect();
     assert_eq!(aborts.len(), starts - 1, "log: {text}");
     let cuts = aborts
         .iter()
         .filter_map(|l| {
-            let boundary = if l.contains("AfterEffect") { "AfterEffect" } else { "AfterRecord" };
+            let boundary = if l.contains("AfterEffect") {
+                "AfterEffect"
+            } else {
+                "AfterRecord"
+            };
             let step = l.split("step=").nth(1)?.trim().trim_matches('"');
             Some((boundary.to_string(), step.to_string()))
         })

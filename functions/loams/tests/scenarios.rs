@@ -7,16 +7,24 @@ use serde_json::Value;
 
 async fn run(scenario: Scenario) -> (Report, String) {
     let mut out = Vec::new();
-    let report = play(scenario, &mut out).await.expect("scenario runs to the end");
+    let report = play(scenario, &mut out)
+        .await
+        .expect("scenario runs to the end");
     (report, String::from_utf8_lossy(&out).into_owned())
 }
 
 fn count(state: &Value, app: &str, key: &str) -> u64 {
-    state[app][key].as_u64().unwrap_or_else(|| panic!("sandbox state has no {app}.{key}: {state}"))
+    state[app][key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("sandbox state has no {app}.{key}: {state}"))
 }
 
 fn types(report: &Report, run: usize) -> Vec<String> {
-    report.runs[run].1.iter().map(|e| e.r#type.clone()).collect()
+    report.runs[run]
+        .1
+        .iter()
+        .map(|e| e.r#type.clone())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -28,7 +36,11 @@ async fn demo_scenario_fixes_the_bug_once() {
     assert_eq!(run.state, "succeeded", "{out}");
     assert_eq!(run.verdict, "resolved", "{out}");
     let events = types(&report, 0);
-    assert_eq!(events.iter().filter(|t| *t == "attempt_failed").count(), 1, "first attempt fails CI: {out}");
+    assert_eq!(
+        events.iter().filter(|t| *t == "attempt_failed").count(),
+        1,
+        "first attempt fails CI: {out}"
+    );
     assert!(events.contains(&"merged".to_string()), "{out}");
     assert_eq!(report.approvals_decided, 1, "one merge approval: {out}");
     let s = &report.sandbox_state;
@@ -58,7 +70,19 @@ async fn a_person_accepts_triage_through_the_api_and_the_run_completes() {
         .map(|e| serde_json::from_str(&e.detail_json).unwrap())
         .collect();
     assert_eq!(triage.len(), 1, "{out}");
-    assert_eq!((&triage[0]["accept"], &triage[0]["automatic"], &triage[0]["by"]), (&Value::Bool(true), &Value::Bool(false), &Value::from("oncall")), "{out}");
+    assert_eq!(
+        (
+            &triage[0]["accept"],
+            &triage[0]["automatic"],
+            &triage[0]["by"]
+        ),
+        (
+            &Value::Bool(true),
+            &Value::Bool(false),
+            &Value::from("oncall")
+        ),
+        "{out}"
+    );
     let s = &report.sandbox_state;
     assert_eq!(count(s, "forgejo", "merges"), 1, "{s}");
 }
@@ -74,7 +98,11 @@ async fn kill_switch_stops_the_run_and_compensates() {
     assert_eq!(run.state, "killed", "{out}");
     let s = &report.sandbox_state;
     assert_eq!(count(s, "forgejo", "merges"), 0, "{s}");
-    assert_eq!(count(s, "forgejo", "open_prs"), 0, "the PR is closed by compensation: {s}\n{out}");
+    assert_eq!(
+        count(s, "forgejo", "open_prs"),
+        0,
+        "the PR is closed by compensation: {s}\n{out}"
+    );
     // Closing a PR is destructive, so even compensation asks a person (the safety wall); no merge approval.
     assert!(report.approvals_decided <= 1, "{out}");
 }
@@ -91,13 +119,23 @@ async fn budget_exhausted_stops_before_paying_more() {
     assert_eq!(run.state, "failed", "{out}");
     let events = types(&report, 0);
     assert!(
-        report.runs[0].1.iter().any(|e| e.r#type == "abandoned" && e.summary.contains("budget")),
+        report.runs[0]
+            .1
+            .iter()
+            .any(|e| e.r#type == "abandoned" && e.summary.contains("budget")),
         "stopped for budget: {events:?}\n{out}"
     );
     assert_eq!(count(&report.sandbox_state, "forgejo", "merges"), 0);
     let budget = run.budget.unwrap();
-    assert_eq!(budget.tokens_spent, 976 + 1_205, "exactly the two fix calls were paid: {budget:?}");
-    assert!(!events.contains(&"lead_reviewed".to_string()), "no review after the budget ran out: {out}");
+    assert_eq!(
+        budget.tokens_spent,
+        976 + 1_205,
+        "exactly the two fix calls were paid: {budget:?}"
+    );
+    assert!(
+        !events.contains(&"lead_reviewed".to_string()),
+        "no review after the budget ran out: {out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -109,13 +147,23 @@ async fn fail_safe_hands_off_after_the_last_attempt() {
     let run = report.first();
     assert_eq!(run.state, "failed", "{out}");
     assert!(
-        report.runs[0].1.iter().any(|e| e.r#type == "abandoned" && e.summary.contains("fail_safe")),
+        report.runs[0]
+            .1
+            .iter()
+            .any(|e| e.r#type == "abandoned" && e.summary.contains("fail_safe")),
         "{out}"
     );
     let s = &report.sandbox_state;
     assert_eq!(count(s, "forgejo", "merges"), 0, "{s}");
-    assert_eq!(count(s, "forgejo", "prs"), 1, "the draft PR is the same PR, not a second one: {s}");
-    assert_eq!(report.approvals_decided, 0, "fail_safe asks for no approval: {out}");
+    assert_eq!(
+        count(s, "forgejo", "prs"),
+        1,
+        "the draft PR is the same PR, not a second one: {s}"
+    );
+    assert_eq!(
+        report.approvals_decided, 0,
+        "fail_safe asks for no approval: {out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -130,7 +178,11 @@ async fn regression_reverts_and_opens_generation_two() {
     scenario.cassette = cassette.to_string();
     scenario.phone = PhoneAnswer::Approve;
     let (report, out) = run(scenario).await;
-    assert_eq!(report.runs.len(), 2, "generation 2 opened, generation 3 capped: {out}");
+    assert_eq!(
+        report.runs.len(),
+        2,
+        "generation 2 opened, generation 3 capped: {out}"
+    );
     let (first, second) = (&report.runs[0].0, &report.runs[1].0);
     assert_eq!((first.generation, second.generation), (1, 2), "{out}");
     assert_eq!(first.verdict, "regressed", "{out}");
@@ -140,5 +192,8 @@ async fn regression_reverts_and_opens_generation_two() {
     let s = &report.sandbox_state;
     // The reverts are pull requests a person merges; the factory merged only the two fixes.
     assert_eq!(count(s, "forgejo", "merges"), 2, "{s}");
-    assert!(count(s, "forgejo", "open_prs") >= 1, "the revert pull request is open: {s}");
+    assert!(
+        count(s, "forgejo", "open_prs") >= 1,
+        "the revert pull request is open: {s}"
+    );
 }

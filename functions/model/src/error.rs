@@ -29,7 +29,9 @@ impl ModelError {
         match self {
             ModelError::Transport(_) | ModelError::RateLimited { .. } => true,
             ModelError::Status { status, .. } => *status >= 500,
-            ModelError::BadResponse(_) | ModelError::CassetteExhausted { .. } | ModelError::Config(_) => false,
+            ModelError::BadResponse(_)
+            | ModelError::CassetteExhausted { .. }
+            | ModelError::Config(_) => false,
         }
     }
 }

@@ -9,7 +9,9 @@ mod openai;
 mod replay;
 
 pub use error::ModelError;
-pub use openai::{DEFAULT_BASE_URL, DEFAULT_MODEL, MAX_RESPONSE_BYTES, ModelConfig, OpenAiCompatible};
+pub use openai::{
+    DEFAULT_BASE_URL, DEFAULT_MODEL, MAX_RESPONSE_BYTES, ModelConfig, OpenAiCompatible,
+};
 pub use replay::{MAX_CASSETTE_BYTES, Replay};
 
 use async_trait::async_trait;
@@ -40,13 +42,22 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn system(content: impl Into<String>) -> Self {
-        Self { role: "system".into(), content: content.into() }
+        Self {
+            role: "system".into(),
+            content: content.into(),
+        }
     }
     pub fn user(content: impl Into<String>) -> Self {
-        Self { role: "user".into(), content: content.into() }
+        Self {
+            role: "user".into(),
+            content: content.into(),
+        }
     }
     pub fn assistant(content: impl Into<String>) -> Self {
-        Self { role: "assistant".into(), content: content.into() }
+        Self {
+            role: "assistant".into(),
+            content: content.into(),
+        }
     }
 }
 

@@ -46,7 +46,14 @@ impl fmt::Debug for ModelConfig {
         f.debug_struct("ModelConfig")
             .field("base_url", &self.base_url)
             .field("model", &self.model)
-            .field("api_key", &if self.api_key.is_empty() { "<none>" } else { "<redacted>" })
+            .field(
+                "api_key",
+                &if self.api_key.is_empty() {
+                    "<none>"
+                } else {
+                    "<redacted>"
+                },
+            )
             .field("timeout", &self.timeout)
             .finish()
     }
@@ -106,10 +113,14 @@ struct WireUsage {
 impl OpenAiCompatible {
     pub fn new(config: ModelConfig) -> Result<Self, ModelError> {
         let base = config.base_url.trim_end_matches('/');
-        let endpoint = reqwest::Url::parse(&format!("{base}/chat/completions"))
-            .map_err(|e| ModelError::Config(format!("invalid base_url `{}`: {e}", config.base_url)))?;
+        let endpoint = reqwest::Url::parse(&format!("{base}/chat/completions")).map_err(|e| {
+            ModelError::Config(format!("invalid base_url `{}`: {e}", config.base_url))
+        })?;
         if !matches!(endpoint.scheme(), "http" | "https") {
-            return Err(ModelError::Config(format!("base_url must be http(s), got `{}`", config.base_url)));
+            return Err(ModelError::Config(format!(
+                "base_url must be http(s), got `{}`",
+                config.base_url
+            )));
         }
         if config.model.trim().is_empty() {
             return Err(ModelError::Config("model name is empty".into()));
@@ -119,14 +130,21 @@ impl OpenAiCompatible {
         }
         if HeaderValue::from_str(&format!("Bearer {}", config.api_key)).is_err() {
             // Do not echo the key: say only what is wrong with it.
-            return Err(ModelError::Config("api_key contains characters not allowed in an HTTP header".into()));
+            return Err(ModelError::Config(
+                "api_key contains characters not allowed in an HTTP header".into(),
+            ));
         }
         let http = reqwest::Client::builder()
             .timeout(config.timeout)
             .connect_timeout(config.timeout.min(Duration::from_secs(10)))
             .build()
             .map_err(|e| ModelError::Config(format!("cannot build HTTP client: {e}")))?;
-        Ok(Self { http, endpoint, model: config.model, api_key: config.api_key })
+        Ok(Self {
+            http,
+            endpoint,
+            model: config.model,
+            api_key: config.api_key,
+        })
     }
 
     pub fn model(&self) -> &str {
@@ -134,7 +152,12 @@ impl OpenAiCompatible {
     }
 
     async fn send(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
-        let body = WireRequest { model: &self.model, messages: &req.messages, max_tokens: req.max_tokens, stream: false };
+        let body = WireRequest {
+            model: &self.model,
+            messages: &req.messages,
+            max_tokens: req.max_tokens,
+            stream: false,
+        };
         let mut builder = self.http.post(self.endpoint.clone()).json(&body);
         if !self.api_key.is_empty() {
             let mut value = HeaderValue::from_str(&format!("Bearer {}", self.api_key))
@@ -143,7 +166,10 @@ impl OpenAiCompatible {
             value.set_sensitive(true);
             builder = builder.header(AUTHORIZATION, value);
         }
-        let mut resp = builder.send().await.map_err(|e| ModelError::Transport(e.without_url().to_string()))?;
+        let mut resp = builder
+            .send()
+            .await
+            .map_err(|e| ModelError::Transport(e.without_url().to_string()))?;
         let status = resp.status();
         let retry_after = resp
             .headers()
@@ -160,14 +186,26 @@ impl OpenAiCompatible {
                 Ok(b) => self.excerpt(&b),
                 Err(_) => String::from("<unreadable body>"),
             };
-            return Err(ModelError::Status { status: status.as_u16(), body });
+            return Err(ModelError::Status {
+                status: status.as_u16(),
+                body,
+            });
         }
         let bytes = bytes?;
         let parsed: WireResponse = serde_json::from_slice(&bytes)
             .map_err(|e| ModelError::BadResponse(format!("not a chat completion: {e}")))?;
-        let choice = parsed.choices.into_iter().next().ok_or_else(|| ModelError::BadResponse("no choices".into()))?;
-        let text = choice.message.content.ok_or_else(|| ModelError::BadResponse("choice has no content".into()))?;
-        let usage = parsed.usage.ok_or_else(|| ModelError::BadResponse("no usage".into()))?;
+        let choice = parsed
+            .choices
+            .into_iter()
+            .next()
+            .ok_or_else(|| ModelError::BadResponse("no choices".into()))?;
+        let text = choice
+            .message
+            .content
+            .ok_or_else(|| ModelError::BadResponse("choice has no content".into()))?;
+        let usage = parsed
+            .usage
+            .ok_or_else(|| ModelError::BadResponse("no usage".into()))?;
         Ok(ChatResponse {
             text,
             model: parsed.model.unwrap_or_else(|| self.model.clone()),
@@ -180,19 +218,31 @@ impl OpenAiCompatible {
     fn excerpt(&self, body: &[u8]) -> String {
         let text = String::from_utf8_lossy(body);
         let text: String = text.chars().take(ERROR_EXCERPT_CHARS).collect();
-        if self.api_key.is_empty() { text } else { text.replace(&self.api_key, "<redacted>") }
+        if self.api_key.is_empty() {
+            text
+        } else {
+            text.replace(&self.api_key, "<redacted>")
+        }
     }
 }
 
 /// Reads the body, refusing more than `limit` bytes so a hostile peer cannot exhaust memory.
 async fn read_limited(resp: &mut reqwest::Response, limit: usize) -> Result<Vec<u8>, ModelError> {
     if resp.content_length().is_some_and(|n| n > limit as u64) {
-        return Err(ModelError::BadResponse(format!("response larger than {limit} bytes")));
+        return Err(ModelError::BadResponse(format!(
+            "response larger than {limit} bytes"
+        )));
     }
     let mut out = Vec::new();
-    while let Some(chunk) = resp.chunk().await.map_err(|e| ModelError::Transport(e.without_url().to_string()))? {
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| ModelError::Transport(e.without_url().to_string()))?
+    {
         if out.len() + chunk.len() > limit {
-            return Err(ModelError::BadResponse(format!("response larger than {limit} bytes")));
+            return Err(ModelError::BadResponse(format!(
+                "response larger than {limit} bytes"
+            )));
         }
         out.extend_from_slice(&chunk);
     }

@@ -35,38 +35,49 @@ pub struct Replay {
 impl Replay {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ModelError> {
         let path = path.as_ref();
-        let meta = std::fs::metadata(path)
-            .map_err(|e| ModelError::Config(format!("cannot read cassette {}: {e}", path.display())))?;
+        let meta = std::fs::metadata(path).map_err(|e| {
+            ModelError::Config(format!("cannot read cassette {}: {e}", path.display()))
+        })?;
         if meta.len() > MAX_CASSETTE_BYTES {
             return Err(ModelError::Config(format!(
                 "cassette {} is larger than {MAX_CASSETTE_BYTES} bytes",
                 path.display()
             )));
         }
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ModelError::Config(format!("cannot read cassette {}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ModelError::Config(format!("cannot read cassette {}: {e}", path.display()))
+        })?;
         Self::from_json_str(&text)
     }
 
     pub fn from_json_str(json: &str) -> Result<Self, ModelError> {
         if json.len() as u64 > MAX_CASSETTE_BYTES {
-            return Err(ModelError::Config(format!("cassette is larger than {MAX_CASSETTE_BYTES} bytes")));
+            return Err(ModelError::Config(format!(
+                "cassette is larger than {MAX_CASSETTE_BYTES} bytes"
+            )));
         }
-        let cassette: Cassette =
-            serde_json::from_str(json).map_err(|e| ModelError::Config(format!("invalid cassette: {e}")))?;
+        let cassette: Cassette = serde_json::from_str(json)
+            .map_err(|e| ModelError::Config(format!("invalid cassette: {e}")))?;
         let mut tracks: HashMap<String, VecDeque<ChatResponse>> = HashMap::new();
         for r in cassette.completions {
             if r.purpose.is_empty() {
-                return Err(ModelError::Config("invalid cassette: a completion has an empty purpose".into()));
+                return Err(ModelError::Config(
+                    "invalid cassette: a completion has an empty purpose".into(),
+                ));
             }
-            tracks.entry(r.purpose).or_default().push_back(ChatResponse {
-                text: r.text,
-                model: "replay".into(),
-                input_tokens: r.input_tokens,
-                output_tokens: r.output_tokens,
-            });
+            tracks
+                .entry(r.purpose)
+                .or_default()
+                .push_back(ChatResponse {
+                    text: r.text,
+                    model: "replay".into(),
+                    input_tokens: r.input_tokens,
+                    output_tokens: r.output_tokens,
+                });
         }
-        Ok(Self { tracks: Mutex::new(tracks) })
+        Ok(Self {
+            tracks: Mutex::new(tracks),
+        })
     }
 
     /// How many completions are left for `purpose`.
@@ -76,7 +87,9 @@ impl Replay {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, VecDeque<ChatResponse>>> {
         // A panic while holding the lock cannot leave the map half-updated (pop_front is atomic), so recover it.
-        self.tracks.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.tracks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -86,6 +99,8 @@ impl ChatModel for Replay {
         self.lock()
             .get_mut(&req.purpose)
             .and_then(VecDeque::pop_front)
-            .ok_or_else(|| ModelError::CassetteExhausted { purpose: req.purpose.clone() })
+            .ok_or_else(|| ModelError::CassetteExhausted {
+                purpose: req.purpose.clone(),
+            })
     }
 }

@@ -16,10 +16,22 @@ const KEY: &str = "sk-test-secret-key-123";
 #[derive(Clone, Default)]
 struct Seen(Arc<Mutex<Vec<Value>>>);
 
-async fn handler(Path(scenario): Path<String>, State(seen): State<Seen>, headers: HeaderMap, body: String) -> Response {
-    let auth = headers.get("authorization").and_then(|v| v.to_str().ok()).unwrap_or_default();
+async fn handler(
+    Path(scenario): Path<String>,
+    State(seen): State<Seen>,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    let auth = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
     if auth != format!("Bearer {KEY}") {
-        return (StatusCode::UNAUTHORIZED, format!("{{\"error\":\"bad key {auth}\"}}")).into_response();
+        return (
+            StatusCode::UNAUTHORIZED,
+            format!("{{\"error\":\"bad key {auth}\"}}"),
+        )
+            .into_response();
     }
     let Ok(v) = serde_json::from_str::<Value>(&body) else {
         return (StatusCode::BAD_REQUEST, "not json").into_response();
@@ -48,7 +60,9 @@ async fn handler(Path(scenario): Path<String>, State(seen): State<Seen>, headers
 
 async fn mock() -> (String, Seen) {
     let seen = Seen::default();
-    let app = axum::Router::new().route("/{scenario}/chat/completions", post(handler)).with_state(seen.clone());
+    let app = axum::Router::new()
+        .route("/{scenario}/chat/completions", post(handler))
+        .with_state(seen.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
@@ -68,7 +82,10 @@ fn client(base: &str, scenario: &str, key: &str) -> OpenAiCompatible {
 fn request() -> ChatRequest {
     ChatRequest {
         purpose: "fix".into(),
-        messages: vec![ChatMessage::system("you fix bugs"), ChatMessage::user("fix it")],
+        messages: vec![
+            ChatMessage::system("you fix bugs"),
+            ChatMessage::user("fix it"),
+        ],
         max_tokens: Some(256),
     }
 }
@@ -91,7 +108,10 @@ async fn success_parses_content_and_usage_and_sends_openai_shape() {
 #[tokio::test]
 async fn wrong_key_is_a_status_error_without_the_key() {
     let (base, seen) = mock().await;
-    let err = client(&base, "ok", "sk-wrong").complete(&request()).await.unwrap_err();
+    let err = client(&base, "ok", "sk-wrong")
+        .complete(&request())
+        .await
+        .unwrap_err();
     match &err {
         ModelError::Status { status, body } => {
             assert_eq!(*status, 401);
@@ -107,16 +127,27 @@ async fn wrong_key_is_a_status_error_without_the_key() {
 #[tokio::test]
 async fn rate_limit_carries_retry_after() {
     let (base, _) = mock().await;
-    let err = client(&base, "rate", KEY).complete(&request()).await.unwrap_err();
-    assert!(matches!(err, ModelError::RateLimited { retry_after: Some(d) } if d == Duration::from_secs(7)), "{err:?}");
+    let err = client(&base, "rate", KEY)
+        .complete(&request())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ModelError::RateLimited { retry_after: Some(d) } if d == Duration::from_secs(7)),
+        "{err:?}"
+    );
     assert!(err.is_retryable());
 }
 
 #[tokio::test]
 async fn server_error_is_retryable_and_redacted() {
     let (base, _) = mock().await;
-    let err = client(&base, "fail", KEY).complete(&request()).await.unwrap_err();
-    let ModelError::Status { status, body } = &err else { panic!("unexpected {err:?}") };
+    let err = client(&base, "fail", KEY)
+        .complete(&request())
+        .await
+        .unwrap_err();
+    let ModelError::Status { status, body } = &err else {
+        panic!("unexpected {err:?}")
+    };
     assert_eq!(*status, 500);
     assert!(body.starts_with("upstream exploded"));
     assert!(!body.contains(KEY) && !err.to_string().contains(KEY));
@@ -127,8 +158,14 @@ async fn server_error_is_retryable_and_redacted() {
 async fn malformed_and_empty_answers_are_bad_responses() {
     let (base, _) = mock().await;
     for scenario in ["malformed", "nochoice", "huge"] {
-        let err = client(&base, scenario, KEY).complete(&request()).await.unwrap_err();
-        assert!(matches!(err, ModelError::BadResponse(_)), "{scenario}: {err:?}");
+        let err = client(&base, scenario, KEY)
+            .complete(&request())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ModelError::BadResponse(_)),
+            "{scenario}: {err:?}"
+        );
         assert!(!err.is_retryable());
     }
 }
@@ -139,25 +176,46 @@ async fn unreachable_endpoint_is_a_retryable_transport_error() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     drop(listener);
-    let err = client(&format!("http://{addr}"), "ok", KEY).complete(&request()).await.unwrap_err();
+    let err = client(&format!("http://{addr}"), "ok", KEY)
+        .complete(&request())
+        .await
+        .unwrap_err();
     assert!(matches!(err, ModelError::Transport(_)), "{err:?}");
     assert!(err.is_retryable());
 }
 
 #[test]
 fn config_is_validated_and_debug_hides_the_key() {
-    let cfg = ModelConfig { api_key: KEY.into(), ..ModelConfig::default() };
+    let cfg = ModelConfig {
+        api_key: KEY.into(),
+        ..ModelConfig::default()
+    };
     assert_eq!(cfg.base_url, "https://api.deepseek.com");
     assert_eq!(cfg.model, "deepseek-chat");
     assert!(!format!("{cfg:?}").contains(KEY));
     let client = OpenAiCompatible::new(cfg.clone()).unwrap();
     assert!(!format!("{client:?}").contains(KEY));
     for bad in [
-        ModelConfig { base_url: "not a url".into(), ..cfg.clone() },
-        ModelConfig { base_url: "ftp://x".into(), ..cfg.clone() },
-        ModelConfig { model: " ".into(), ..cfg.clone() },
-        ModelConfig { timeout: Duration::ZERO, ..cfg.clone() },
-        ModelConfig { api_key: "bad\nkey".into(), ..cfg.clone() },
+        ModelConfig {
+            base_url: "not a url".into(),
+            ..cfg.clone()
+        },
+        ModelConfig {
+            base_url: "ftp://x".into(),
+            ..cfg.clone()
+        },
+        ModelConfig {
+            model: " ".into(),
+            ..cfg.clone()
+        },
+        ModelConfig {
+            timeout: Duration::ZERO,
+            ..cfg.clone()
+        },
+        ModelConfig {
+            api_key: "bad\nkey".into(),
+            ..cfg.clone()
+        },
     ] {
         let err = OpenAiCompatible::new(bad).unwrap_err();
         assert!(matches!(err, ModelError::Config(_)), "{err:?}");

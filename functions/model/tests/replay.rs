@@ -3,7 +3,11 @@ use std::sync::Arc;
 use loams_model::{ChatMessage, ChatModel, ChatRequest, ModelError, Replay};
 
 fn req(purpose: &str) -> ChatRequest {
-    ChatRequest { purpose: purpose.into(), messages: vec![ChatMessage::user("x")], max_tokens: None }
+    ChatRequest {
+        purpose: purpose.into(),
+        messages: vec![ChatMessage::user("x")],
+        max_tokens: None,
+    }
 }
 
 const CASSETTE: &str = r#"{"completions": [
@@ -17,14 +21,25 @@ async fn serves_in_order_per_purpose_then_exhausts() {
     let replay = Replay::from_json_str(CASSETTE).unwrap();
     assert_eq!(replay.remaining("fix"), 2);
     let r = replay.complete(&req("fix")).await.unwrap();
-    assert_eq!((r.text.as_str(), r.input_tokens, r.output_tokens), ("fix 1", 10, 2));
-    assert_eq!(replay.complete(&req("lead_review")).await.unwrap().text, "looks good");
+    assert_eq!(
+        (r.text.as_str(), r.input_tokens, r.output_tokens),
+        ("fix 1", 10, 2)
+    );
+    assert_eq!(
+        replay.complete(&req("lead_review")).await.unwrap().text,
+        "looks good"
+    );
     assert_eq!(replay.complete(&req("fix")).await.unwrap().text, "fix 2");
     let err = replay.complete(&req("fix")).await.unwrap_err();
-    assert!(matches!(&err, ModelError::CassetteExhausted { purpose } if purpose == "fix"), "{err:?}");
+    assert!(
+        matches!(&err, ModelError::CassetteExhausted { purpose } if purpose == "fix"),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("fix"));
     let err = replay.complete(&req("security_audit")).await.unwrap_err();
-    assert!(matches!(&err, ModelError::CassetteExhausted { purpose } if purpose == "security_audit"));
+    assert!(
+        matches!(&err, ModelError::CassetteExhausted { purpose } if purpose == "security_audit")
+    );
 }
 
 #[tokio::test]
@@ -32,11 +47,15 @@ async fn concurrent_callers_each_get_a_distinct_completion() {
     let items: Vec<String> = (0..50)
         .map(|i| format!(r#"{{"purpose":"fix","text":"t{i}","input_tokens":1,"output_tokens":1}}"#))
         .collect();
-    let replay = Arc::new(Replay::from_json_str(&format!(r#"{{"completions":[{}]}}"#, items.join(","))).unwrap());
+    let replay = Arc::new(
+        Replay::from_json_str(&format!(r#"{{"completions":[{}]}}"#, items.join(","))).unwrap(),
+    );
     let mut handles = Vec::new();
     for _ in 0..50 {
         let r = replay.clone();
-        handles.push(tokio::spawn(async move { r.complete(&req("fix")).await.unwrap().text }));
+        handles.push(tokio::spawn(async move {
+            r.complete(&req("fix")).await.unwrap().text
+        }));
     }
     let mut got = Vec::new();
     for h in handles {
@@ -72,5 +91,8 @@ async fn loads_from_file_and_reports_missing_file() {
     let replay = Replay::from_file(&path).unwrap();
     assert_eq!(replay.complete(&req("fix")).await.unwrap().text, "fix 1");
     let err = Replay::from_file(dir.path().join("missing.json")).unwrap_err();
-    assert!(matches!(err, ModelError::Config(ref m) if m.contains("missing.json")), "{err:?}");
+    assert!(
+        matches!(err, ModelError::Config(ref m) if m.contains("missing.json")),
+        "{err:?}"
+    );
 }

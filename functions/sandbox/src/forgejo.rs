@@ -1015,7 +1015,13 @@ async fn get_pull_by_base_head(
         return r;
     }
     let st = shared.lock();
-    match st.forgejo.pulls.iter().rev().find(|p| p.base == base && p.head == head) {
+    match st
+        .forgejo
+        .pulls
+        .iter()
+        .rev()
+        .find(|p| p.base == base && p.head == head)
+    {
         Some(pull) => Json(pull_json(&shared, &st.forgejo, pull)).into_response(),
         None => not_found(),
     }

@@ -9,7 +9,10 @@ use serde_json::Value;
 /// The result of one agent call as the engine sees it.
 pub enum AgentReply {
     Done(Value),
-    Failed { error: String, retryable: bool },
+    Failed {
+        error: String,
+        retryable: bool,
+    },
     /// The agent is still performing this very step (same message id): nothing to record yet; ask again later
     /// with the same id rather than retry the step under a new one, which could repeat its effect.
     InProgress,
@@ -23,7 +26,10 @@ impl AgentReply {
             Err(CallError::InProgress(_)) => AgentReply::InProgress,
             Err(e) => {
                 let retryable = e.retryable();
-                AgentReply::Failed { error: e.to_string(), retryable }
+                AgentReply::Failed {
+                    error: e.to_string(),
+                    retryable,
+                }
             }
         }
     }
@@ -34,7 +40,14 @@ impl AgentReply {
 /// the call before acting.
 #[async_trait]
 pub trait AgentCaller: Send + Sync {
-    async fn call(&self, agent: &str, step: &str, skill: &str, args: Value, approval_id: Option<&str>) -> AgentReply;
+    async fn call(
+        &self,
+        agent: &str,
+        step: &str,
+        skill: &str,
+        args: Value,
+        approval_id: Option<&str>,
+    ) -> AgentReply;
 }
 
 /// The five agents over A2A JSON-RPC.
@@ -50,11 +63,20 @@ impl A2aAgents {
 
 #[async_trait]
 impl AgentCaller for A2aAgents {
-    async fn call(&self, agent: &str, step: &str, skill: &str, args: Value, approval_id: Option<&str>) -> AgentReply {
+    async fn call(
+        &self,
+        agent: &str,
+        step: &str,
+        skill: &str,
+        args: Value,
+        approval_id: Option<&str>,
+    ) -> AgentReply {
         let Some(client) = self.clients.get(agent) else {
-            return AgentReply::Failed { error: format!("no agent named {agent} is configured"), retryable: false };
+            return AgentReply::Failed {
+                error: format!("no agent named {agent} is configured"),
+                retryable: false,
+            };
         };
         AgentReply::from_call(client.call(step, skill, args, approval_id).await)
     }
 }
-

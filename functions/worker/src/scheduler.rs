@@ -18,7 +18,11 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(timers: Arc<dyn Timers>, queue: Arc<dyn Queue>, clock: Arc<dyn Clock>) -> Self {
-        Scheduler { timers, queue, clock }
+        Scheduler {
+            timers,
+            queue,
+            clock,
+        }
     }
 
     /// Fires every timer due now; returns how many fired. A timer's payload is the queue message to send.

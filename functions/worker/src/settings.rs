@@ -56,9 +56,19 @@ impl Fault {
             return Err("value too long".into());
         }
         let (name, n) = value.split_once(':').ok_or("expected <boundary>:<n>")?;
-        let boundary = Boundary::parse(name.trim()).ok_or("boundary is after_effect or after_record")?;
-        let at = n.trim().parse::<u64>().ok().filter(|n| *n >= 1).ok_or("n is a whole number >= 1")?;
-        Ok(Fault { boundary, at, crossed: AtomicU64::new(0) })
+        let boundary =
+            Boundary::parse(name.trim()).ok_or("boundary is after_effect or after_record")?;
+        let at = n
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|n| *n >= 1)
+            .ok_or("n is a whole number >= 1")?;
+        Ok(Fault {
+            boundary,
+            at,
+            crossed: AtomicU64::new(0),
+        })
     }
 
     /// Counts a crossing of `boundary` and aborts the process if it is the planned one.
@@ -67,7 +77,12 @@ impl Fault {
             return;
         }
         if self.crossed.fetch_add(1, Ordering::SeqCst) + 1 == self.at {
-            error!(?boundary, n = self.at, step, "fault injection: aborting the process");
+            error!(
+                ?boundary,
+                n = self.at,
+                step,
+                "fault injection: aborting the process"
+            );
             std::process::abort();
         }
     }
@@ -82,8 +97,15 @@ impl Settings {
     pub(crate) fn from_env() -> Settings {
         // Fault injection exists for the crash tests, which run debug builds; a release build never reads the
         // switch, so a stray variable in production cannot abort the service.
-        let fault = if cfg!(debug_assertions) { std::env::var(FAULT_ENV).ok() } else { None };
-        Settings::from_values(std::env::var(VISIBILITY_ENV).ok().as_deref(), fault.as_deref())
+        let fault = if cfg!(debug_assertions) {
+            std::env::var(FAULT_ENV).ok()
+        } else {
+            None
+        };
+        Settings::from_values(
+            std::env::var(VISIBILITY_ENV).ok().as_deref(),
+            fault.as_deref(),
+        )
     }
 
     /// A bad value is reported and ignored rather than fatal: the worker then runs with the defaults (a crash
@@ -92,7 +114,12 @@ impl Settings {
         let visibility_ms = match visibility {
             None => DEFAULT_VISIBILITY_MS,
             Some(v) => match v.trim().parse::<u64>() {
-                Ok(ms) if v.len() <= MAX_ENV_LEN && (MIN_VISIBILITY_MS..=MAX_VISIBILITY_MS).contains(&ms) => ms,
+                Ok(ms)
+                    if v.len() <= MAX_ENV_LEN
+                        && (MIN_VISIBILITY_MS..=MAX_VISIBILITY_MS).contains(&ms) =>
+                {
+                    ms
+                }
                 _ => {
                     warn!(value = %v.chars().take(MAX_ENV_LEN).collect::<String>(),
                           "{VISIBILITY_ENV} must be {MIN_VISIBILITY_MS}..={MAX_VISIBILITY_MS}; using the default");
@@ -110,7 +137,10 @@ impl Settings {
                 None
             }
         });
-        Settings { visibility_ms, fault }
+        Settings {
+            visibility_ms,
+            fault,
+        }
     }
 }
 
@@ -122,8 +152,17 @@ mod tests {
     fn parses_the_fault_switch() {
         let f = Fault::parse("after_record:3").unwrap();
         assert_eq!((f.boundary, f.at), (Boundary::AfterRecord, 3));
-        assert_eq!(Fault::parse("after_effect:1").unwrap().boundary, Boundary::AfterEffect);
-        for bad in ["after_effect", "after_effect:0", "before:1", "after_record:x", ""] {
+        assert_eq!(
+            Fault::parse("after_effect:1").unwrap().boundary,
+            Boundary::AfterEffect
+        );
+        for bad in [
+            "after_effect",
+            "after_effect:0",
+            "before:1",
+            "after_record:x",
+            "",
+        ] {
             assert!(Fault::parse(bad).is_err(), "{bad}");
         }
     }
@@ -139,9 +178,19 @@ mod tests {
 
     #[test]
     fn visibility_defaults_and_bounds() {
-        assert_eq!(Settings::from_values(None, None).visibility_ms, DEFAULT_VISIBILITY_MS);
+        assert_eq!(
+            Settings::from_values(None, None).visibility_ms,
+            DEFAULT_VISIBILITY_MS
+        );
         assert_eq!(Settings::from_values(Some("500"), None).visibility_ms, 500);
-        assert_eq!(Settings::from_values(Some("5"), None).visibility_ms, DEFAULT_VISIBILITY_MS);
-        assert!(Settings::from_values(None, Some("nonsense")).fault.is_none());
+        assert_eq!(
+            Settings::from_values(Some("5"), None).visibility_ms,
+            DEFAULT_VISIBILITY_MS
+        );
+        assert!(
+            Settings::from_values(None, Some("nonsense"))
+                .fault
+                .is_none()
+        );
     }
 }

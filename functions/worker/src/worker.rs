@@ -7,9 +7,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use loams_factory::{Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, LastRunStatus, Outcome, Policy, Prices, Run, RunState, Signal};
-use loams_model::{ChatMessage, ChatModel, ChatRequest};
 use futures::stream::{FuturesUnordered, StreamExt};
+use loams_factory::{
+    Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, LastRunStatus, Outcome, Policy,
+    Prices, Run, RunState, Signal,
+};
+use loams_model::{ChatMessage, ChatModel, ChatRequest};
 use loams_platform::limits::MAX_RECEIVE;
 use loams_platform::{Claim, Clock, Cond, Delivery, Item, Page, Queue, Store, StoreError, Timers};
 use serde_json::json;
@@ -103,7 +106,11 @@ pub struct Opened {
 impl Worker {
     /// Builds the worker; reads its environment settings (see the crate documentation) once, here.
     pub fn new(deps: WorkerDeps) -> Self {
-        Worker { deps, settings: Settings::from_env(), runs: std::sync::Mutex::default() }
+        Worker {
+            deps,
+            settings: Settings::from_env(),
+            runs: std::sync::Mutex::default(),
+        }
     }
 
     /// Opens a run for `signal` (create-if-absent) and enqueues its first step.
@@ -117,21 +124,39 @@ impl Worker {
             // runs belongs to it: the engine needs to know which.
             ctx.last_run_status = match d.store.get_run(org, &last.run_id).await? {
                 Some(row) if RunState::parse(&row.state).is_some_and(RunState::is_terminal) => {
-                    LastRunStatus::Ended { at_ms: row.updated_ms }
+                    LastRunStatus::Ended {
+                        at_ms: row.updated_ms,
+                    }
                 }
                 Some(_) => LastRunStatus::Open,
                 None => LastRunStatus::Unknown,
             };
         }
-        let (run, opened) = loams_factory::open(signal.clone(), &ctx).map_err(|e| WorkerError::OpenRefused(e.to_string()))?;
+        let (run, opened) = loams_factory::open(signal.clone(), &ctx)
+            .map_err(|e| WorkerError::OpenRefused(e.to_string()))?;
         let created = d
             .store
-            .create_run(org, &run.id, run.state.as_str(), &to_json(&run)?, &logged(&opened, &run, now)?, now)
+            .create_run(
+                org,
+                &run.id,
+                run.state.as_str(),
+                &to_json(&run)?,
+                &logged(&opened, &run, now)?,
+                now,
+            )
             .await?;
         // Also when the run existed but its record is missing (a crash between the two writes): without it a later
         // alert would map onto the ended run and open nothing.
-        if created || ctx.last_run.as_ref().is_none_or(|last| last.run_id != run.id) {
-            let last = LastRun { run_id: run.id.clone(), at_ms: now };
+        if created
+            || ctx
+                .last_run
+                .as_ref()
+                .is_none_or(|last| last.run_id != run.id)
+        {
+            let last = LastRun {
+                run_id: run.id.clone(),
+                at_ms: now,
+            };
             let item = Item {
                 org: org.to_string(),
                 kind: "fingerprint".into(),
@@ -146,7 +171,10 @@ impl Worker {
         // Enqueued even when the run existed: a crash between create and send must not strand the run, and a
         // duplicate continuation is harmless.
         self.enqueue(org, &run.id, None, 0).await?;
-        Ok(Opened { run_id: run.id, created })
+        Ok(Opened {
+            run_id: run.id,
+            created,
+        })
     }
 
     /// Handles one queue message: records its input, then performs and records the run's next effects one after
@@ -166,13 +194,22 @@ impl Worker {
         receive_count: u32,
         deadline: Option<Instant>,
     ) -> Result<(), WorkerError> {
-        let steps = if receive_count > 1 { 1 } else { STEPS_PER_MESSAGE };
+        let steps = if receive_count > 1 {
+            1
+        } else {
+            STEPS_PER_MESSAGE
+        };
         self.handle_steps(envelope, steps, deadline).await
     }
 
     /// Moves the run by at most `steps` steps, each after the first only if it fits before `deadline`; if the run
     /// could go further, a fresh message carries on.
-    pub async fn handle_steps(&self, envelope: &Envelope, steps: usize, deadline: Option<Instant>) -> Result<(), WorkerError> {
+    pub async fn handle_steps(
+        &self,
+        envelope: &Envelope,
+        steps: usize,
+        deadline: Option<Instant>,
+    ) -> Result<(), WorkerError> {
         let span = info_span!("run_step", loams.run_id = %envelope.run, org = %envelope.org);
         async {
             let (org, run_id) = (envelope.org.as_str(), envelope.run.as_str());
@@ -194,17 +231,31 @@ impl Worker {
             // through the queue between steps would cost a send, a receive and an ack per step and decide
             // nothing more.
             for taken in 0..steps {
-                if taken > 0 && deadline.is_some_and(|deadline| Instant::now() + MAX_STEP > deadline) {
+                if taken > 0
+                    && deadline.is_some_and(|deadline| Instant::now() + MAX_STEP > deadline)
+                {
                     break;
                 }
                 // The guards (kill switches, budget) see the latest world before every effect.
                 current = self.record(org, run_id, &input, current).await?;
                 self.open_follow_up(org, &current.run).await?;
-                let Some(effect) = current.run.next_effect() else { return Ok(()) };
+                let Some(effect) = current.run.next_effect() else {
+                    return Ok(());
+                };
                 let outcome = self.perform(&current.run, &effect).await?;
                 let step = effect.step().to_string();
                 self.cross(Boundary::AfterEffect, &step);
-                current = self.record(org, run_id, &Input::Completed { step: step.clone(), outcome }, current).await?;
+                current = self
+                    .record(
+                        org,
+                        run_id,
+                        &Input::Completed {
+                            step: step.clone(),
+                            outcome,
+                        },
+                        current,
+                    )
+                    .await?;
                 self.open_follow_up(org, &current.run).await?;
                 self.cross(Boundary::AfterRecord, &step);
                 input = Input::Continue;
@@ -222,7 +273,11 @@ impl Worker {
 
     /// Takes one batch from the queue and handles it; returns how many messages it took.
     pub async fn run_once(&self) -> Result<usize, WorkerError> {
-        let deliveries = self.deps.queue.receive(BATCH, self.settings.visibility_ms).await?;
+        let deliveries = self
+            .deps
+            .queue
+            .receive(BATCH, self.settings.visibility_ms)
+            .await?;
         let handled = deliveries.iter().map(|delivery| self.deliver(delivery));
         for result in futures::future::join_all(handled).await {
             result?;
@@ -240,40 +295,64 @@ impl Worker {
             return d.queue.ack(&delivery.receipt).await;
         };
         let handled = self.handle_visible(&envelope, delivery).await;
-        match self.settlement(&envelope, handled, delivery.receive_count).await {
+        match self
+            .settlement(&envelope, handled, delivery.receive_count)
+            .await
+        {
             Settlement::Done => d.queue.ack(&delivery.receipt).await,
-            Settlement::Retry { delay_ms } => d.queue.retry_later(&delivery.receipt, delay_ms).await,
+            Settlement::Retry { delay_ms } => {
+                d.queue.retry_later(&delivery.receipt, delay_ms).await
+            }
         }
     }
 
     /// What the queue should do with a message whose handling (its `receive_count`-th) ended with `handled`. Used
     /// by this worker's own loop and by the Lambda entry point, which reports the retries as batch item failures.
-    pub async fn settlement(&self, envelope: &Envelope, handled: Result<(), WorkerError>, receive_count: u32) -> Settlement {
+    pub async fn settlement(
+        &self,
+        envelope: &Envelope,
+        handled: Result<(), WorkerError>,
+        receive_count: u32,
+    ) -> Settlement {
         let d = &self.deps;
         match handled {
             Ok(()) => Settlement::Done,
             Err(WorkerError::InProgress { step, retry_ms }) => {
                 // Waiting out someone else's lease must not use up the message's receives (it would be
                 // dead-lettered), so the continuation moves to the timer store and the message is done.
-                let due = d.clock.now_ms().saturating_add(i64::try_from(retry_ms).unwrap_or(i64::MAX));
-                let again = Envelope { org: envelope.org.clone(), run: envelope.run.clone(), input: None };
+                let due = d
+                    .clock
+                    .now_ms()
+                    .saturating_add(i64::try_from(retry_ms).unwrap_or(i64::MAX));
+                let again = Envelope {
+                    org: envelope.org.clone(),
+                    run: envelope.run.clone(),
+                    input: None,
+                };
                 // One timer per retry: the scheduler cancels a fired timer by id, which must not drop a retry
                 // scheduled again in between.
                 let timer = format!("retry:{step}:{due}");
                 let scheduled = match to_json(&again) {
-                    Ok(body) => d.timers.schedule(&envelope.org, &timer, due, &body).await.map_err(WorkerError::from),
+                    Ok(body) => d
+                        .timers
+                        .schedule(&envelope.org, &timer, due, &body)
+                        .await
+                        .map_err(WorkerError::from),
                     Err(e) => Err(e),
                 };
                 match scheduled {
                     Ok(()) => Settlement::Done,
                     Err(e) => {
                         warn!(run = %envelope.run, error = %e, "could not schedule the retry; the message comes back");
-                        Settlement::Retry { delay_ms: RETRY_DELAY_MS }
+                        Settlement::Retry {
+                            delay_ms: RETRY_DELAY_MS,
+                        }
                     }
                 }
             }
             Err(e) if e.retryable() => {
-                let delay_ms = RETRY_DELAY_MS << receive_count.saturating_sub(1).min(MAX_BACKOFF_SHIFT);
+                let delay_ms =
+                    RETRY_DELAY_MS << receive_count.saturating_sub(1).min(MAX_BACKOFF_SHIFT);
                 warn!(run = %envelope.run, error = %e, delay_ms, "step will be retried");
                 Settlement::Retry { delay_ms }
             }
@@ -287,14 +366,19 @@ impl Worker {
     /// Handles the message while keeping it hidden from other workers: its visibility is extended every third of
     /// the timeout, so an effect slower than the timeout (a model call may take minutes) is not performed twice
     /// side by side, while the message of a crashed worker still comes back soon.
-    async fn handle_visible(&self, envelope: &Envelope, delivery: &Delivery) -> Result<(), WorkerError> {
+    async fn handle_visible(
+        &self,
+        envelope: &Envelope,
+        delivery: &Delivery,
+    ) -> Result<(), WorkerError> {
         let visibility = self.settings.visibility_ms;
         let key = format!("{}/{}", envelope.org, envelope.run);
         let work = async {
             let lock = self.run_lock(&key);
             let result = {
                 let _held = lock.lock().await;
-                self.handle_received(envelope, delivery.receive_count, None).await
+                self.handle_received(envelope, delivery.receive_count, None)
+                    .await
             };
             drop(lock);
             self.forget_run_lock(&key);
@@ -315,14 +399,23 @@ impl Worker {
 
     fn run_lock(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
         // A poisoned map only means another task panicked while inserting; the map itself is still sound.
-        let mut runs = self.runs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut runs = self
+            .runs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         runs.entry(key.to_string()).or_default().clone()
     }
 
     /// Drops the run's lock once no task holds or waits for it, so the map does not grow with every run seen.
     fn forget_run_lock(&self, key: &str) {
-        let mut runs = self.runs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if runs.get(key).is_some_and(|lock| Arc::strong_count(lock) == 1) {
+        let mut runs = self
+            .runs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if runs
+            .get(key)
+            .is_some_and(|lock| Arc::strong_count(lock) == 1)
+        {
             runs.remove(key);
         }
     }
@@ -344,14 +437,17 @@ impl Worker {
         }
         let d = &self.deps;
         let visibility = self.settings.visibility_ms;
-        let mut tasks: FuturesUnordered<Pin<Box<dyn Future<Output = Done> + Send + '_>>> = FuturesUnordered::new();
+        let mut tasks: FuturesUnordered<Pin<Box<dyn Future<Output = Done> + Send + '_>>> =
+            FuturesUnordered::new();
         let mut in_flight = 0usize;
         let mut receiving = false;
         // How long the next receive waits first: nothing after a busy receive, a pause after an empty or failed one.
         let mut pause = Duration::ZERO;
         loop {
             if !receiving && in_flight < MAX_IN_FLIGHT && !*stop.borrow() {
-                let room = u32::try_from(MAX_IN_FLIGHT - in_flight).unwrap_or(MAX_RECEIVE).min(MAX_RECEIVE);
+                let room = u32::try_from(MAX_IN_FLIGHT - in_flight)
+                    .unwrap_or(MAX_RECEIVE)
+                    .min(MAX_RECEIVE);
                 let mut stop = stop.clone();
                 tasks.push(Box::pin(async move {
                     if !pause.is_zero() {
@@ -366,12 +462,18 @@ impl Worker {
                 receiving = true;
             }
             // Empty only when stopping with nothing left in flight.
-            let Some(done) = tasks.next().await else { return };
+            let Some(done) = tasks.next().await else {
+                return;
+            };
             match done {
                 Done::Handled => in_flight -= 1,
                 Done::Received(Ok(deliveries)) => {
                     receiving = false;
-                    pause = if deliveries.is_empty() { IDLE_PAUSE } else { Duration::ZERO };
+                    pause = if deliveries.is_empty() {
+                        IDLE_PAUSE
+                    } else {
+                        Duration::ZERO
+                    };
                     in_flight += deliveries.len();
                     for delivery in deliveries {
                         tasks.push(Box::pin(async move {
@@ -394,15 +496,29 @@ impl Worker {
 
     /// The run as stored, with the version its next append must name.
     async fn load(&self, org: &str, run_id: &str) -> Result<Current, WorkerError> {
-        let row = self.deps.store.get_run(org, run_id).await?.ok_or_else(|| WorkerError::RunNotFound(run_id.into()))?;
-        let run =
-            serde_json::from_slice(&row.snapshot).map_err(|e| WorkerError::Corrupt(format!("run {run_id}: {e}")))?;
-        Ok(Current { run, version: row.version })
+        let row = self
+            .deps
+            .store
+            .get_run(org, run_id)
+            .await?
+            .ok_or_else(|| WorkerError::RunNotFound(run_id.into()))?;
+        let run = serde_json::from_slice(&row.snapshot)
+            .map_err(|e| WorkerError::Corrupt(format!("run {run_id}: {e}")))?;
+        Ok(Current {
+            run,
+            version: row.version,
+        })
     }
 
     /// Feeds `input` to the engine and appends what it decides to `current` (the run as this worker last recorded
     /// or read it), reading the run again after a concurrent append. Returns the run as recorded.
-    async fn record(&self, org: &str, run_id: &str, input: &Input, mut current: Current) -> Result<Current, WorkerError> {
+    async fn record(
+        &self,
+        org: &str,
+        run_id: &str,
+        input: &Input,
+        mut current: Current,
+    ) -> Result<Current, WorkerError> {
         let d = &self.deps;
         for attempt in 0..MAX_CONFLICTS {
             if attempt > 0 {
@@ -410,8 +526,8 @@ impl Worker {
             }
             let now = d.clock.now_ms();
             let ctx = self.ctx(org, now).await?;
-            let events =
-                loams_factory::decide(&current.run, input, &ctx).map_err(|e| WorkerError::Corrupt(e.to_string()))?;
+            let events = loams_factory::decide(&current.run, input, &ctx)
+                .map_err(|e| WorkerError::Corrupt(e.to_string()))?;
             if events.is_empty() {
                 return Ok(current);
             }
@@ -421,7 +537,19 @@ impl Worker {
                 bodies.push(logged(event, &current.run, now)?);
             }
             let snapshot = to_json(&current.run)?;
-            match d.store.append(org, run_id, current.version, current.run.state.as_str(), &snapshot, &bodies, now).await {
+            match d
+                .store
+                .append(
+                    org,
+                    run_id,
+                    current.version,
+                    current.run.state.as_str(),
+                    &snapshot,
+                    &bodies,
+                    now,
+                )
+                .await
+            {
                 Ok(version) => return Ok(Current { version, ..current }),
                 Err(StoreError::Conflict) => continue,
                 Err(e) => return Err(e.into()),
@@ -437,9 +565,15 @@ impl Worker {
     async fn stored_settlement(&self, run: &Run) -> Result<Option<Input>, WorkerError> {
         use loams_factory::approval::{Approval, ApprovalState};
         let d = &self.deps;
-        let Some(gate) = run.gate.as_ref() else { return Ok(None) };
-        let Some(approval_id) = gate.approval_id.clone() else { return Ok(None) };
-        let Some(item) = d.store.get_item(&run.org, "approval", &approval_id).await? else { return Ok(None) };
+        let Some(gate) = run.gate.as_ref() else {
+            return Ok(None);
+        };
+        let Some(approval_id) = gate.approval_id.clone() else {
+            return Ok(None);
+        };
+        let Some(item) = d.store.get_item(&run.org, "approval", &approval_id).await? else {
+            return Ok(None);
+        };
         let approval: Approval = match serde_json::from_slice(&item.body) {
             Ok(approval) => approval,
             Err(e) => {
@@ -458,16 +592,24 @@ impl Worker {
             ApprovalState::Denied => false,
             ApprovalState::Pending | ApprovalState::Expired => return Ok(None),
         };
-        let mut by = approval.decision.map_or_else(|| "unrecorded".to_string(), |proof| proof.decided_by);
+        let mut by = approval
+            .decision
+            .map_or_else(|| "unrecorded".to_string(), |proof| proof.decided_by);
         // The engine refuses a longer name, and a refused input would drop the whole message.
         by.truncate(by.floor_char_boundary(loams_factory::MAX_ID));
-        Ok(Some(Input::ApprovalSettled { approval_id, approved, by }))
+        Ok(Some(Input::ApprovalSettled {
+            approval_id,
+            approved,
+            by,
+        }))
     }
 
     /// What an ended run asks for outside itself: a regressed run opens its successor. Checked on every message
     /// of the run, not only the one that ended it, so a crash right after the end cannot lose the successor.
     async fn open_follow_up(&self, org: &str, run: &Run) -> Result<(), WorkerError> {
-        let Some(follow_up) = run.follow_up.as_ref().filter(|_| run.state.is_terminal()) else { return Ok(()) };
+        let Some(follow_up) = run.follow_up.as_ref().filter(|_| run.state.is_terminal()) else {
+            return Ok(());
+        };
         // Create-if-absent: opening it again after a crash (or on a redelivered message) is a no-op.
         match self.open(org, follow_up.signal.clone()).await {
             Ok(_) => Ok(()),
@@ -485,18 +627,35 @@ impl Worker {
     async fn perform(&self, run: &Run, effect: &Effect) -> Result<Outcome, WorkerError> {
         let d = &self.deps;
         match effect {
-            Effect::Call { step, agent, skill, args, approval_id } => {
+            Effect::Call {
+                step,
+                agent,
+                skill,
+                args,
+                approval_id,
+            } => {
                 let span = info_span!("invoke_agent", gen_ai.agent.name = %agent, gen_ai.tool.name = %skill, step = %step);
-                let reply = d.agents.call(agent, step, skill, args.clone(), approval_id.as_deref()).instrument(span).await;
+                let reply = d
+                    .agents
+                    .call(agent, step, skill, args.clone(), approval_id.as_deref())
+                    .instrument(span)
+                    .await;
                 match reply {
                     AgentReply::Done(output) => Ok(Outcome::Agent(output)),
-                    AgentReply::Failed { error, retryable } => Ok(Outcome::Failed { error, retryable }),
-                    AgentReply::InProgress => {
-                        Err(WorkerError::InProgress { step: step.clone(), retry_ms: AGENT_IN_PROGRESS_DELAY_MS })
+                    AgentReply::Failed { error, retryable } => {
+                        Ok(Outcome::Failed { error, retryable })
                     }
+                    AgentReply::InProgress => Err(WorkerError::InProgress {
+                        step: step.clone(),
+                        retry_ms: AGENT_IN_PROGRESS_DELAY_MS,
+                    }),
                 }
             }
-            Effect::Model { step, purpose, messages } => self.complete(&run.org, step, purpose, messages).await,
+            Effect::Model {
+                step,
+                purpose,
+                messages,
+            } => self.complete(&run.org, step, purpose, messages).await,
             Effect::RequestApproval { approval, .. } => {
                 let record = approval.to_approval();
                 let item = Item {
@@ -510,17 +669,25 @@ impl Worker {
                 };
                 match d.store.put_item(&item, Cond::Absent).await {
                     // Absent or already stored by an earlier try of this same step: either way it exists once.
-                    Ok(_) | Err(StoreError::Conflict) => Ok(Outcome::Agent(json!({ "approval_id": approval.id }))),
+                    Ok(_) | Err(StoreError::Conflict) => {
+                        Ok(Outcome::Agent(json!({ "approval_id": approval.id })))
+                    }
                     Err(e) => Err(e.into()),
                 }
             }
-            Effect::Wait { timer_id, due_ms, .. } => {
+            Effect::Wait {
+                timer_id, due_ms, ..
+            } => {
                 let fire = Envelope {
                     org: run.org.clone(),
                     run: run.id.clone(),
-                    input: Some(Input::TimerFired { timer_id: timer_id.clone() }),
+                    input: Some(Input::TimerFired {
+                        timer_id: timer_id.clone(),
+                    }),
                 };
-                d.timers.schedule(&run.org, timer_id, *due_ms, &to_json(&fire)?).await?;
+                d.timers
+                    .schedule(&run.org, timer_id, *due_ms, &to_json(&fire)?)
+                    .await?;
                 Ok(Outcome::Agent(json!({ "timer_id": timer_id })))
             }
         }
@@ -536,19 +703,36 @@ impl Worker {
     ) -> Result<Outcome, WorkerError> {
         let d = &self.deps;
         let key = format!("model:{step}");
-        match d.store.claim(org, &key, d.clock.now_ms(), MODEL_LEASE_MS).await? {
+        match d
+            .store
+            .claim(org, &key, d.clock.now_ms(), MODEL_LEASE_MS)
+            .await?
+        {
             Claim::Done(stored) => {
-                return serde_json::from_slice(&stored).map_err(|e| WorkerError::Corrupt(format!("{key}: {e}")));
+                return serde_json::from_slice(&stored)
+                    .map_err(|e| WorkerError::Corrupt(format!("{key}: {e}")));
             }
-            Claim::InProgress => return Err(WorkerError::InProgress { step: step.into(), retry_ms: IN_PROGRESS_DELAY_MS }),
+            Claim::InProgress => {
+                return Err(WorkerError::InProgress {
+                    step: step.into(),
+                    retry_ms: IN_PROGRESS_DELAY_MS,
+                });
+            }
             Claim::New => {}
         }
         let request = ChatRequest {
             purpose: purpose.to_string(),
-            messages: messages.iter().map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone() }).collect(),
+            messages: messages
+                .iter()
+                .map(|m| ChatMessage {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                })
+                .collect(),
             max_tokens: None,
         };
-        let span = info_span!("chat", gen_ai.operation.name = "chat", purpose = %purpose, step = %step);
+        let span =
+            info_span!("chat", gen_ai.operation.name = "chat", purpose = %purpose, step = %step);
         match d.model.complete(&request).instrument(span).await {
             Ok(answer) => {
                 let outcome = Outcome::Model {
@@ -556,13 +740,18 @@ impl Worker {
                     input_tokens: answer.input_tokens,
                     output_tokens: answer.output_tokens,
                 };
-                d.store.finish(org, &key, &to_json(&outcome)?, d.clock.now_ms()).await?;
+                d.store
+                    .finish(org, &key, &to_json(&outcome)?, d.clock.now_ms())
+                    .await?;
                 Ok(outcome)
             }
             Err(e) => {
                 // Nothing was paid for a failed call that may be retried; free the key for the retry.
                 d.store.release(org, &key).await?;
-                Ok(Outcome::Failed { error: e.to_string(), retryable: e.is_retryable() })
+                Ok(Outcome::Failed {
+                    error: e.to_string(),
+                    retryable: e.is_retryable(),
+                })
             }
         }
     }
@@ -581,7 +770,10 @@ impl Worker {
 
     async fn kill_switches(&self, org: &str) -> Result<KillSwitches, WorkerError> {
         let mut kill = KillSwitches::default();
-        let mut page = Page { cursor: None, limit: 100 };
+        let mut page = Page {
+            cursor: None,
+            limit: 100,
+        };
         loop {
             let items = self.deps.store.list_items(org, "kill", None, page).await?;
             for item in &items.items {
@@ -593,21 +785,43 @@ impl Worker {
                 }
             }
             match items.next {
-                Some(cursor) => page = Page { cursor: Some(cursor), limit: 100 },
+                Some(cursor) => {
+                    page = Page {
+                        cursor: Some(cursor),
+                        limit: 100,
+                    }
+                }
                 None => return Ok(kill),
             }
         }
     }
 
     async fn last_run(&self, org: &str, fingerprint: &str) -> Result<Option<LastRun>, WorkerError> {
-        let Some(item) = self.deps.store.get_item(org, "fingerprint", &fingerprint_key(fingerprint)).await? else {
+        let Some(item) = self
+            .deps
+            .store
+            .get_item(org, "fingerprint", &fingerprint_key(fingerprint))
+            .await?
+        else {
             return Ok(None);
         };
-        serde_json::from_slice(&item.body).map(Some).map_err(|e| WorkerError::Corrupt(format!("fingerprint: {e}")))
+        serde_json::from_slice(&item.body)
+            .map(Some)
+            .map_err(|e| WorkerError::Corrupt(format!("fingerprint: {e}")))
     }
 
-    async fn enqueue(&self, org: &str, run: &str, input: Option<Input>, delay_ms: u64) -> Result<(), WorkerError> {
-        let envelope = Envelope { org: org.to_string(), run: run.to_string(), input };
+    async fn enqueue(
+        &self,
+        org: &str,
+        run: &str,
+        input: Option<Input>,
+        delay_ms: u64,
+    ) -> Result<(), WorkerError> {
+        let envelope = Envelope {
+            org: org.to_string(),
+            run: run.to_string(),
+            input,
+        };
         self.deps.queue.send(&to_json(&envelope)?, delay_ms).await?;
         Ok(())
     }

@@ -5,9 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
+use loams_factory::approval::{Approval, ApprovalState};
 use loams_factory::{AUDIT_APPROVAL, Envelope, Input, LEAD_APPROVAL, Outcome, Run, Signal};
 use loams_model::{ChatModel, ChatRequest, ChatResponse, ModelError};
-use loams_factory::approval::{Approval, ApprovalState};
 use loams_platform::{Claim, Clock, Cond, Item, ManualClock, Page, Queue, Sqlite, Store};
 use loams_worker::{AgentCaller, AgentReply, Scheduler, Worker, WorkerDeps, WorkerError};
 use serde_json::{Value, json};
@@ -33,19 +33,27 @@ impl FakeAgents {
         match (agent, skill) {
             ("zulip", "open_thread") => json!({"message_id": 1, "url": "https://chat/1"}),
             ("zulip", "post") => json!({"message_id": 2}),
-            ("plane", "create_issue") => json!({"id": "i-1", "key": "ACME-1", "url": "https://plane/1", "created": true}),
+            ("plane", "create_issue") => {
+                json!({"id": "i-1", "key": "ACME-1", "url": "https://plane/1", "created": true})
+            }
             ("plane", "comment") => json!({"id": "c-1"}),
             ("plane", "set_state") => json!({"state": "completed"}),
             ("forgejo", "read_files") => {
                 json!({"files": [{"path": "src/checkout.py", "content": "def apply_discount(price, percent):\n    return price / 0\n"}]})
             }
             ("forgejo", "commit_patch") => json!({"sha": "c0ffee"}),
-            ("forgejo", "open_pr") => json!({"number": 7, "url": "https://git/pr/7", "head_sha": "c0ffee"}),
+            ("forgejo", "open_pr") => {
+                json!({"number": 7, "url": "https://git/pr/7", "head_sha": "c0ffee"})
+            }
             ("forgejo", "ci_status") => json!({"state": "success", "log": "ok"}),
             ("forgejo", "merge") => json!({"merge_sha": "m3rge"}),
-            ("forgejo", "revert") => json!({"number": 8, "url": "https://git/pr/8", "head_sha": "r3v"}),
+            ("forgejo", "revert") => {
+                json!({"number": 8, "url": "https://git/pr/8", "head_sha": "r3v"})
+            }
             ("forgejo", "close_pr") => json!({"closed": true}),
-            ("glitchtip", "issue_events") => json!({"count": self.error_events, "last_seen_ms": null}),
+            ("glitchtip", "issue_events") => {
+                json!({"count": self.error_events, "last_seen_ms": null})
+            }
             ("glitchtip", "resolve") => json!({"status": "resolved"}),
             ("analytics", "series") => json!({"points": [], "total": 0}),
             _ => panic!("step {step} calls {agent}.{skill}, which is not in the skills table"),
@@ -59,8 +67,20 @@ impl FakeAgents {
 
 #[async_trait]
 impl AgentCaller for FakeAgents {
-    async fn call(&self, agent: &str, step: &str, skill: &str, _args: Value, _approval_id: Option<&str>) -> AgentReply {
-        *self.calls.lock().unwrap().entry(step.to_string()).or_default() += 1;
+    async fn call(
+        &self,
+        agent: &str,
+        step: &str,
+        skill: &str,
+        _args: Value,
+        _approval_id: Option<&str>,
+    ) -> AgentReply {
+        *self
+            .calls
+            .lock()
+            .unwrap()
+            .entry(step.to_string())
+            .or_default() += 1;
         let (called, answer) = self
             .answered
             .lock()
@@ -69,8 +89,17 @@ impl AgentCaller for FakeAgents {
             .or_insert_with(|| (format!("{agent}.{skill}"), self.output(agent, skill, step)))
             .clone();
         // One message id is one call: the same id for another call would be a worker bug.
-        assert_eq!(called, format!("{agent}.{skill}"), "message id {step} reused for another call");
-        let kill = self.kill_after.lock().unwrap().clone().filter(|(after, _)| *after == called);
+        assert_eq!(
+            called,
+            format!("{agent}.{skill}"),
+            "message id {step} reused for another call"
+        );
+        let kill = self
+            .kill_after
+            .lock()
+            .unwrap()
+            .clone()
+            .filter(|(after, _)| *after == called);
         if let Some((_, db)) = kill {
             let switch = Item {
                 org: ORG.into(),
@@ -100,10 +129,17 @@ impl ChatModel for FakeModel {
         let text = match req.purpose.as_str() {
             "fix" => PATCH.to_string(),
             "lead_review" => LEAD_APPROVAL.to_string(),
-            "security_audit" => format!("LOW src/checkout.py:2 negative percent; exploit: none; remedy: clamp\n\n{AUDIT_APPROVAL}"),
+            "security_audit" => format!(
+                "LOW src/checkout.py:2 negative percent; exploit: none; remedy: clamp\n\n{AUDIT_APPROVAL}"
+            ),
             other => panic!("unexpected purpose {other}"),
         };
-        Ok(ChatResponse { text, model: "fake".into(), input_tokens: 100, output_tokens: 20 })
+        Ok(ChatResponse {
+            text,
+            model: "fake".into(),
+            input_tokens: 100,
+            output_tokens: 20,
+        })
     }
 }
 
@@ -124,7 +160,14 @@ impl Harness {
         let model = Arc::new(FakeModel::default());
         let worker = Harness::worker(&clock, &db, &agents, &model, max_generations);
         let scheduler = Scheduler::new(db.clone(), db.clone(), clock.clone());
-        Harness { clock, db, agents, model, worker, scheduler }
+        Harness {
+            clock,
+            db,
+            agents,
+            model,
+            worker,
+            scheduler,
+        }
     }
 
     /// A worker on the harness's backend (several may share it, like several processes).
@@ -135,8 +178,14 @@ impl Harness {
         model: &Arc<FakeModel>,
         max_generations: u32,
     ) -> Worker {
-        let config = loams_factory::Config { max_generations, ..loams_factory::Config::default() };
-        let policy = loams_factory::Policy { auto_triage: true, ..loams_factory::Policy::default() };
+        let config = loams_factory::Config {
+            max_generations,
+            ..loams_factory::Config::default()
+        };
+        let policy = loams_factory::Policy {
+            auto_triage: true,
+            ..loams_factory::Policy::default()
+        };
         Worker::new(WorkerDeps {
             store: db.clone(),
             queue: db.clone(),
@@ -162,17 +211,35 @@ impl Harness {
     }
 
     async fn send(&self, run: &str, input: Option<Input>) {
-        let envelope = Envelope { org: ORG.into(), run: run.into(), input };
-        self.db.send(&serde_json::to_vec(&envelope).unwrap(), 0).await.unwrap();
+        let envelope = Envelope {
+            org: ORG.into(),
+            run: run.into(),
+            input,
+        };
+        self.db
+            .send(&serde_json::to_vec(&envelope).unwrap(), 0)
+            .await
+            .unwrap();
     }
 
     /// Approves `approval` as the API does: the decision stored, then a message to the run.
     async fn approve(&self, run: &str, approval: Item) {
         let mut record: Approval = serde_json::from_slice(&approval.body).unwrap();
         record.state = ApprovalState::Approved;
-        let stored = Item { body: serde_json::to_vec(&record).unwrap(), index: None, ..approval.clone() };
-        self.db.put_item(&stored, Cond::Version(approval.version)).await.unwrap();
-        let input = Input::ApprovalSettled { approval_id: approval.id, approved: true, by: "alice".into() };
+        let stored = Item {
+            body: serde_json::to_vec(&record).unwrap(),
+            index: None,
+            ..approval.clone()
+        };
+        self.db
+            .put_item(&stored, Cond::Version(approval.version))
+            .await
+            .unwrap();
+        let input = Input::ApprovalSettled {
+            approval_id: approval.id,
+            approved: true,
+            by: "alice".into(),
+        };
         self.send(run, Some(input)).await;
     }
 
@@ -185,8 +252,13 @@ impl Harness {
             if run.state.is_terminal() {
                 return run;
             }
-            let mut busy = self.worker.run_once().await.unwrap() + self.scheduler.fire_due().await.unwrap();
-            let pending = self.db.list_items(ORG, "approval", Some("pending"), Page::first(10)).await.unwrap();
+            let mut busy =
+                self.worker.run_once().await.unwrap() + self.scheduler.fire_due().await.unwrap();
+            let pending = self
+                .db
+                .list_items(ORG, "approval", Some("pending"), Page::first(10))
+                .await
+                .unwrap();
             for approval in pending.items {
                 if !settled.contains(&approval.id) {
                     settled.push(approval.id.clone());
@@ -226,7 +298,10 @@ async fn a_run_driven_through_the_queue_succeeds_performing_each_step_once() {
     let run = h.drive(&opened.run_id).await;
     assert_eq!(run.state.as_str(), "succeeded", "{run:?}");
     assert_eq!(run.links.deploy_ref.as_deref(), Some("m3rge"));
-    assert_eq!(*h.model.paid.lock().unwrap(), ["fix", "lead_review", "security_audit"]);
+    assert_eq!(
+        *h.model.paid.lock().unwrap(),
+        ["fix", "lead_review", "security_audit"]
+    );
     let calls = h.agents.calls.lock().unwrap().clone();
     let skills: Vec<String> = {
         let answered = h.agents.answered.lock().unwrap();
@@ -234,18 +309,35 @@ async fn a_run_driven_through_the_queue_succeeds_performing_each_step_once() {
         s.sort();
         s
     };
-    for skill in ["zulip.open_thread", "plane.create_issue", "forgejo.commit_patch", "forgejo.open_pr", "forgejo.merge",
-        "glitchtip.resolve", "plane.set_state"]
-    {
-        assert_eq!(skills.iter().filter(|s| *s == skill).count(), 1, "{skill} in {skills:?}");
+    for skill in [
+        "zulip.open_thread",
+        "plane.create_issue",
+        "forgejo.commit_patch",
+        "forgejo.open_pr",
+        "forgejo.merge",
+        "glitchtip.resolve",
+        "plane.set_state",
+    ] {
+        assert_eq!(
+            skills.iter().filter(|s| *s == skill).count(),
+            1,
+            "{skill} in {skills:?}"
+        );
     }
     // The second open's duplicate continuation makes some steps run twice side by side: always under the same
     // message id, so the agent performed each once, and nothing was recorded as a failure.
     assert!(calls.values().all(|n| *n <= 2), "{calls:?}");
     let events = h.db.events(ORG, &opened.run_id, 0, 500).await.unwrap();
-    assert!(events.iter().all(|e| serde_json::from_slice::<Value>(&e.body).unwrap()["type"] != "step_failed"));
+    assert!(
+        events
+            .iter()
+            .all(|e| serde_json::from_slice::<Value>(&e.body).unwrap()["type"] != "step_failed")
+    );
     // The approval was stored once, under the request's step id.
-    let approvals = h.db.list_items(ORG, "approval", None, Page::first(10)).await.unwrap();
+    let approvals =
+        h.db.list_items(ORG, "approval", None, Page::first(10))
+            .await
+            .unwrap();
     assert_eq!(approvals.items.len(), 1);
     assert!(h.db.dead_letters(10).await.unwrap().is_empty());
 }
@@ -255,12 +347,19 @@ async fn two_workers_on_the_same_message_record_the_step_once_under_one_message_
     let h = Harness::new(FakeAgents::default(), 2);
     let second = Harness::worker(&h.clock, &h.db, &h.agents, &h.model, 2);
     let id = h.worker.open(ORG, signal("fp-2")).await.unwrap().run_id;
-    let envelope = Envelope { org: ORG.into(), run: id.clone(), input: None };
+    let envelope = Envelope {
+        org: ORG.into(),
+        run: id.clone(),
+        input: None,
+    };
     let before = h.version(&id).await;
 
     // One step each: further along, one worker may find the other holding the fix's model call (`InProgress`),
     // which is the settlement's business, not this test's.
-    let (a, b) = tokio::join!(h.worker.handle_steps(&envelope, 1, None), second.handle_steps(&envelope, 1, None));
+    let (a, b) = tokio::join!(
+        h.worker.handle_steps(&envelope, 1, None),
+        second.handle_steps(&envelope, 1, None)
+    );
     a.unwrap();
     b.unwrap();
 
@@ -274,10 +373,23 @@ async fn two_workers_on_the_same_message_record_the_step_once_under_one_message_
     let events = h.db.events(ORG, &id, before, 100).await.unwrap();
     let kinds: Vec<String> = events
         .iter()
-        .map(|e| serde_json::from_slice::<Value>(&e.body).unwrap()["type"].as_str().unwrap().to_string())
+        .map(|e| {
+            serde_json::from_slice::<Value>(&e.body).unwrap()["type"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
-    assert_eq!(kinds.iter().filter(|k| *k == "thread_opened").count(), 1, "{kinds:?}");
-    assert_eq!(kinds.iter().filter(|k| *k == "step_failed").count(), 0, "{kinds:?}");
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "thread_opened").count(),
+        1,
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "step_failed").count(),
+        0,
+        "{kinds:?}"
+    );
 }
 
 /// Drives run `id` until its next effect is the fix model call; returns that call's step id.
@@ -287,7 +399,18 @@ async fn until_fix(h: &Harness, id: &str) -> String {
         if let Some(loams_factory::Effect::Model { step, .. }) = run.next_effect() {
             return step;
         }
-        h.worker.handle_steps(&Envelope { org: ORG.into(), run: id.into(), input: None }, 1, None).await.unwrap();
+        h.worker
+            .handle_steps(
+                &Envelope {
+                    org: ORG.into(),
+                    run: id.into(),
+                    input: None,
+                },
+                1,
+                None,
+            )
+            .await
+            .unwrap();
     }
     panic!("the run never reached its fix");
 }
@@ -304,10 +427,22 @@ async fn a_model_call_claimed_elsewhere_is_retried_later_and_a_finished_one_reus
 
     // Another worker holds the call: the message is not lost and the model is not paid.
     let key = format!("model:{step}");
-    assert_eq!(h.db.claim(ORG, &key, h.clock.now_ms(), 180_000).await.unwrap(), Claim::New);
+    assert_eq!(
+        h.db.claim(ORG, &key, h.clock.now_ms(), 180_000)
+            .await
+            .unwrap(),
+        Claim::New
+    );
     h.send(&id, None).await;
-    let envelope = Envelope { org: ORG.into(), run: id.clone(), input: None };
-    assert!(matches!(h.worker.handle(&envelope).await, Err(WorkerError::InProgress { .. })));
+    let envelope = Envelope {
+        org: ORG.into(),
+        run: id.clone(),
+        input: None,
+    };
+    assert!(matches!(
+        h.worker.handle(&envelope).await,
+        Err(WorkerError::InProgress { .. })
+    ));
     assert_eq!(h.worker.run_once().await.unwrap(), 1);
     assert!(h.model.paid.lock().unwrap().is_empty());
     // Not lost and not spun on: the continuation waits in the timer store (waiting out a lease must not use up
@@ -316,65 +451,157 @@ async fn a_model_call_claimed_elsewhere_is_retried_later_and_a_finished_one_reus
     assert_eq!(h.scheduler.fire_due().await.unwrap(), 0, "not due yet");
 
     // The holder finishes: the retry reuses its answer.
-    let outcome = Outcome::Model { text: PATCH.into(), input_tokens: 7, output_tokens: 3 };
-    h.db.finish(ORG, &key, &serde_json::to_vec(&outcome).unwrap(), h.clock.now_ms()).await.unwrap();
+    let outcome = Outcome::Model {
+        text: PATCH.into(),
+        input_tokens: 7,
+        output_tokens: 3,
+    };
+    h.db.finish(
+        ORG,
+        &key,
+        &serde_json::to_vec(&outcome).unwrap(),
+        h.clock.now_ms(),
+    )
+    .await
+    .unwrap();
     h.clock.advance(61_000);
     assert_eq!(h.scheduler.fire_due().await.unwrap(), 1);
     assert_eq!(h.worker.run_once().await.unwrap(), 1);
     // The message carries the run on past the fix (to the reviews, which are paid): the fix itself is not.
-    assert!(!h.model.paid.lock().unwrap().iter().any(|p| p == "fix"), "paid twice for {step}");
-    let answered: Vec<Value> = h.db.events(ORG, &id, 0, 500).await.unwrap().iter()
-        .map(|e| serde_json::from_slice::<Value>(&e.body).unwrap())
-        .filter(|e| e["type"] == "model_answered" && e["step"] == step.as_str())
-        .collect();
+    assert!(
+        !h.model.paid.lock().unwrap().iter().any(|p| p == "fix"),
+        "paid twice for {step}"
+    );
+    let answered: Vec<Value> =
+        h.db.events(ORG, &id, 0, 500)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| serde_json::from_slice::<Value>(&e.body).unwrap())
+            .filter(|e| e["type"] == "model_answered" && e["step"] == step.as_str())
+            .collect();
     assert_eq!(answered.len(), 1, "{answered:?}");
-    assert_eq!((answered[0]["input_tokens"].as_u64(), answered[0]["output_tokens"].as_u64()), (Some(7), Some(3)),
-        "the reused answer is the one recorded");
-    assert!(h.run(&id).await.patch.iter().any(|f| f.path == "src/checkout.py"));
+    assert_eq!(
+        (
+            answered[0]["input_tokens"].as_u64(),
+            answered[0]["output_tokens"].as_u64()
+        ),
+        (Some(7), Some(3)),
+        "the reused answer is the one recorded"
+    );
+    assert!(
+        h.run(&id)
+            .await
+            .patch
+            .iter()
+            .any(|f| f.path == "src/checkout.py")
+    );
 }
 
 #[tokio::test]
 async fn a_regressed_run_opens_its_follow_up_unless_the_cap_refuses() {
     for (cap, runs) in [(2, 2), (1, 1)] {
-        let h = Harness::new(FakeAgents { error_events: 50, ..FakeAgents::default() }, cap);
+        let h = Harness::new(
+            FakeAgents {
+                error_events: 50,
+                ..FakeAgents::default()
+            },
+            cap,
+        );
         let id = h.worker.open(ORG, signal("fp-4")).await.unwrap().run_id;
         let run = h.drive(&id).await;
         assert_eq!(run.state.as_str(), "failed");
         assert_eq!(run.follow_up.is_some(), cap == 2, "{:?}", run.follow_up);
-        let all = h.db.list_runs(ORG, None, Page::first(10)).await.unwrap().items;
+        let all =
+            h.db.list_runs(ORG, None, Page::first(10))
+                .await
+                .unwrap()
+                .items;
         assert_eq!(all.len(), runs, "cap {cap}");
         if cap == 2 {
             let next = all.iter().find(|r| r.id != id).unwrap();
             let next: Run = serde_json::from_slice(&next.snapshot).unwrap();
-            assert_eq!((next.generation, next.parent_run.as_deref()), (2, Some(id.as_str())));
+            assert_eq!(
+                (next.generation, next.parent_run.as_deref()),
+                (2, Some(id.as_str()))
+            );
         }
         // The revert went through its approval.
-        assert!(h.agents.answered.lock().unwrap().values().any(|(s, _)| s == "forgejo.revert"));
+        assert!(
+            h.agents
+                .answered
+                .lock()
+                .unwrap()
+                .values()
+                .any(|(s, _)| s == "forgejo.revert")
+        );
     }
 }
 
 #[tokio::test]
 async fn a_follow_up_lost_in_a_crash_is_opened_by_the_next_message_of_the_ended_run() {
     // A regressed run that ended and opened its successor...
-    let h = Harness::new(FakeAgents { error_events: 50, ..FakeAgents::default() }, 2);
+    let h = Harness::new(
+        FakeAgents {
+            error_events: 50,
+            ..FakeAgents::default()
+        },
+        2,
+    );
     let id = h.worker.open(ORG, signal("fp-8")).await.unwrap().run_id;
     let ended = h.drive(&id).await;
     assert!(ended.follow_up.is_some());
     let row = h.db.get_run(ORG, &id).await.unwrap().unwrap();
 
     // ...copied into a store where the process died right after recording the end: no successor yet.
-    let crashed = Harness::new(FakeAgents { error_events: 50, ..FakeAgents::default() }, 2);
-    crashed.db.create_run(ORG, &id, &row.state, &row.snapshot, b"{}", 0).await.unwrap();
-    assert_eq!(crashed.db.list_runs(ORG, None, Page::first(10)).await.unwrap().items.len(), 1);
+    let crashed = Harness::new(
+        FakeAgents {
+            error_events: 50,
+            ..FakeAgents::default()
+        },
+        2,
+    );
+    crashed
+        .db
+        .create_run(ORG, &id, &row.state, &row.snapshot, b"{}", 0)
+        .await
+        .unwrap();
+    assert_eq!(
+        crashed
+            .db
+            .list_runs(ORG, None, Page::first(10))
+            .await
+            .unwrap()
+            .items
+            .len(),
+        1
+    );
 
     // The redelivered message of the ended run opens it; another one changes nothing more.
     for _ in 0..2 {
-        crashed.worker.handle(&Envelope { org: ORG.into(), run: id.clone(), input: None }).await.unwrap();
+        crashed
+            .worker
+            .handle(&Envelope {
+                org: ORG.into(),
+                run: id.clone(),
+                input: None,
+            })
+            .await
+            .unwrap();
     }
-    let all = crashed.db.list_runs(ORG, None, Page::first(10)).await.unwrap().items;
+    let all = crashed
+        .db
+        .list_runs(ORG, None, Page::first(10))
+        .await
+        .unwrap()
+        .items;
     assert_eq!(all.len(), 2, "exactly one successor");
-    let next: Run = serde_json::from_slice(&all.iter().find(|r| r.id != id).unwrap().snapshot).unwrap();
-    assert_eq!((next.generation, next.parent_run.as_deref()), (2, Some(id.as_str())));
+    let next: Run =
+        serde_json::from_slice(&all.iter().find(|r| r.id != id).unwrap().snapshot).unwrap();
+    assert_eq!(
+        (next.generation, next.parent_run.as_deref()),
+        (2, Some(id.as_str()))
+    );
 }
 
 #[tokio::test]
@@ -383,7 +610,11 @@ async fn a_malformed_message_is_acked_and_dropped() {
     h.db.send(b"{not an envelope", 0).await.unwrap();
     assert_eq!(h.worker.run_once().await.unwrap(), 1);
     h.clock.advance(10 * 60_000);
-    assert_eq!(h.worker.run_once().await.unwrap(), 0, "the message came back");
+    assert_eq!(
+        h.worker.run_once().await.unwrap(),
+        0,
+        "the message came back"
+    );
     assert!(h.db.dead_letters(10).await.unwrap().is_empty());
 }
 
@@ -403,11 +634,19 @@ async fn a_timer_fired_twice_changes_nothing_the_second_time() {
         h.scheduler.fire_due().await.unwrap();
     }
     let timer_id = timer.expect("the run never waited on a timer");
-    let fired = Some(Input::TimerFired { timer_id: timer_id.clone() });
+    let fired = Some(Input::TimerFired {
+        timer_id: timer_id.clone(),
+    });
     h.send(&id, fired.clone()).await;
     h.worker.run_once().await.unwrap();
     let after_first = h.version(&id).await;
-    assert!(h.run(&id).await.wait.as_ref().is_none_or(|w| w.timer_id != timer_id));
+    assert!(
+        h.run(&id)
+            .await
+            .wait
+            .as_ref()
+            .is_none_or(|w| w.timer_id != timer_id)
+    );
 
     h.send(&id, fired).await;
     assert!(h.worker.run_once().await.unwrap() >= 1);
@@ -416,7 +655,9 @@ async fn a_timer_fired_twice_changes_nothing_the_second_time() {
     let fired_again = events
         .iter()
         .filter(|e| serde_json::from_slice::<Value>(&e.body).unwrap()["type"] == "timer_fired")
-        .filter(|e| serde_json::from_slice::<Value>(&e.body).unwrap()["timer_id"] == timer_id.as_str())
+        .filter(|e| {
+            serde_json::from_slice::<Value>(&e.body).unwrap()["timer_id"] == timer_id.as_str()
+        })
         .count();
     assert_eq!(fired_again, 0);
 }
@@ -426,14 +667,38 @@ async fn a_step_performed_again_after_a_crash_reuses_its_message_id() {
     let h = Harness::new(FakeAgents::default(), 2);
     let id = h.worker.open(ORG, signal("fp-6")).await.unwrap().run_id;
     let run = h.run(&id).await;
-    let Some(loams_factory::Effect::Call { step, .. }) = run.next_effect() else { panic!("no call first") };
+    let Some(loams_factory::Effect::Call { step, .. }) = run.next_effect() else {
+        panic!("no call first")
+    };
     // A crash after the effect and before the record: the agent answered, the run does not know.
-    let agent_reply = h.agents.call("zulip", &step, "open_thread", json!({}), None).await;
+    let agent_reply = h
+        .agents
+        .call("zulip", &step, "open_thread", json!({}), None)
+        .await;
     assert!(matches!(agent_reply, AgentReply::Done(_)));
     // The message comes back after the crash.
-    h.worker.handle_received(&Envelope { org: ORG.into(), run: id.clone(), input: None }, 2, None).await.unwrap();
-    assert_eq!(h.agents.calls_of(&step), 2, "the redo used another message id");
-    assert_eq!(h.agents.answered.lock().unwrap().len(), 1, "one call performed once, answered twice");
+    h.worker
+        .handle_received(
+            &Envelope {
+                org: ORG.into(),
+                run: id.clone(),
+                input: None,
+            },
+            2,
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        h.agents.calls_of(&step),
+        2,
+        "the redo used another message id"
+    );
+    assert_eq!(
+        h.agents.answered.lock().unwrap().len(),
+        1,
+        "one call performed once, answered twice"
+    );
     assert_eq!(h.run(&id).await.links.thread_message_id, Some(1));
 }
 
@@ -448,7 +713,11 @@ async fn a_decision_stored_without_its_message_reaches_the_run_at_the_next_reche
     let mut parked = None;
     for _ in 0..100 {
         let run = h.run(&id).await;
-        if let Some(w) = run.wait.as_ref().filter(|w| w.scheduled && w.kind == loams_factory::WaitKind::Approval) {
+        if let Some(w) = run
+            .wait
+            .as_ref()
+            .filter(|w| w.scheduled && w.kind == loams_factory::WaitKind::Approval)
+        {
             parked = Some(w.clone());
             break;
         }
@@ -460,13 +729,19 @@ async fn a_decision_stored_without_its_message_reaches_the_run_at_the_next_reche
     while h.worker.run_once().await.unwrap() > 0 {}
     let stored = h.db.due(rests_at + 60_000, 10).await.unwrap();
     assert!(
-        stored.iter().any(|t| t.id == wait.timer_id && t.due_ms == rests_at + 60_000),
+        stored
+            .iter()
+            .any(|t| t.id == wait.timer_id && t.due_ms == rests_at + 60_000),
         "a re-check a minute away, not the 72 h expiry: {stored:?}"
     );
 
     // A person approves; the API stores the decision and dies before enqueueing the settlement.
     let approval_id = h.run(&id).await.gate.and_then(|g| g.approval_id).unwrap();
-    let item = h.db.get_item(ORG, "approval", &approval_id).await.unwrap().unwrap();
+    let item =
+        h.db.get_item(ORG, "approval", &approval_id)
+            .await
+            .unwrap()
+            .unwrap();
     let mut approval: Approval = serde_json::from_slice(&item.body).unwrap();
     approval.state = ApprovalState::Approved;
     approval.decision = Some(DecisionProof {
@@ -476,9 +751,19 @@ async fn a_decision_stored_without_its_message_reaches_the_run_at_the_next_reche
         decided_at_ms: rests_at,
         decided_by: "alice".into(),
     });
-    let settled = loams_platform::Item { body: serde_json::to_vec(&approval).unwrap(), index: None, ..item.clone() };
-    h.db.put_item(&settled, Cond::Version(item.version)).await.unwrap();
-    assert_eq!(h.worker.run_once().await.unwrap(), 0, "no message tells the run");
+    let settled = loams_platform::Item {
+        body: serde_json::to_vec(&approval).unwrap(),
+        index: None,
+        ..item.clone()
+    };
+    h.db.put_item(&settled, Cond::Version(item.version))
+        .await
+        .unwrap();
+    assert_eq!(
+        h.worker.run_once().await.unwrap(),
+        0,
+        "no message tells the run"
+    );
     assert!(h.run(&id).await.gate.is_some());
 
     // The re-check fires a minute later: the worker reads the decision and the run merges.
@@ -487,12 +772,26 @@ async fn a_decision_stored_without_its_message_reaches_the_run_at_the_next_reche
     for _ in 0..20 {
         h.worker.run_once().await.unwrap();
     }
-    assert!(h.agents.answered.lock().unwrap().values().any(|(s, _)| s == "forgejo.merge"), "the run did not merge");
+    assert!(
+        h.agents
+            .answered
+            .lock()
+            .unwrap()
+            .values()
+            .any(|(s, _)| s == "forgejo.merge"),
+        "the run did not merge"
+    );
     let run = h.run(&id).await;
     assert!(run.links.deploy_ref.is_some());
     let record = run.approvals.iter().find(|a| a.id == approval.id).unwrap();
-    assert_eq!((record.state, record.by.as_deref()), (ApprovalState::Approved, Some("alice")));
-    assert!(h.clock.now_ms() - rests_at <= 60_000, "learned within one re-check");
+    assert_eq!(
+        (record.state, record.by.as_deref()),
+        (ApprovalState::Approved, Some("alice"))
+    );
+    assert!(
+        h.clock.now_ms() - rests_at <= 60_000,
+        "learned within one re-check"
+    );
 }
 
 #[tokio::test]
@@ -502,14 +801,21 @@ async fn a_first_delivery_carries_the_run_through_several_steps_a_redelivered_on
     for d in h.db.receive(10, 1_000).await.unwrap() {
         h.db.ack(&d.receipt).await.unwrap();
     }
-    let envelope = Envelope { org: ORG.into(), run: id.clone(), input: None };
+    let envelope = Envelope {
+        org: ORG.into(),
+        run: id.clone(),
+        input: None,
+    };
     let total = |h: &Harness| h.agents.calls.lock().unwrap().values().sum::<u32>();
 
     // Came back after a crash: one step, then a fresh message (receive count 1) for the rest.
     h.worker.handle_received(&envelope, 2, None).await.unwrap();
     assert_eq!(total(&h), 1);
     let fresh = h.db.receive(10, 1_000).await.unwrap();
-    assert_eq!(fresh.iter().map(|d| d.receive_count).collect::<Vec<_>>(), [1]);
+    assert_eq!(
+        fresh.iter().map(|d| d.receive_count).collect::<Vec<_>>(),
+        [1]
+    );
     h.db.ack(&fresh[0].receipt).await.unwrap();
 
     // A first delivery goes on until the run has to wait, each step recorded before the next.
@@ -517,19 +823,33 @@ async fn a_first_delivery_carries_the_run_through_several_steps_a_redelivered_on
     h.worker.handle_received(&envelope, 1, None).await.unwrap();
     let calls = total(&h) - 1;
     assert!(calls >= 2, "{:?}", h.agents.calls.lock().unwrap());
-    assert!(h.version(&id).await - version >= u64::from(calls), "every effect has its record");
+    assert!(
+        h.version(&id).await - version >= u64::from(calls),
+        "every effect has its record"
+    );
 }
 
 #[tokio::test]
 async fn a_settlement_message_without_a_stored_decision_releases_nothing() {
     let h = Harness::new(FakeAgents::default(), 2);
-    let id = h.worker.open(ORG, signal("fp-forged")).await.unwrap().run_id;
+    let id = h
+        .worker
+        .open(ORG, signal("fp-forged"))
+        .await
+        .unwrap()
+        .run_id;
     let mut approval = None;
     for _ in 0..200 {
         assert!(!h.run(&id).await.state.is_terminal());
         h.worker.run_once().await.unwrap();
         h.scheduler.fire_due().await.unwrap();
-        if let Some(item) = h.db.list_items(ORG, "approval", Some("pending"), Page::first(1)).await.unwrap().items.pop() {
+        if let Some(item) =
+            h.db.list_items(ORG, "approval", Some("pending"), Page::first(1))
+                .await
+                .unwrap()
+                .items
+                .pop()
+        {
             approval = Some(item);
             break;
         }
@@ -538,13 +858,21 @@ async fn a_settlement_message_without_a_stored_decision_releases_nothing() {
     let approval = approval.expect("the run asks for an approval");
     let version = h.version(&id).await;
     // Whoever can send to the queue says the gate is approved; nothing was decided through the API.
-    let forged = Input::ApprovalSettled { approval_id: approval.id.clone(), approved: true, by: "mallory".into() };
+    let forged = Input::ApprovalSettled {
+        approval_id: approval.id.clone(),
+        approved: true,
+        by: "mallory".into(),
+    };
     h.send(&id, Some(forged)).await;
     while h.worker.run_once().await.unwrap() > 0 {}
     let run = h.run(&id).await;
     assert!(run.gate.is_some(), "still gated: {run:?}");
     let events = h.db.events(ORG, &id, version, 100).await.unwrap();
-    assert!(events.iter().all(|e| serde_json::from_slice::<Value>(&e.body).unwrap()["type"] != "approval_settled"));
+    assert!(
+        events.iter().all(
+            |e| serde_json::from_slice::<Value>(&e.body).unwrap()["type"] != "approval_settled"
+        )
+    );
     // The real decision, stored and then announced, goes through.
     h.approve(&id, approval).await;
     while h.worker.run_once().await.unwrap() > 0 {}
@@ -553,22 +881,44 @@ async fn a_settlement_message_without_a_stored_decision_releases_nothing() {
 
 /// The skills the fake agents performed.
 fn performed(h: &Harness) -> Vec<String> {
-    h.agents.answered.lock().unwrap().values().map(|(skill, _)| skill.clone()).collect()
+    h.agents
+        .answered
+        .lock()
+        .unwrap()
+        .values()
+        .map(|(skill, _)| skill.clone())
+        .collect()
 }
 
 #[tokio::test]
-async fn a_kill_switch_turned_on_during_a_step_stops_the_run_before_the_same_message_makes_another() {
+async fn a_kill_switch_turned_on_during_a_step_stops_the_run_before_the_same_message_makes_another()
+{
     let h = Harness::new(FakeAgents::default(), 2);
     *h.agents.kill_after.lock().unwrap() = Some(("zulip.open_thread".into(), h.db.clone()));
-    let id = h.worker.open(ORG, signal("fp-kill-mid")).await.unwrap().run_id;
+    let id = h
+        .worker
+        .open(ORG, signal("fp-kill-mid"))
+        .await
+        .unwrap()
+        .run_id;
     for d in h.db.receive(10, 1_000).await.unwrap() {
         h.db.ack(&d.receipt).await.unwrap();
     }
     // One message, which would otherwise carry the run on to the issue and the fix.
-    h.worker.handle(&Envelope { org: ORG.into(), run: id.clone(), input: None }).await.unwrap();
+    h.worker
+        .handle(&Envelope {
+            org: ORG.into(),
+            run: id.clone(),
+            input: None,
+        })
+        .await
+        .unwrap();
     let done = performed(&h);
     assert!(done.contains(&"zulip.open_thread".to_string()), "{done:?}");
-    assert!(!done.contains(&"plane.create_issue".to_string()), "the next step ran after the kill: {done:?}");
+    assert!(
+        !done.contains(&"plane.create_issue".to_string()),
+        "the next step ran after the kill: {done:?}"
+    );
     let run = h.run(&id).await;
     assert!(run.ending.is_some() || run.state.is_terminal(), "{run:?}");
 }
@@ -580,10 +930,24 @@ async fn a_message_that_used_up_its_steps_hands_the_run_to_a_fresh_message() {
     for d in h.db.receive(10, 1_000).await.unwrap() {
         h.db.ack(&d.receipt).await.unwrap();
     }
-    h.worker.handle_steps(&Envelope { org: ORG.into(), run: id.clone(), input: None }, 2, None).await.unwrap();
+    h.worker
+        .handle_steps(
+            &Envelope {
+                org: ORG.into(),
+                run: id.clone(),
+                input: None,
+            },
+            2,
+            None,
+        )
+        .await
+        .unwrap();
     assert_eq!(performed(&h).len(), 2);
     let next = h.db.receive(10, 1_000).await.unwrap();
     assert_eq!(next.len(), 1, "one continuation");
     let envelope: Envelope = serde_json::from_slice(&next[0].body).unwrap();
-    assert_eq!((envelope.run.as_str(), envelope.input.is_none()), (id.as_str(), true));
+    assert_eq!(
+        (envelope.run.as_str(), envelope.input.is_none()),
+        (id.as_str(), true)
+    );
 }

@@ -5,7 +5,9 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use loams_factory::{AUDIT_APPROVAL, Ctx, Effect, Event, Input, Outcome, Run, Signal, decide, open};
+use loams_factory::{
+    AUDIT_APPROVAL, Ctx, Effect, Event, Input, Outcome, Run, Signal, decide, open,
+};
 use serde_json::{Value, json};
 
 pub const NOW: i64 = 1_700_000_000_000;
@@ -32,7 +34,11 @@ pub fn ctx() -> Ctx {
 /// `(stage, attempt, action)` of a step id.
 pub fn parts(step: &str) -> (String, u32, String) {
     let p: Vec<&str> = step.splitn(4, ':').collect();
-    (p[1].to_string(), p[2].parse().unwrap_or(0), p[3].to_string())
+    (
+        p[1].to_string(),
+        p[2].parse().unwrap_or(0),
+        p[3].to_string(),
+    )
 }
 
 pub type Hook = Box<dyn Fn(&Effect) -> Option<Outcome>>;
@@ -56,16 +62,26 @@ pub fn fix_text(attempt: u32) -> String {
 
 impl World {
     pub fn new() -> World {
-        World { performed: HashMap::new(), order: Vec::new(), deny: Vec::new(), hook: Box::new(|_| None) }
+        World {
+            performed: HashMap::new(),
+            order: Vec::new(),
+            deny: Vec::new(),
+            hook: Box::new(|_| None),
+        }
     }
 
     pub fn with(hook: impl Fn(&Effect) -> Option<Outcome> + 'static) -> World {
-        World { hook: Box::new(hook), ..World::new() }
+        World {
+            hook: Box::new(hook),
+            ..World::new()
+        }
     }
 
     /// Whether the PR was merged: once performed, a merge stays (whether or not the run recorded its outcome).
     pub fn merged(&self) -> bool {
-        self.performed.values().any(|(e, _)| matches!(e, Effect::Call { skill, .. } if skill == "merge"))
+        self.performed
+            .values()
+            .any(|(e, _)| matches!(e, Effect::Call { skill, .. } if skill == "merge"))
     }
 
     fn default_answer(&self, effect: &Effect) -> Outcome {
@@ -73,14 +89,22 @@ impl World {
         let (_, attempt, action) = parts(step);
         match effect {
             Effect::Wait { .. } => Outcome::Agent(json!({})),
-            Effect::RequestApproval { approval, .. } => Outcome::Agent(json!({"approval_id": approval.id})),
+            Effect::RequestApproval { approval, .. } => {
+                Outcome::Agent(json!({"approval_id": approval.id}))
+            }
             Effect::Model { purpose, .. } => {
                 let text = match purpose.as_str() {
                     "fix" => fix_text(attempt),
                     "lead_review" => "All good\n".to_string(),
-                    _ => format!("LOW src/checkout.py:1 default currency is hard-coded\n{AUDIT_APPROVAL}\n"),
+                    _ => format!(
+                        "LOW src/checkout.py:1 default currency is hard-coded\n{AUDIT_APPROVAL}\n"
+                    ),
                 };
-                Outcome::Model { text, input_tokens: 1_000, output_tokens: 200 }
+                Outcome::Model {
+                    text,
+                    input_tokens: 1_000,
+                    output_tokens: 200,
+                }
             }
             Effect::Call { agent, skill, .. } => {
                 Outcome::Agent(match (agent.as_str(), skill.as_str()) {
@@ -133,18 +157,28 @@ impl World {
     pub fn perform(&mut self, effect: &Effect) -> (Outcome, Vec<Input>) {
         let step = effect.step().to_string();
         if let Some((first, outcome)) = self.performed.get(&step) {
-            assert_eq!(first, effect, "step {step} performed twice with a different effect");
+            assert_eq!(
+                first, effect,
+                "step {step} performed twice with a different effect"
+            );
             return (outcome.clone(), Vec::new());
         }
         let outcome = (self.hook)(effect).unwrap_or_else(|| self.default_answer(effect));
         let mut later = Vec::new();
         match effect {
             // Short timers fire; stall timeouts (hours away) never do in these tests.
-            Effect::Wait { timer_id, .. } if timer_id.contains("await_ci") || timer_id.contains("await_window") => {
-                later.push(Input::TimerFired { timer_id: timer_id.clone() });
+            Effect::Wait { timer_id, .. }
+                if timer_id.contains("await_ci") || timer_id.contains("await_window") =>
+            {
+                later.push(Input::TimerFired {
+                    timer_id: timer_id.clone(),
+                });
             }
             Effect::Wait { timer_id, .. } if timer_id.contains("await_decision") => {
-                later.push(Input::TriageDecided { accept: true, by: "oncall".into() });
+                later.push(Input::TriageDecided {
+                    accept: true,
+                    by: "oncall".into(),
+                });
             }
             Effect::RequestApproval { approval, .. } => later.push(Input::ApprovalSettled {
                 approval_id: approval.id.clone(),
@@ -153,7 +187,8 @@ impl World {
             }),
             _ => {}
         }
-        self.performed.insert(step.clone(), (effect.clone(), outcome.clone()));
+        self.performed
+            .insert(step.clone(), (effect.clone(), outcome.clone()));
         self.order.push(step);
         (outcome, later)
     }
@@ -181,7 +216,13 @@ pub struct Worker {
 impl Worker {
     pub fn start(signal: Signal, ctx: Ctx) -> Worker {
         let (run, first) = open(signal, &ctx).expect("open");
-        Worker { log: vec![first], cached: Some(run), queue: VecDeque::from([None]), ctx, sent: Vec::new() }
+        Worker {
+            log: vec![first],
+            cached: Some(run),
+            queue: VecDeque::from([None]),
+            ctx,
+            sent: Vec::new(),
+        }
     }
 
     pub fn run(&mut self) -> Run {
@@ -198,12 +239,21 @@ impl Worker {
             self.log.push(e);
         }
         assert_eq!(run.version, self.log.len() as u64);
-        assert_eq!(run, Run::from_events(&self.log).expect("log"), "incremental fold == fold of the log");
+        assert_eq!(
+            run,
+            Run::from_events(&self.log).expect("log"),
+            "incremental fold == fold of the log"
+        );
         self.cached = Some(run);
     }
 
     /// Processes one message; `crash` aborts it at that point. Returns whether it completed (may be acked).
-    pub fn process(&mut self, msg: &Option<Input>, world: &mut World, crash: Option<Crash>) -> bool {
+    pub fn process(
+        &mut self,
+        msg: &Option<Input>,
+        world: &mut World,
+        crash: Option<Crash>,
+    ) -> bool {
         if crash == Some(Crash::BeforeDecide) {
             self.cached = None;
             return false;
@@ -227,8 +277,15 @@ impl Worker {
             self.cached = None;
             return false;
         }
-        let events =
-            decide(&run, &Input::Completed { step: effect.step().into(), outcome }, &self.ctx).expect("decide");
+        let events = decide(
+            &run,
+            &Input::Completed {
+                step: effect.step().into(),
+                outcome,
+            },
+            &self.ctx,
+        )
+        .expect("decide");
         self.append(events);
         if crash == Some(Crash::AfterRecord) {
             self.cached = None;

@@ -6,7 +6,8 @@ fn main() -> ExitCode {
     // Lambda sends stderr to CloudWatch Logs; no ANSI colours there.
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("LOAMS_LOG").unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_env("LOAMS_LOG")
+                .unwrap_or_else(|_| "info".into()),
         )
         .with_ansi(false)
         .without_time()
@@ -19,7 +20,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("loams-lambda: cannot start the async runtime: {e}");
