@@ -877,6 +877,15 @@ fn guard_once(run: &Run, ctx: &Ctx) -> Option<Event> {
                 run.budget.limit_micros
             ),
         )),
+        Effect::Model { .. } if ctx.org_spend.exhausted() => Some(abandon(
+            RunState::Failed,
+            Reason::Budget,
+            format!(
+                "the organisation spent {} of its {} micro-dollars for model calls this month",
+                ctx.org_spend.spent_micros,
+                ctx.org_spend.limit_micros.unwrap_or_default()
+            ),
+        )),
         Effect::Call { agent, skill, .. } => {
             if ctx.kill.org || ctx.kill.agents.contains(agent) {
                 let why = format!("kill switch: agent {agent}");

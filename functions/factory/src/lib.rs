@@ -94,6 +94,9 @@ pub struct Config {
     pub recheck_ms: u64,
     pub budget_tokens: u64,
     pub budget_micros: u64,
+    /// The organisation's model spend allowed per calendar month (UTC), over all its runs; `None`: no limit
+    /// beyond each run's own budget.
+    pub org_budget_micros: Option<u64>,
     pub cooldown_ms: u64,
     /// Files of the repository the fix stage shows the model.
     pub target_files: Vec<String>,
@@ -120,6 +123,7 @@ impl Default for Config {
             recheck_ms: 60_000,
             budget_tokens: 400_000,
             budget_micros: 2_000_000,
+            org_budget_micros: None,
             cooldown_ms: 600_000,
             target_files: vec!["src/checkout.py".into()],
             channel: "factory".into(),
@@ -154,6 +158,21 @@ impl Prices {
             + u128::from(output_tokens) * u128::from(self.output_micros_per_mtok))
             / 1_000_000;
         u64::try_from(c).unwrap_or(u64::MAX)
+    }
+}
+
+/// The organisation's model spend this month against its limit, read by the worker before a decision.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(default)]
+pub struct OrgSpend {
+    pub limit_micros: Option<u64>,
+    pub spent_micros: u64,
+}
+
+impl OrgSpend {
+    pub fn exhausted(&self) -> bool {
+        self.limit_micros
+            .is_some_and(|limit| self.spent_micros >= limit)
     }
 }
 
@@ -197,6 +216,8 @@ pub struct Ctx {
     pub policy: Policy,
     pub prices: Prices,
     pub kill: KillSwitches,
+    #[serde(default)]
+    pub org_spend: OrgSpend,
     /// Used by [`open`] for the lineage and the cooldown per fingerprint.
     pub last_run: Option<LastRun>,
     #[serde(default)]
@@ -215,6 +236,7 @@ impl Ctx {
             policy: Policy::default(),
             prices: Prices::default(),
             kill: KillSwitches::default(),
+            org_spend: OrgSpend::default(),
             last_run: None,
             last_run_status: LastRunStatus::Unknown,
             owner: None,

@@ -185,7 +185,7 @@ fn reason_text(reason: Reason) -> &'static str {
         }
         Reason::NoProgress => "no progress between attempts; a person needs to take over",
         Reason::Oscillation => "a check that passed before fails now; a person needs to take over",
-        Reason::Budget => "the run's budget is spent; a person needs to take over",
+        Reason::Budget => "the budget is spent; a person needs to take over",
         Reason::Stalled => "a wait went past its timeout",
         Reason::PolicyDenied => "the policy denies a step it needs",
         Reason::ApprovalDenied => "the approval was denied",

@@ -852,11 +852,16 @@ impl Run {
 
     /// The settled, approved approval whose action hash matches this call.
     pub(crate) fn approval_for(&self, call: &Effect) -> Option<&ApprovalRecord> {
-        let action = gated_action(self, call)?;
-        let hash = action_hash(&action);
-        self.approvals
+        // Hashing the action serialises its arguments (a whole patch for a commit), and most calls of most runs
+        // have no approval to match: look for one first.
+        let mut approved = self
+            .approvals
             .iter()
-            .find(|a| a.state == ApprovalState::Approved && a.action_hash == hash)
+            .filter(|a| a.state == ApprovalState::Approved)
+            .peekable();
+        approved.peek()?;
+        let hash = action_hash(&gated_action(self, call)?);
+        approved.find(|a| a.action_hash == hash)
     }
 
     /// What the worker must do next, or `None` while the run waits or has ended. A destructive call is returned only

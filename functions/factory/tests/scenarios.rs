@@ -327,6 +327,39 @@ fn budget_stops_before_the_next_model_call() {
 }
 
 #[test]
+fn an_organisation_over_its_monthly_budget_pays_for_no_model_call() {
+    let mut c = ctx();
+    c.org_spend = loams_factory::OrgSpend {
+        limit_micros: Some(5_000_000),
+        spent_micros: 5_000_000,
+    };
+    let mut world = World::new();
+    let (w, _) = drive(&mut world, c);
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::Budget)));
+    assert!(!trace(&world).iter().any(|s| s.starts_with("model.")));
+    let detail = w.log.iter().find_map(|e| match e {
+        Event::Abandoned { detail, .. } => Some(detail.clone()),
+        _ => None,
+    });
+    assert!(
+        detail
+            .as_deref()
+            .is_some_and(|d| d.contains("organisation spent 5000000 of its 5000000")),
+        "{detail:?}"
+    );
+
+    // Under the limit the same run is paid for as usual.
+    let mut c = ctx();
+    c.org_spend = loams_factory::OrgSpend {
+        limit_micros: Some(5_000_000),
+        spent_micros: 4_999_999,
+    };
+    let mut world = World::new();
+    let (w, _) = drive(&mut world, c);
+    assert_eq!(ended(&w).0, RunState::Succeeded);
+}
+
+#[test]
 fn policy_deny_stops_and_policy_approve_gates_writes() {
     let mut c = ctx();
     c.policy.rules = vec![Rule {

@@ -11,6 +11,7 @@ mod agents;
 mod error;
 mod scheduler;
 mod settings;
+mod spend;
 mod worker;
 
 pub use agents::{A2aAgents, AgentCaller, AgentReply};

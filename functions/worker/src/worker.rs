@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use loams_factory::{
-    Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, LastRunStatus, Outcome, Policy,
-    Prices, Run, RunState, Signal,
+    Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, LastRunStatus, OrgSpend, Outcome,
+    Policy, Prices, Run, RunState, Signal,
 };
 use loams_model::{ChatMessage, ChatModel, ChatRequest};
 use loams_platform::limits::MAX_RECEIVE;
@@ -22,6 +22,7 @@ use tracing::{Instrument, info_span, warn};
 use crate::WorkerError;
 use crate::agents::{AgentCaller, AgentReply};
 use crate::settings::{Boundary, Settings};
+use crate::spend;
 
 /// Delay before a message whose handling failed for a passing reason is seen again; doubled per receive, so a
 /// store hiccup of a few seconds does not use up the queue's receives and dead-letter the run's only message.
@@ -735,6 +736,10 @@ impl Worker {
             info_span!("chat", gen_ai.operation.name = "chat", purpose = %purpose, step = %step);
         match d.model.complete(&request).instrument(span).await {
             Ok(answer) => {
+                let cost = d
+                    .prices
+                    .cost_micros(answer.input_tokens, answer.output_tokens);
+                spend::add(d.store.as_ref(), org, d.clock.now_ms(), cost).await?;
                 let outcome = Outcome::Model {
                     text: answer.text,
                     input_tokens: answer.input_tokens,
@@ -765,6 +770,12 @@ impl Worker {
         ctx.prices = d.prices;
         ctx.owner = d.owner.clone();
         ctx.kill = self.kill_switches(org).await?;
+        if let Some(limit) = d.config.org_budget_micros {
+            ctx.org_spend = OrgSpend {
+                limit_micros: Some(limit),
+                spent_micros: spend::this_month(d.store.as_ref(), org, now_ms).await?,
+            };
+        }
         Ok(ctx)
     }
 

@@ -154,11 +154,21 @@ struct Harness {
 
 impl Harness {
     fn new(agents: FakeAgents, max_generations: u32) -> Harness {
+        Harness::with_config(
+            agents,
+            loams_factory::Config {
+                max_generations,
+                ..loams_factory::Config::default()
+            },
+        )
+    }
+
+    fn with_config(agents: FakeAgents, config: loams_factory::Config) -> Harness {
         let clock = Arc::new(ManualClock::new(1_700_000_000_000));
         let db = Arc::new(Sqlite::memory(clock.clone()).unwrap());
         let agents = Arc::new(agents);
         let model = Arc::new(FakeModel::default());
-        let worker = Harness::worker(&clock, &db, &agents, &model, max_generations);
+        let worker = Harness::worker(&clock, &db, &agents, &model, config);
         let scheduler = Scheduler::new(db.clone(), db.clone(), clock.clone());
         Harness {
             clock,
@@ -176,12 +186,8 @@ impl Harness {
         db: &Arc<Sqlite>,
         agents: &Arc<FakeAgents>,
         model: &Arc<FakeModel>,
-        max_generations: u32,
+        config: loams_factory::Config,
     ) -> Worker {
-        let config = loams_factory::Config {
-            max_generations,
-            ..loams_factory::Config::default()
-        };
         let policy = loams_factory::Policy {
             auto_triage: true,
             ..loams_factory::Policy::default()
@@ -345,7 +351,11 @@ async fn a_run_driven_through_the_queue_succeeds_performing_each_step_once() {
 #[tokio::test]
 async fn two_workers_on_the_same_message_record_the_step_once_under_one_message_id() {
     let h = Harness::new(FakeAgents::default(), 2);
-    let second = Harness::worker(&h.clock, &h.db, &h.agents, &h.model, 2);
+    let config = loams_factory::Config {
+        max_generations: 2,
+        ..loams_factory::Config::default()
+    };
+    let second = Harness::worker(&h.clock, &h.db, &h.agents, &h.model, config);
     let id = h.worker.open(ORG, signal("fp-2")).await.unwrap().run_id;
     let envelope = Envelope {
         org: ORG.into(),
@@ -949,5 +959,57 @@ async fn a_message_that_used_up_its_steps_hands_the_run_to_a_fresh_message() {
     assert_eq!(
         (envelope.run.as_str(), envelope.input.is_none()),
         (id.as_str(), true)
+    );
+}
+
+#[tokio::test]
+async fn an_organisation_over_its_monthly_budget_opens_runs_that_pay_for_no_model_call() {
+    // Each fake answer costs 100 input and 20 output tokens: 49 micro-dollars at the default prices.
+    let h = Harness::with_config(
+        FakeAgents::default(),
+        loams_factory::Config {
+            org_budget_micros: Some(100),
+            ..loams_factory::Config::default()
+        },
+    );
+    let first = h
+        .worker
+        .open(ORG, signal("fp-budget-1"))
+        .await
+        .unwrap()
+        .run_id;
+    // Spent 0, then 49, then 98 when its three calls start: all under the limit.
+    assert_eq!(h.drive(&first).await.state.as_str(), "succeeded");
+    assert_eq!(h.model.paid.lock().unwrap().len(), 3);
+
+    let second = h
+        .worker
+        .open(ORG, signal("fp-budget-2"))
+        .await
+        .unwrap()
+        .run_id;
+    let run = h.drive(&second).await;
+    assert_eq!(run.state.as_str(), "failed", "{run:?}");
+    assert_eq!(
+        h.model.paid.lock().unwrap().len(),
+        3,
+        "nothing more was paid"
+    );
+    let reasons: Vec<Value> =
+        h.db.events(ORG, &second, 0, 500)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| serde_json::from_slice::<Value>(&e.body).unwrap())
+            .filter(|e| e["type"] == "abandoned")
+            .collect();
+    assert_eq!(reasons.len(), 1, "{reasons:?}");
+    assert_eq!(reasons[0]["reason"], "budget");
+    assert!(
+        reasons[0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("organisation spent 147 of its 100"),
+        "{reasons:?}"
     );
 }
