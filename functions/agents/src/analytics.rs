@@ -10,7 +10,7 @@ use reqwest::Method;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::http::{AppHttp, DEFAULT_TIMEOUT};
+use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy};
 use crate::time::{format_utc_seconds, now_ms};
 use crate::{AGENT_VERSION, AgentError, args, require, skill};
 
@@ -102,6 +102,12 @@ impl OpenPanelClient {
         Ok(Self { http })
     }
 
+    /// Replaces the default [`RetryPolicy`] (e.g. short backoffs in tests, or none).
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Result<Self, AgentError> {
+        self.http.set_retry(retry)?;
+        Ok(self)
+    }
+
     /// `GET /export/charts`: daily counts of `event` in `[from_ms, to_ms]` (UTC, custom range).
     pub async fn daily_counts(
         &self,
@@ -158,6 +164,12 @@ impl AnalyticsAgent {
             client: OpenPanelClient::new(config)?,
             default_project: config.project_id.clone(),
         })
+    }
+
+    /// Replaces the default [`RetryPolicy`] of the agent's app client.
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Result<Self, AgentError> {
+        self.client = self.client.with_retry(retry)?;
+        Ok(self)
     }
 
     async fn run(&self, skill: &str, value: Value) -> Result<Value, AgentError> {

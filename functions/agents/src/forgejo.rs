@@ -18,7 +18,7 @@ use reqwest::Method;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::http::{AppHttp, DEFAULT_TIMEOUT};
+use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy};
 use crate::{AGENT_VERSION, AgentError, args, require, skill};
 
 const MAX_FILES: usize = 100;
@@ -212,6 +212,12 @@ impl ForgejoClient {
         })
     }
 
+    /// Replaces the default [`RetryPolicy`] (e.g. short backoffs in tests, or none).
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Result<Self, AgentError> {
+        self.http.set_retry(retry)?;
+        Ok(self)
+    }
+
     /// `/api/v1/repos/{owner}/{repo}/` + `rest`; entries containing `/` (file paths, branch names) become several
     /// segments, as Forgejo's wildcard routes expect.
     fn repo_url(&self, rest: &[&str]) -> reqwest::Url {
@@ -272,13 +278,14 @@ impl ForgejoClient {
         }))
     }
 
-    /// `POST /branches` from `from`; `false` if the branch already existed (409).
+    /// `POST /branches` from `from`; `false` if the branch already existed (409). The 409 makes a repeat
+    /// harmless, so the call is retried like an idempotent one.
     pub async fn create_branch(&self, name: &str, from: &str) -> Result<bool, AgentError> {
         // `old_ref_name` is current; `old_branch_name` is the deprecated field older servers read.
         let body = json!({"new_branch_name": name, "old_ref_name": from, "old_branch_name": from});
         let reply = self
             .http
-            .send(
+            .send_idempotent(
                 self.http
                     .request(Method::POST, self.repo_url(&["branches"]))
                     .json(&body),
@@ -406,7 +413,8 @@ impl ForgejoClient {
         )
     }
 
-    /// `POST /pulls`; `None` on 409 (a PR for these branches exists).
+    /// `POST /pulls`; `None` on 409 (an open PR for these branches exists). The 409 makes a repeat harmless, so
+    /// the call is retried like an idempotent one.
     pub async fn create_pr(
         &self,
         head: &str,
@@ -417,7 +425,7 @@ impl ForgejoClient {
         let req = json!({"head": head, "base": base, "title": title, "body": body});
         let reply = self
             .http
-            .send(
+            .send_idempotent(
                 self.http
                     .request(Method::POST, self.repo_url(&["pulls"]))
                     .json(&req),
@@ -440,11 +448,11 @@ impl ForgejoClient {
             .await
     }
 
-    /// `PATCH /pulls/{n}` (the spec answers 201).
+    /// `PATCH /pulls/{n}` (the spec answers 201); the patches we send set absolute values, safe to repeat.
     pub async fn edit_pr(&self, number: u64, patch: &Value) -> Result<PullRequest, AgentError> {
         let n = number.to_string();
         self.http
-            .json(
+            .json_idempotent(
                 self.http
                     .request(Method::PATCH, self.repo_url(&["pulls", &n]))
                     .json(patch),
@@ -452,13 +460,18 @@ impl ForgejoClient {
             .await
     }
 
-    /// Label ids for `names`, creating the missing labels.
-    pub async fn ensure_labels(&self, names: &[String]) -> Result<Vec<i64>, AgentError> {
+    /// `GET /labels`: the repository's labels.
+    async fn labels(&self) -> Result<Vec<Label>, AgentError> {
         let rb = self
             .http
             .request(Method::GET, self.repo_url(&["labels"]))
             .query(&[("limit", "50")]);
-        let existing: Vec<Label> = self.http.json(rb).await?;
+        self.http.json(rb).await
+    }
+
+    /// Label ids for `names`, creating the missing labels.
+    pub async fn ensure_labels(&self, names: &[String]) -> Result<Vec<i64>, AgentError> {
+        let existing = self.labels().await?;
         let mut ids = Vec::new();
         for name in names {
             if let Some(l) = existing.iter().find(|l| &l.name == name) {
@@ -469,20 +482,32 @@ impl ForgejoClient {
                 .http
                 .request(Method::POST, self.repo_url(&["labels"]))
                 .json(&json!({"name": name, "color": LABEL_COLOR}));
-            let created: Label = self.http.json(rb).await?;
-            ids.push(created.id);
+            let id = match self.http.json::<Label>(rb).await {
+                Ok(created) => created.id,
+                // The answer was lost: the label may exist now, and creating it again would make a second one.
+                Err(e @ AgentError::Uncertain { .. }) => {
+                    self.labels()
+                        .await?
+                        .into_iter()
+                        .find(|l| &l.name == name)
+                        .ok_or(e)?
+                        .id
+                }
+                Err(e) => return Err(e),
+            };
+            ids.push(id);
         }
         Ok(ids)
     }
 
-    /// `POST /issues/{n}/labels` (adds; existing labels stay).
+    /// `POST /issues/{n}/labels` (adds to the set; existing labels stay, so a repeat changes nothing).
     pub async fn add_labels(&self, number: u64, ids: &[i64]) -> Result<(), AgentError> {
         let n = number.to_string();
         let rb = self
             .http
             .request(Method::POST, self.repo_url(&["issues", &n, "labels"]))
             .json(&json!({"labels": ids}));
-        self.http.ok(self.http.send(rb).await?).map(drop)
+        self.http.ok(self.http.send_idempotent(rb).await?).map(drop)
     }
 
     /// `GET /commits/{sha}/status` (combined).
@@ -496,7 +521,8 @@ impl ForgejoClient {
     }
 
     /// `POST /pulls/{n}/merge` with `Do: merge`, pinned to `head_sha`. Returns the raw reply so the caller can tell
-    /// "not mergeable" (405) and conflicts (409) from success.
+    /// "not mergeable" (405) and conflicts (409) from success. Pinned, a repeat can only merge that same head once
+    /// (a merged PR refuses), and the caller reads the PR afterwards, so the call is retried like an idempotent one.
     async fn merge_request(
         &self,
         number: u64,
@@ -505,7 +531,7 @@ impl ForgejoClient {
         let n = number.to_string();
         let body = json!({"Do": "merge", "head_commit_id": head_sha});
         self.http
-            .send(
+            .send_idempotent(
                 self.http
                     .request(Method::POST, self.repo_url(&["pulls", &n, "merge"]))
                     .json(&body),
@@ -720,6 +746,12 @@ impl ForgejoAgent {
         })
     }
 
+    /// Replaces the default [`RetryPolicy`] of the agent's app client.
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Result<Self, AgentError> {
+        self.client = self.client.with_retry(retry)?;
+        Ok(self)
+    }
+
     /// Writes only ever go to a work branch, never to the protected base.
     fn check_work_branch(&self, branch: &str, base: &str) -> Result<(), AgentError> {
         check_branch("branch", branch)?;
@@ -775,10 +807,26 @@ impl ForgejoAgent {
                  commits this caller did not make"
             )));
         }
-        let sha = self
+        let sha = match self
             .client
             .apply_changes(branch, &parent, message, changes)
-            .await?;
+            .await
+        {
+            Ok(sha) => sha,
+            // The answer was lost, so the commit may have been made: it was if the branch now holds exactly it.
+            Err(e @ AgentError::Uncertain { .. }) => {
+                return match self.client.find_branch_head(branch).await? {
+                    Some(head)
+                        if !head.eq_ignore_ascii_case(&parent)
+                            && self.is_own_commit(&head, &parent, changes).await? =>
+                    {
+                        Ok(head)
+                    }
+                    _ => Err(e),
+                };
+            }
+            Err(e) => return Err(e),
+        };
         // A push between the check above and the commit ends up under our commit.
         if !sha.eq_ignore_ascii_case(&parent) {
             let parents = self.client.commit_parents(&sha).await?;

@@ -9,7 +9,7 @@ use reqwest::Method;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::http::{AppHttp, DEFAULT_TIMEOUT};
+use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy};
 use crate::time::parse_rfc3339_ms;
 use crate::{AGENT_VERSION, AgentError, args, skill};
 
@@ -88,6 +88,12 @@ impl GlitchTipClient {
             http,
             org_slug: config.org_slug.clone(),
         })
+    }
+
+    /// Replaces the default [`RetryPolicy`] (e.g. short backoffs in tests, or none).
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Result<Self, AgentError> {
+        self.http.set_retry(retry)?;
+        Ok(self)
     }
 
     /// `GET /api/0/issues/{id}/events/`, following `Link: rel="next"` cursors while the pages (newest first, as in
@@ -227,6 +233,12 @@ impl GlitchTipAgent {
         Ok(Self {
             client: GlitchTipClient::new(config)?,
         })
+    }
+
+    /// Replaces the default [`RetryPolicy`] of the agent's app client.
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Result<Self, AgentError> {
+        self.client = self.client.with_retry(retry)?;
+        Ok(self)
     }
 
     async fn run(&self, skill: &str, value: Value) -> Result<Value, AgentError> {

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
-use crate::http::{AppHttp, DEFAULT_TIMEOUT};
+use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy};
 use crate::{AGENT_VERSION, AgentError, args, require, skill, text_to_html};
 
 /// The `external_source` of everything the factory creates.
@@ -156,6 +156,12 @@ impl PlaneClient {
         })
     }
 
+    /// Replaces the default [`RetryPolicy`] (e.g. short backoffs in tests, or none).
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Result<Self, AgentError> {
+        self.http.set_retry(retry)?;
+        Ok(self)
+    }
+
     /// `/api/v1/workspaces/{slug}/projects/{project_id}/<rest>` with Plane's trailing slash.
     fn project_url(&self, rest: &[&str]) -> reqwest::Url {
         let mut segments = vec![
@@ -191,7 +197,9 @@ impl PlaneClient {
         }))
     }
 
-    /// `POST .../work-items/` (create_work_item_2) with our external id; a 409 names the existing item.
+    /// `POST .../work-items/` (create_work_item_2) with our external id; a 409 names the existing item. Plane
+    /// refuses a second item with the same external id, so the call is retried like an idempotent one: a repeat
+    /// after a lost answer gets the 409.
     pub async fn create_work_item(
         &self,
         name: &str,
@@ -206,7 +214,7 @@ impl PlaneClient {
         });
         let reply = self
             .http
-            .send(
+            .send_idempotent(
                 self.http
                     .request(Method::POST, self.project_url(&["work-items"]))
                     .json(&body),
@@ -245,20 +253,36 @@ impl PlaneClient {
         Ok(id.as_str())
     }
 
-    /// `POST .../work-items/{id}/comments/` (create_work_item_comment_2); returns the comment id.
+    /// `POST .../work-items/{id}/comments/` (create_work_item_comment_2); returns the comment id. With an external
+    /// id Plane refuses a second comment with it (409 naming the first), so the call is retried and a repeat
+    /// returns the comment already made; without one a lost answer is [`AgentError::Uncertain`].
     pub async fn add_comment(
         &self,
         issue_id: &str,
         comment_html: &str,
+        external_id: Option<&str>,
     ) -> Result<String, AgentError> {
+        let mut body = json!({"comment_html": comment_html, "access": "INTERNAL"});
+        if let Some(ext) = external_id {
+            body["external_source"] = json!(EXTERNAL_SOURCE);
+            body["external_id"] = json!(ext);
+        }
         let rb = self
             .http
             .request(
                 Method::POST,
                 self.project_url(&["work-items", issue_id, "comments"]),
             )
-            .json(&json!({"comment_html": comment_html, "access": "INTERNAL"}));
-        let c: Created = self.http.json(rb).await?;
+            .json(&body);
+        let reply = match external_id {
+            Some(_) => self.http.send_idempotent(rb).await?,
+            None => self.http.send(rb).await?,
+        };
+        if reply.status == 409 && external_id.is_some() {
+            let c: Conflict = self.http.decode(&reply.body)?;
+            return Ok(c.id);
+        }
+        let c: Created = self.http.decode(&self.http.ok(reply)?.body)?;
         Ok(c.id)
     }
 
@@ -272,13 +296,14 @@ impl PlaneClient {
         Ok(page.results)
     }
 
-    /// `PATCH .../work-items/{id}/` with `{"state": uuid}` (update_work_item_2).
+    /// `PATCH .../work-items/{id}/` with `{"state": uuid}` (update_work_item_2); setting an absolute value is
+    /// safe to repeat.
     pub async fn set_state(&self, issue_id: &str, state_id: &str) -> Result<WorkItem, AgentError> {
         let rb = self
             .http
             .request(Method::PATCH, self.project_url(&["work-items", issue_id]))
             .json(&json!({"state": state_id}));
-        self.http.json(rb).await
+        self.http.json_idempotent(rb).await
     }
 
     /// `PROJ-12` and its web link (`/{slug}/browse/PROJ-12/`).
@@ -320,6 +345,9 @@ struct CreateArgs {
 struct CommentArgs {
     issue_id: String,
     body: String,
+    /// Makes the comment create-once: a repeat with the same id returns the first comment.
+    #[serde(default)]
+    external_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -339,6 +367,12 @@ impl PlaneAgent {
         Ok(Self {
             client: PlaneClient::new(config)?,
         })
+    }
+
+    /// Replaces the default [`RetryPolicy`] of the agent's app client.
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Result<Self, AgentError> {
+        self.client = self.client.with_retry(retry)?;
+        Ok(self)
     }
 
     async fn create_issue(&self, a: CreateArgs) -> Result<Value, AgentError> {
@@ -372,9 +406,16 @@ impl PlaneAgent {
                 let a: CommentArgs = args(skill, value)?;
                 require("issue_id", &a.issue_id, MAX_ID)?;
                 require("body", &a.body, MAX_TEXT)?;
+                if let Some(ext) = &a.external_id {
+                    require("external_id", ext, MAX_ID)?;
+                }
                 let id = self
                     .client
-                    .add_comment(&a.issue_id, &text_to_html(&a.body))
+                    .add_comment(
+                        &a.issue_id,
+                        &text_to_html(&a.body),
+                        a.external_id.as_deref(),
+                    )
                     .await?;
                 Ok(json!({"id": id}))
             }
@@ -422,9 +463,9 @@ impl Skills for PlaneAgent {
                 skill(
                     "comment",
                     "Comment",
-                    "Add a comment to a work item.",
+                    "Add a comment to a work item; with an external id, at most once per id.",
                     Risk::Write,
-                    &[r#"{"issue_id":"5f0c...","body":"Fix proposed in PR #12"}"#],
+                    &[r#"{"issue_id":"5f0c...","body":"Fix proposed in PR #12","external_id":"factory:r-0123456789abcdef:pr"}"#],
                 ),
                 skill(
                     "set_state",

@@ -96,6 +96,42 @@ pub(crate) fn parse_rfc3339_ms(s: &str) -> Option<i64> {
     Some(ms - offset_ms)
 }
 
+/// An HTTP date in the IMF-fixdate form every current server sends (`Sun, 06 Nov 1994 08:49:37 GMT`, RFC 9110
+/// section 5.6.7) as epoch ms; `None` for anything else, including the obsolete RFC 850 and asctime forms.
+pub(crate) fn parse_http_date_ms(s: &str) -> Option<i64> {
+    const MONTHS: [&str; 12] = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let parts: Vec<&str> = s.split_ascii_whitespace().collect();
+    let [weekday, day, month, year, clock, "GMT"] = parts.as_slice() else {
+        return None;
+    };
+    if weekday.len() != 4 || !weekday.ends_with(',') || day.len() != 2 || year.len() != 4 {
+        return None;
+    }
+    let num = |t: &str| -> Option<i64> {
+        if t.bytes().all(|c| c.is_ascii_digit()) {
+            t.parse().ok()
+        } else {
+            None
+        }
+    };
+    let m = MONTHS.iter().position(|name| name == month)? as i64 + 1;
+    let (d, y) = (num(day)?, num(year)?);
+    let hms: Vec<&str> = clock.split(':').collect();
+    let [h, mi, sec] = hms.as_slice() else {
+        return None;
+    };
+    if [h, mi, sec].iter().any(|t| t.len() != 2) {
+        return None;
+    }
+    let (h, mi, sec) = (num(h)?, num(mi)?, num(sec)?);
+    if !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
+        return None;
+    }
+    Some(days_from_civil(y, m, d) * DAY_MS + h * 3_600_000 + mi * 60_000 + sec * 1000)
+}
+
 /// `YYYY-MM-DD HH:MM:SS` in UTC (OpenPanel's `startDate` / `endDate` form).
 pub(crate) fn format_utc_seconds(ms: i64) -> String {
     let (y, m, d) = civil_from_days(ms.div_euclid(DAY_MS));
@@ -146,6 +182,29 @@ mod tests {
             "x026-11-30T14:31:05Z",
         ] {
             assert_eq!(parse_rfc3339_ms(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn parses_http_dates() {
+        assert_eq!(
+            parse_http_date_ms("Sun, 06 Nov 1994 08:49:37 GMT"),
+            Some(784_111_777_000)
+        );
+        assert_eq!(
+            parse_http_date_ms("Mon, 30 Nov 2026 14:31:05 GMT"),
+            Some(1_796_049_065_000)
+        );
+        for bad in [
+            "",
+            "120",
+            "Sunday, 06-Nov-94 08:49:37 GMT",
+            "Sun Nov  6 08:49:37 1994",
+            "Sun, 06 Nov 1994 08:49:37 UTC",
+            "Sun, 06 Foo 1994 08:49:37 GMT",
+            "Sun, 06 Nov 1994 8:49:37 GMT",
+        ] {
+            assert_eq!(parse_http_date_ms(bad), None, "{bad}");
         }
     }
 

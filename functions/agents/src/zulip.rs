@@ -10,7 +10,7 @@ use reqwest::Method;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::http::{AppHttp, DEFAULT_TIMEOUT};
+use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy};
 use crate::{AGENT_VERSION, AgentError, args, require, skill};
 
 /// Zulip's own limits (server defaults `max_topic_length`, `max_message_length`, channel names).
@@ -19,6 +19,10 @@ const MAX_CHANNEL_BYTES: usize = 240;
 const MAX_CONTENT_BYTES: usize = 10_000;
 /// How many of a topic's newest messages `read` returns.
 const READ_LIMIT: u32 = 100;
+/// After a send whose answer was lost: how many of the topic's newest messages are searched for it, and how far
+/// the server's clock may be behind ours.
+const LOOKUP_LIMIT: u32 = 50;
+const CLOCK_SKEW_SECS: i64 = 120;
 
 #[derive(Clone)]
 pub struct ZulipConfig {
@@ -61,6 +65,9 @@ pub struct ZulipMessage {
     #[serde(default)]
     pub sender_full_name: String,
     pub content: String,
+    /// Seconds since the epoch, server time.
+    #[serde(default)]
+    pub timestamp: i64,
 }
 
 #[derive(Deserialize)]
@@ -87,6 +94,7 @@ struct MessagesReply {
 
 pub struct ZulipClient {
     http: AppHttp,
+    email: String,
 }
 
 impl ZulipClient {
@@ -103,11 +111,47 @@ impl ZulipClient {
             config.timeout,
             vec![config.api_key.clone(), basic],
         )?;
-        Ok(Self { http })
+        Ok(Self {
+            http,
+            email: config.email.clone(),
+        })
     }
 
-    /// `POST /messages` (send-message) to a channel topic; returns the message id.
+    /// Replaces the default [`RetryPolicy`] (e.g. short backoffs in tests, or none).
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Result<Self, AgentError> {
+        self.http.set_retry(retry)?;
+        Ok(self)
+    }
+
+    /// `POST /messages` (send-message) to a channel topic; returns the message id. Zulip has no dedupe key, so
+    /// the send is never repeated; when its answer is lost the topic is searched for it (ours, same content, sent
+    /// since), and only if it is not there does the [`AgentError::Uncertain`] stand.
     pub async fn send(&self, channel: &str, topic: &str, content: &str) -> Result<u64, AgentError> {
+        let started = crate::time::now_ms() / 1000;
+        match self.post_message(channel, topic, content).await {
+            Err(e @ AgentError::Uncertain { .. }) => {
+                let newest = self.read(channel, topic, LOOKUP_LIMIT).await?;
+                newest
+                    .iter()
+                    .rev()
+                    .find(|m| {
+                        m.sender_email.eq_ignore_ascii_case(&self.email)
+                            && m.content.trim() == content.trim()
+                            && m.timestamp >= started - CLOCK_SKEW_SECS
+                    })
+                    .map(|m| m.id)
+                    .ok_or(e)
+            }
+            other => other,
+        }
+    }
+
+    async fn post_message(
+        &self,
+        channel: &str,
+        topic: &str,
+        content: &str,
+    ) -> Result<u64, AgentError> {
         // `stream` rather than `channel`: accepted by every server version (`channel` needs feature level 248).
         let form = [
             ("type", "stream"),
@@ -244,6 +288,12 @@ impl ZulipAgent {
         Ok(Self {
             client: ZulipClient::new(config)?,
         })
+    }
+
+    /// Replaces the default [`RetryPolicy`] of the agent's app client.
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Result<Self, AgentError> {
+        self.client = self.client.with_retry(retry)?;
+        Ok(self)
     }
 
     async fn run(&self, skill: &str, value: Value) -> Result<Value, AgentError> {

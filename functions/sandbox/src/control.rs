@@ -1,5 +1,6 @@
 //! Test-only control endpoints under `/_sandbox/`, served by every app, without auth.
 
+use crate::fault::{ArmedFault, Fault};
 use crate::glitchtip::ProducingMode;
 use crate::{Shared, State, util};
 use axum::extract::State as AxState;
@@ -81,6 +82,41 @@ pub(crate) fn router() -> Router<Arc<Shared>> {
         .route("/_sandbox/state", get(state))
         .route("/_sandbox/glitchtip/producing", post(producing))
         .route("/_sandbox/requests", get(requests))
+        .route(
+            "/_sandbox/faults",
+            get(list_faults).post(add_fault).delete(clear_faults),
+        )
+}
+
+async fn list_faults(AxState(shared): AxState<Arc<Shared>>) -> Json<Vec<ArmedFault>> {
+    Json(shared.faults.snapshot())
+}
+
+async fn add_fault(
+    AxState(shared): AxState<Arc<Shared>>,
+    body: Result<Json<Fault>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let added = match body {
+        Ok(Json(fault)) => shared.faults.add(fault),
+        Err(e) => Err(e.body_text()),
+    };
+    match added {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => bad_request(e),
+    }
+}
+
+async fn clear_faults(AxState(shared): AxState<Arc<Shared>>) -> StatusCode {
+    shared.faults.clear();
+    StatusCode::NO_CONTENT
+}
+
+fn bad_request(message: String) -> Response {
+    (
+        StatusCode::BAD_REQUEST,
+        Json(serde_json::json!({"error": message})),
+    )
+        .into_response()
 }
 
 async fn requests(AxState(shared): AxState<Arc<Shared>>) -> Response {
@@ -110,13 +146,7 @@ async fn producing(
 ) -> Response {
     let Json(body) = match body {
         Ok(b) => b,
-        Err(e) => {
-            return (
-                StatusCode::BAD_REQUEST,
-                Json(serde_json::json!({"error": e.body_text()})),
-            )
-                .into_response();
-        }
+        Err(e) => return bad_request(e.body_text()),
     };
     let mut st = shared.lock();
     st.glitchtip.mode = body.mode;

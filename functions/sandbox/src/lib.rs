@@ -10,6 +10,7 @@
 
 mod ci;
 mod control;
+mod fault;
 mod forgejo;
 mod git;
 mod glitchtip;
@@ -22,6 +23,7 @@ mod zulip;
 
 pub use ci::{CiCheck, CiRule};
 pub use control::{Counts, ForgejoCounts, GlitchtipCounts, PlaneCounts, ZulipCounts};
+pub use fault::{ArmedFault, Effect, Fault, Phase};
 pub use glitchtip::ProducingMode;
 pub use record::Exchange;
 
@@ -294,6 +296,7 @@ pub(crate) struct Shared {
     pub urls: Urls,
     state: Mutex<State>,
     pub requests: record::Log,
+    pub faults: fault::Faults,
 }
 
 impl Shared {
@@ -366,6 +369,7 @@ impl Sandbox {
             urls,
             state: Mutex::new(state),
             requests: record::Log::default(),
+            faults: fault::Faults::default(),
         });
         {
             let mut st = shared.lock();
@@ -390,6 +394,11 @@ impl Sandbox {
                     record::record,
                 ));
             }
+            // Outside the recorder: a request failed before the app saw it is not one the app answered.
+            router = router.layer(axum::middleware::from_fn_with_state(
+                (shared.clone(), name),
+                fault::inject,
+            ));
             let app = router
                 .merge(control::router())
                 .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -459,6 +468,20 @@ impl SandboxHandle {
     /// The recorded exchanges, oldest first; empty unless `record_requests` is set.
     pub fn requests(&self) -> Vec<Exchange> {
         self.shared.requests.snapshot()
+    }
+
+    /// Arms a fault rule (see [`Fault`]); rules apply in the order they were added.
+    pub fn inject(&self, fault: Fault) -> Result<()> {
+        self.shared.faults.add(fault).map_err(SandboxError::Config)
+    }
+
+    /// The fault rules armed since the last [`Self::clear_faults`], each with how many requests it hit.
+    pub fn faults(&self) -> Vec<ArmedFault> {
+        self.shared.faults.snapshot()
+    }
+
+    pub fn clear_faults(&self) {
+        self.shared.faults.clear();
     }
 
     /// Forces GlitchTip production events on or off, or back to following the default branch.

@@ -1,0 +1,502 @@
+//! The app clients under injected faults (loams-sandbox fault rules): which calls are retried, how 429 is waited
+//! out, that a create whose answer is lost is never made twice, and what the errors say.
+
+use std::time::{Duration, Instant};
+
+use loams_a2a::Skills;
+use loams_agents::*;
+use loams_sandbox::{Fault, Sandbox, SandboxConfig, SandboxHandle, SandboxInfo};
+use serde_json::{Value, json};
+
+/// Short enough to keep the tests fast, long enough for a loaded CI machine to answer a healthy request.
+const TIMEOUT: Duration = Duration::from_millis(1500);
+
+fn fast_retry() -> RetryPolicy {
+    RetryPolicy {
+        max_attempts: 4,
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(40),
+        max_retry_after: Duration::from_secs(5),
+    }
+}
+
+async fn sandbox() -> (SandboxHandle, SandboxInfo) {
+    let handle = Sandbox::start(SandboxConfig::default()).await.unwrap();
+    let info = handle.info();
+    (handle, info)
+}
+
+async fn ok(agent: &dyn Skills, skill: &str, args: Value) -> Value {
+    match agent.invoke(skill, args.clone()).await {
+        Ok(v) => v,
+        Err(e) => panic!("{skill}({args}) failed: {e:?}"),
+    }
+}
+
+fn two_days_ago() -> i64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    now.as_millis() as i64 - 2 * 86_400_000
+}
+
+/// How many requests each armed rule has hit, in arming order.
+fn fired(sb: &SandboxHandle) -> Vec<u32> {
+    sb.faults().iter().map(|f| f.fired).collect()
+}
+
+fn zulip_config(info: &SandboxInfo) -> ZulipConfig {
+    let mut cfg = ZulipConfig::new(
+        &info.urls.zulip,
+        &info.tokens.zulip_email,
+        &info.tokens.zulip_api_key,
+    );
+    cfg.timeout = TIMEOUT;
+    cfg
+}
+
+fn zulip(info: &SandboxInfo) -> ZulipAgent {
+    ZulipAgent::new(&zulip_config(info))
+        .unwrap()
+        .with_retry(fast_retry())
+        .unwrap()
+}
+
+fn plane(info: &SandboxInfo) -> PlaneAgent {
+    let mut cfg = PlaneConfig::new(
+        &info.urls.plane,
+        &info.tokens.plane_api_key,
+        &info.plane_workspace,
+        &info.plane_project_id,
+    );
+    cfg.project_identifier = Some("OPS".into());
+    cfg.timeout = TIMEOUT;
+    PlaneAgent::new(&cfg)
+        .unwrap()
+        .with_retry(fast_retry())
+        .unwrap()
+}
+
+fn forgejo(info: &SandboxInfo) -> ForgejoAgent {
+    let mut cfg = ForgejoConfig::new(
+        &info.urls.forgejo,
+        &info.tokens.forgejo_token,
+        &info.forgejo_owner,
+        &info.forgejo_repo,
+    );
+    cfg.base_branch = info.forgejo_base.clone();
+    cfg.timeout = TIMEOUT;
+    ForgejoAgent::new(&cfg)
+        .unwrap()
+        .with_retry(fast_retry())
+        .unwrap()
+}
+
+fn glitchtip(info: &SandboxInfo) -> GlitchTipAgent {
+    let mut cfg = GlitchTipConfig::new(
+        &info.urls.glitchtip,
+        &info.tokens.glitchtip_token,
+        &info.glitchtip_org,
+    );
+    cfg.timeout = TIMEOUT;
+    GlitchTipAgent::new(&cfg)
+        .unwrap()
+        .with_retry(fast_retry())
+        .unwrap()
+}
+
+fn analytics(info: &SandboxInfo) -> AnalyticsAgent {
+    let mut cfg = AnalyticsConfig::new(
+        &info.urls.openpanel,
+        &info.tokens.openpanel_client_id,
+        &info.tokens.openpanel_client_secret,
+        &info.openpanel_project_id,
+    );
+    cfg.timeout = TIMEOUT;
+    AnalyticsAgent::new(&cfg)
+        .unwrap()
+        .with_retry(fast_retry())
+        .unwrap()
+}
+
+fn plane_items(info: &SandboxInfo) -> String {
+    format!(
+        "/api/v1/workspaces/{}/projects/{}/work-items/",
+        info.plane_workspace, info.plane_project_id
+    )
+}
+
+fn forgejo_repo(info: &SandboxInfo, rest: &str) -> String {
+    format!(
+        "/api/v1/repos/{}/{}/{rest}",
+        info.forgejo_owner, info.forgejo_repo
+    )
+}
+
+#[tokio::test]
+async fn idempotent_calls_are_retried_after_5xx_drops_and_timeouts() {
+    let (sb, info) = sandbox().await;
+    let issue = info.glitchtip_issue_id;
+
+    // GET after two 503s.
+    sb.inject(Fault::status("glitchtip", 2, 503)).unwrap();
+    let events = ok(
+        &glitchtip(&info),
+        "issue_events",
+        json!({"issue_id": issue, "since_ms": 0}),
+    )
+    .await;
+    assert!(events["count"].as_u64().unwrap() > 0, "{events}");
+    assert_eq!(fired(&sb), [2]);
+    sb.clear_faults();
+
+    // GET after a dropped connection.
+    sb.inject(Fault::drop_connection("openpanel", 1)).unwrap();
+    ok(
+        &analytics(&info),
+        "series",
+        json!({"event": "checkout_error", "since_ms": two_days_ago()}),
+    )
+    .await;
+    assert_eq!(fired(&sb), [1]);
+    sb.clear_faults();
+
+    // GET whose answer comes after the client's timeout: abandoned and asked again.
+    sb.inject(Fault::delay("forgejo", 1, TIMEOUT * 3).method("GET"))
+        .unwrap();
+    let t0 = Instant::now();
+    let read = ok(
+        &forgejo(&info),
+        "read_files",
+        json!({"paths": ["README.md"]}),
+    )
+    .await;
+    assert!(
+        read["files"][0]["content"]
+            .as_str()
+            .unwrap()
+            .contains("shop")
+    );
+    let took = t0.elapsed();
+    assert!(
+        took >= TIMEOUT && took < TIMEOUT * 3,
+        "timed out once, then answered: {took:?}"
+    );
+    assert_eq!(fired(&sb), [1]);
+    sb.clear_faults();
+
+    // PUT after a 502 whose change was applied (resolving twice is harmless).
+    sb.inject(
+        Fault::status("glitchtip", 1, 502)
+            .method("PUT")
+            .after_effect(),
+    )
+    .unwrap();
+    let r = ok(&glitchtip(&info), "resolve", json!({"issue_id": issue})).await;
+    assert_eq!(r["status"], "resolved");
+    assert_eq!(fired(&sb), [1]);
+    sb.clear_faults();
+
+    // A PATCH to an absolute value is made idempotent by our code, and retried.
+    let agent = plane(&info);
+    let item = ok(
+        &agent,
+        "create_issue",
+        json!({"external_id": "factory:r-retry", "title": "t"}),
+    )
+    .await;
+    sb.inject(Fault::status("plane", 1, 500).method("PATCH"))
+        .unwrap();
+    let s = ok(
+        &agent,
+        "set_state",
+        json!({"issue_id": item["id"], "state": "started"}),
+    )
+    .await;
+    assert_eq!(s["state"], "started");
+    assert_eq!(fired(&sb), [1]);
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn retries_are_bounded_and_errors_name_the_call_and_the_apps_message() {
+    let (sb, info) = sandbox().await;
+    sb.inject(Fault::status("openpanel", 10, 503)).unwrap();
+    let err = analytics(&info)
+        .invoke(
+            "series",
+            json!({"event": "checkout_error", "since_ms": two_days_ago()}),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(fired(&sb), [4], "max_attempts bounds the tries");
+    assert!(err.retryable, "{err:?}");
+    for part in [
+        "openpanel",
+        "GET /export/charts",
+        "HTTP 503",
+        "after 4 attempt(s)",
+        "sandbox: injected HTTP 503",
+    ] {
+        assert!(err.message.contains(part), "{part} in {}", err.message);
+    }
+    sb.clear_faults();
+
+    // A client error is the app's answer: not retried, and its message is passed on.
+    let err = glitchtip(&info)
+        .invoke("resolve", json!({"issue_id": 999_999}))
+        .await
+        .unwrap_err();
+    assert!(!err.retryable, "{err:?}");
+    assert!(
+        err.message
+            .starts_with("glitchtip: PUT /api/0/issues/999999/: HTTP 404 (after 1 attempt(s)):"),
+        "{}",
+        err.message
+    );
+
+    // Nothing listening: connection errors are retried for every method (nothing was sent), then reported.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let mut cfg = zulip_config(&info);
+    cfg.base_url = format!("http://{closed}");
+    let client = ZulipClient::new(&cfg)
+        .unwrap()
+        .with_retry(fast_retry())
+        .unwrap();
+    let err = client.send("factory", "t", "x").await.unwrap_err();
+    assert!(
+        matches!(&err, AgentError::Transport { call, message, .. }
+            if call == "POST /api/v1/messages" && message.contains("after 4 attempt(s)")),
+        "{err}"
+    );
+    assert!(err.retryable());
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn rate_limits_wait_for_retry_after_for_any_method() {
+    let (sb, info) = sandbox().await;
+    let agent = plane(&info);
+    // A 429 means the request was not processed, so even a plain POST is sent again, after the wait asked for.
+    sb.inject(Fault::rate_limited("plane", 1, "1").method("POST"))
+        .unwrap();
+    let t0 = Instant::now();
+    let item = ok(
+        &agent,
+        "create_issue",
+        json!({"external_id": "factory:r-429", "title": "t"}),
+    )
+    .await;
+    assert!(t0.elapsed() >= Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert_eq!(item["created"], true);
+    assert_eq!(fired(&sb), [1]);
+    sb.clear_faults();
+
+    sb.inject(Fault::rate_limited("plane", 1, "0").method("POST"))
+        .unwrap();
+    ok(
+        &agent,
+        "comment",
+        json!({"issue_id": item["id"], "body": "no external id"}),
+    )
+    .await;
+    assert_eq!(sb.counts().plane.comments, 1);
+    sb.clear_faults();
+
+    // Past the cap: fail at once and say so, rather than hold the caller for two minutes.
+    sb.inject(Fault::rate_limited("plane", 1, "120")).unwrap();
+    let t0 = Instant::now();
+    let err = agent
+        .invoke(
+            "create_issue",
+            json!({"external_id": "factory:r-429b", "title": "t"}),
+        )
+        .await
+        .unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(1));
+    assert!(err.retryable);
+    assert!(
+        err.message.contains("rate limited (HTTP 429)")
+            && err.message.contains("asked to wait 120 s")
+            && err.message.contains(&format!("GET {}", plane_items(&info))),
+        "{}",
+        err.message
+    );
+    assert_eq!(sb.counts().plane.issues, 1);
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn lost_answers_to_plane_creates_make_no_duplicates() {
+    let (sb, info) = sandbox().await;
+    let agent = plane(&info);
+    // The work item is made, the answer lost; the repeat meets Plane's external-id 409 and adopts the item.
+    sb.inject(
+        Fault::drop_connection("plane", 1)
+            .method("POST")
+            .path_prefix(&plane_items(&info))
+            .after_effect(),
+    )
+    .unwrap();
+    let item = ok(
+        &agent,
+        "create_issue",
+        json!({"external_id": "factory:r-drop", "title": "t"}),
+    )
+    .await;
+    assert_eq!(fired(&sb), [1]);
+    assert_eq!(sb.counts().plane.issues, 1);
+    let id = item["id"].as_str().unwrap().to_string();
+    sb.clear_faults();
+
+    // The same for a comment with an external id: one comment, and its id is the one answered.
+    sb.inject(
+        Fault::drop_connection("plane", 1)
+            .method("POST")
+            .after_effect(),
+    )
+    .unwrap();
+    let args = json!({"issue_id": id, "body": "PR opened", "external_id": "factory:r-drop:pr"});
+    let first = ok(&agent, "comment", args.clone()).await;
+    assert_eq!(sb.counts().plane.comments, 1);
+    assert_eq!(ok(&agent, "comment", args).await, first);
+    assert_eq!(sb.counts().plane.comments, 1);
+    sb.clear_faults();
+
+    // Without one there is no way to tell: the client says so and does not send it again.
+    sb.inject(
+        Fault::drop_connection("plane", 1)
+            .method("POST")
+            .after_effect(),
+    )
+    .unwrap();
+    let err = agent
+        .invoke("comment", json!({"issue_id": id, "body": "no key"}))
+        .await
+        .unwrap_err();
+    assert!(!err.retryable);
+    assert!(
+        err.message.contains("outcome unknown") && err.message.contains("/comments/"),
+        "{}",
+        err.message
+    );
+    assert_eq!(fired(&sb), [1]);
+    assert_eq!(sb.counts().plane.comments, 2);
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn lost_answers_to_zulip_sends_are_looked_up_not_resent() {
+    let (sb, info) = sandbox().await;
+    let agent = zulip(&info);
+    let channel = info.zulip_channel.clone();
+    let read_topic = || async {
+        ok(
+            &agent,
+            "read",
+            json!({"channel": channel, "topic": "incident"}),
+        )
+        .await["messages"]
+            .as_array()
+            .unwrap()
+            .len()
+    };
+
+    // Dropped after the message was stored: found in the topic, reported as sent, not posted twice.
+    sb.inject(
+        Fault::drop_connection("zulip", 1)
+            .method("POST")
+            .after_effect(),
+    )
+    .unwrap();
+    let sent = ok(
+        &agent,
+        "post",
+        json!({"channel": channel, "topic": "incident", "content": "Investigating"}),
+    )
+    .await;
+    assert!(sent["message_id"].as_u64().is_some(), "{sent}");
+    assert_eq!(sb.counts().zulip.messages, 1);
+    sb.clear_faults();
+
+    // Answered after our timeout, but stored: the same.
+    sb.inject(
+        Fault::delay("zulip", 1, TIMEOUT * 2)
+            .method("POST")
+            .after_effect(),
+    )
+    .unwrap();
+    let late = ok(
+        &agent,
+        "post",
+        json!({"channel": channel, "topic": "incident", "content": "Still investigating"}),
+    )
+    .await;
+    assert_ne!(late["message_id"], sent["message_id"]);
+    assert_eq!(sb.counts().zulip.messages, 2);
+    sb.clear_faults();
+
+    // Dropped before the app saw it: not in the topic, so the unknown outcome is reported, nothing resent.
+    sb.inject(Fault::drop_connection("zulip", 1).method("POST"))
+        .unwrap();
+    let client = ZulipClient::new(&zulip_config(&info))
+        .unwrap()
+        .with_retry(fast_retry())
+        .unwrap();
+    let err = client
+        .send(&info.zulip_channel, "incident", "Fixed")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, AgentError::Uncertain { call, .. } if call == "POST /api/v1/messages"),
+        "{err}"
+    );
+    assert!(!err.retryable());
+    assert_eq!(fired(&sb), [1]);
+    assert_eq!(sb.counts().zulip.messages, 2);
+    assert_eq!(read_topic().await, 2);
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn lost_answers_to_forgejo_commits_prs_and_labels_make_no_duplicates() {
+    let (sb, info) = sandbox().await;
+    let agent = forgejo(&info);
+    let base = info.forgejo_base.clone();
+    let branch = "factory/r-drop";
+    let before = sb.counts().forgejo;
+
+    // Every create of the flow loses its answer once after taking effect: branch, commit, PR, label.
+    for rest in ["branches", "contents", "pulls", "labels"] {
+        sb.inject(
+            Fault::drop_connection("forgejo", 1)
+                .method("POST")
+                .path_prefix(&forgejo_repo(&info, rest))
+                .after_effect(),
+        )
+        .unwrap();
+    }
+    let commit = ok(
+        &agent,
+        "commit_patch",
+        json!({"branch": branch, "base": base, "message": "Fix", "files": [{"path": "FIX.md", "content": "fixed\n"}]}),
+    )
+    .await;
+    let pr = ok(
+        &agent,
+        "open_pr",
+        json!({"branch": branch, "base": base, "title": "Fix", "body": "b", "labels": ["factory"]}),
+    )
+    .await;
+    assert_eq!(fired(&sb), [1, 1, 1, 1]);
+    assert_eq!(pr["head_sha"], commit["sha"]);
+    let after = sb.counts().forgejo;
+    assert_eq!(after.branches, before.branches + 1);
+    assert_eq!(after.commits, before.commits + 1);
+    assert_eq!(after.prs, before.prs + 1);
+    assert_eq!(after.labels, before.labels + 1);
+    sb.shutdown().await;
+}

@@ -1,0 +1,201 @@
+//! Fault injection over the control endpoint, as a test in another process would arm it.
+
+use loams_sandbox::{ArmedFault, Counts, Effect, Fault, Sandbox, SandboxConfig, SandboxHandle};
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+async fn start() -> SandboxHandle {
+    Sandbox::start(SandboxConfig::default())
+        .await
+        .unwrap_or_else(|e| panic!("sandbox did not start: {e}"))
+}
+
+async fn arm(sb: &SandboxHandle, fault: &Fault) {
+    let resp = reqwest::Client::new()
+        .post(format!("{}/_sandbox/faults", sb.urls().forgejo))
+        .json(fault)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 204, "{:?}", resp.text().await);
+}
+
+async fn armed(sb: &SandboxHandle) -> Vec<ArmedFault> {
+    reqwest::get(format!("{}/_sandbox/faults", sb.urls().zulip))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+async fn counts(sb: &SandboxHandle) -> Counts {
+    reqwest::get(format!("{}/_sandbox/state", sb.urls().plane))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+fn plane_states(sb: &SandboxHandle) -> String {
+    let c = sb.info();
+    format!(
+        "{}/api/v1/workspaces/{}/projects/{}/states/",
+        c.urls.plane, c.plane_workspace, c.plane_project_id
+    )
+}
+
+async fn zulip_post(sb: &SandboxHandle, content: &str) -> reqwest::Result<reqwest::Response> {
+    let t = sb.tokens();
+    reqwest::Client::new()
+        .post(format!("{}/api/v1/messages", sb.urls().zulip))
+        .basic_auth(&t.zulip_email, Some(&t.zulip_api_key))
+        .form(&[
+            ("type", "stream"),
+            ("to", "factory"),
+            ("topic", "t"),
+            ("content", content),
+        ])
+        .send()
+        .await
+}
+
+#[tokio::test]
+async fn status_faults_match_method_and_path_and_are_counted() {
+    let sb = start().await;
+    let key = sb.tokens().plane_api_key.clone();
+    let get_states = || {
+        reqwest::Client::new()
+            .get(plane_states(&sb))
+            .header("x-api-key", &key)
+            .send()
+    };
+    let rule = Fault::rate_limited("plane", 2, "7")
+        .method("get")
+        .path_prefix("/api/v1/workspaces/");
+    arm(&sb, &rule).await;
+    // Other methods, paths, apps and the control endpoints are untouched.
+    assert_eq!(
+        reqwest::Client::new()
+            .post(plane_states(&sb))
+            .header("x-api-key", &key)
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        405
+    );
+    assert_eq!(counts(&sb).await.plane.issues, 0);
+    for _ in 0..2 {
+        let resp = get_states().await.unwrap();
+        assert_eq!(resp.status(), 429);
+        assert_eq!(resp.headers()["retry-after"], "7");
+        let body: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(body["message"], "sandbox: injected HTTP 429");
+    }
+    assert_eq!(get_states().await.unwrap().status(), 200);
+    assert_eq!(
+        armed(&sb).await,
+        vec![ArmedFault {
+            fault: rule,
+            fired: 2
+        }]
+    );
+
+    let clear = reqwest::Client::new()
+        .delete(format!("{}/_sandbox/faults", sb.urls().glitchtip))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(clear.status(), 204);
+    assert!(armed(&sb).await.is_empty());
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_rules_are_refused() {
+    let sb = start().await;
+    for body in [
+        json!({"app": "jira", "times": 1, "effect": {"kind": "drop"}}),
+        json!({"app": "plane", "times": 0, "effect": {"kind": "drop"}}),
+        json!({"app": "plane", "times": 1, "effect": {"kind": "status", "status": 1000}}),
+        json!({"app": "plane", "times": 1, "effect": {"kind": "explode"}}),
+    ] {
+        let resp = reqwest::Client::new()
+            .post(format!("{}/_sandbox/faults", sb.urls().plane))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400, "{body}");
+    }
+    assert!(sb.inject(Fault::status("nope", 1, 500)).is_err());
+    assert!(sb.faults().is_empty());
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn drops_before_and_after_the_effect() {
+    let sb = start().await;
+    sb.inject(Fault::drop_connection("zulip", 1).method("POST"))
+        .unwrap();
+    let err = zulip_post(&sb, "lost before").await.unwrap_err();
+    assert!(!err.is_status(), "{err:?}");
+    assert_eq!(counts(&sb).await.zulip.messages, 0);
+
+    sb.inject(
+        Fault::drop_connection("zulip", 1)
+            .method("POST")
+            .after_effect(),
+    )
+    .unwrap();
+    assert!(zulip_post(&sb, "lost after").await.is_err());
+    assert_eq!(counts(&sb).await.zulip.messages, 1);
+
+    // Exhausted rules leave requests alone.
+    assert_eq!(zulip_post(&sb, "fine").await.unwrap().status(), 200);
+    assert_eq!(counts(&sb).await.zulip.messages, 2);
+    assert_eq!(
+        sb.faults().iter().map(|f| f.fired).collect::<Vec<_>>(),
+        [1, 1]
+    );
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn delays_hold_the_answer_and_an_abandoned_request_before_the_effect_does_nothing() {
+    let sb = start().await;
+    sb.inject(Fault::delay("zulip", 1, Duration::from_millis(300)).after_effect())
+        .unwrap();
+    let t0 = Instant::now();
+    assert_eq!(zulip_post(&sb, "slow").await.unwrap().status(), 200);
+    assert!(t0.elapsed() >= Duration::from_millis(300));
+
+    sb.inject(Fault::delay("zulip", 1, Duration::from_millis(600)))
+        .unwrap();
+    let t = sb.tokens();
+    let gave_up = reqwest::Client::new()
+        .post(format!("{}/api/v1/messages", sb.urls().zulip))
+        .basic_auth(&t.zulip_email, Some(&t.zulip_api_key))
+        .timeout(Duration::from_millis(100))
+        .form(&[
+            ("type", "stream"),
+            ("to", "factory"),
+            ("topic", "t"),
+            ("content", "x"),
+        ])
+        .send()
+        .await
+        .unwrap_err();
+    assert!(gave_up.is_timeout());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(counts(&sb).await.zulip.messages, 1);
+    assert!(matches!(
+        sb.faults()[1].fault.effect,
+        Effect::Delay { ms: 600 }
+    ));
+    sb.shutdown().await;
+}
