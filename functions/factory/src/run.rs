@@ -1058,7 +1058,14 @@ impl Run {
                 action,
                 "plane",
                 "comment",
-                json!({"issue_id": l.issue_id, "body": prompts::finish_text(self)}),
+                // Plane refuses a second comment with the same external id, so a comment whose answer was lost
+                // (or whose agent crashed after making it) is not made twice by a later try. It leaves out the
+                // retry count that the step id carries: every try of this comment is the same comment.
+                json!({
+                    "issue_id": l.issue_id,
+                    "body": prompts::finish_text(self),
+                    "external_id": step_id(&self.id, self.stage.as_str(), self.slot(), action),
+                }),
             ),
             FinishStep::Post => self.call(
                 action,

@@ -62,6 +62,21 @@ fn attempts_exhausted_hand_off_as_fail_safe() {
         &t[t.len() - 3..],
         ["forgejo.open_pr", "plane.comment", "zulip.post"]
     );
+    // The closing comment carries an external id naming its step without any retry count, so Plane refuses a
+    // second copy from a later try.
+    let comments: Vec<_> = world
+        .performed
+        .iter()
+        .filter_map(|(step, (e, _))| match e {
+            Effect::Call { skill, args, .. } if skill == "comment" => {
+                Some((step.clone(), args.clone()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(comments.len(), 1, "{comments:?}");
+    let (step, args) = &comments[0];
+    assert_eq!(args["external_id"].as_str(), Some(step.as_str()));
 }
 
 #[test]
