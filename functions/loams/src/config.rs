@@ -378,6 +378,69 @@ pub struct AnalyticsSettings {
     pub project_id: String,
 }
 
+/// One app's settings: all that one agent needs. On Lambda each agent function reads only its own app's, from its
+/// own secret (`loams::lambda`), so no function holds another app's credentials.
+#[derive(Debug, Clone)]
+pub enum App {
+    Zulip(ZulipSettings),
+    Plane(PlaneSettings),
+    Forgejo(ForgejoSettings),
+    Glitchtip(GlitchtipSettings),
+    Analytics(AnalyticsSettings),
+}
+
+impl AppSettings {
+    /// The settings of the app agent `name` works on.
+    pub fn app(&self, name: &str) -> Option<App> {
+        Some(match name {
+            "zulip" => App::Zulip(self.zulip.clone()),
+            "plane" => App::Plane(self.plane.clone()),
+            "forgejo" => App::Forgejo(self.forgejo.clone()),
+            "glitchtip" => App::Glitchtip(self.glitchtip.clone()),
+            "analytics" => App::Analytics(self.analytics.clone()),
+            _ => return None,
+        })
+    }
+}
+
+impl App {
+    /// App `name`'s settings from a JSON object with the fields of `[apps.<name>]`, every value a string. The error
+    /// names a field at most and never quotes a value: the object holds the app's credentials.
+    pub fn from_json(name: &str, text: &str) -> Result<App, String> {
+        let object: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(text).map_err(|e| format!("not a JSON object: {e}"))?;
+        // serde quotes a value of the wrong type in its message; refuse one first, by its key alone.
+        if let Some((key, _)) = object.iter().find(|(_, value)| !value.is_string()) {
+            let key: String = key.chars().take(64).collect();
+            return Err(format!("`{key}` must be a string"));
+        }
+        let value = serde_json::Value::Object(object);
+        let app = match name {
+            "zulip" => serde_json::from_value(value).map(App::Zulip),
+            "plane" => serde_json::from_value(value).map(App::Plane),
+            "forgejo" => serde_json::from_value(value).map(App::Forgejo),
+            "glitchtip" => serde_json::from_value(value).map(App::Glitchtip),
+            "analytics" => serde_json::from_value(value).map(App::Analytics),
+            other => return Err(format!("no app named {other}")),
+        }
+        .map_err(|e| e.to_string())?;
+        if !app.url().starts_with("https://") && !app.url().starts_with("http://") {
+            return Err("`url` must be an http(s) URL".into());
+        }
+        Ok(app)
+    }
+
+    pub fn url(&self) -> &str {
+        match self {
+            App::Zulip(s) => &s.url,
+            App::Plane(s) => &s.url,
+            App::Forgejo(s) => &s.url,
+            App::Glitchtip(s) => &s.url,
+            App::Analytics(s) => &s.url,
+        }
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -661,6 +724,40 @@ mod tests {
             config.apps.unwrap().zulip.api_key.expose(),
             "zulip-secret-1"
         );
+    }
+
+    #[test]
+    fn one_app_is_read_from_json_without_quoting_its_values() {
+        let forgejo = r#"{"url": "https://git.example.com", "token": "forgejo-secret-1", "owner": "acme", "repo": "shop", "base": "main"}"#;
+        let App::Forgejo(settings) = App::from_json("forgejo", forgejo).unwrap() else {
+            panic!("not the forgejo settings");
+        };
+        assert_eq!(settings.token.expose(), "forgejo-secret-1");
+        assert_eq!(settings.base, "main");
+        // Another app's settings are not this app's: a secret handed to the wrong agent is refused.
+        let err = App::from_json("zulip", forgejo).unwrap_err();
+        assert!(err.contains("unknown field"), "{err}");
+        for (text, expected) in [
+            (
+                r#"{"url": "https://z", "email": "b@z"}"#,
+                "missing field `api_key`",
+            ),
+            (
+                r#"{"url": "https://z", "email": "b@z", "api_key": 987654321}"#,
+                "`api_key` must be a string",
+            ),
+            (
+                r#"{"url": "z.example.com", "email": "b@z", "api_key": "zulip-secret-2"}"#,
+                "`url`",
+            ),
+            ("api_key = \"zulip-secret-3\"", "not a JSON object"),
+        ] {
+            let err = App::from_json("zulip", text).unwrap_err();
+            assert!(err.contains(expected), "{text}: {err}");
+            for secret in ["987654321", "zulip-secret-2", "zulip-secret-3"] {
+                assert!(!err.contains(secret), "{secret} leaked: {err}");
+            }
+        }
     }
 
     #[test]

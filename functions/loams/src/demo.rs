@@ -1,6 +1,6 @@
 //! `loams demo` and the end-to-end scenarios: start everything in one process, post a GlitchTip alert for the
-//! seeded bug, and follow the run(s) through the Connect API the phones use, deciding approvals on a simulated
-//! phone, until every run has ended.
+//! seeded bug, and follow the run(s) through the Connect API the phones use, deciding approvals on the terminal
+//! phone (`loams phone`'s core), until every run has ended.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -28,7 +28,7 @@ const POLL: Duration = Duration::from_millis(50);
 /// right after it ends).
 const SETTLE: Duration = Duration::from_millis(400);
 
-/// What the simulated phone does with an approval request.
+/// What the phone does with an approval request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PhoneAnswer {
     Approve,
@@ -147,13 +147,20 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
     )?;
 
     // The approver's phone, and the on-call engineer's view of the runs (the run acts on their behalf, so they
-    // cannot approve its actions themselves).
-    let phone = Phone::register(
+    // cannot approve its actions themselves). The phone keeps its key and cache beside the store, as
+    // `loams phone --data-dir` would.
+    let phone = Phone::open(
         &stack.api_url,
-        &stack.token("alice", &config.org)?,
-        "alice-phone",
-    )
-    .await?;
+        &config.org,
+        stack.token("alice", &config.org)?,
+        &config.data_dir.join("phone"),
+    )?;
+    let device = phone.register_device("alice-phone").await?;
+    writeln!(
+        out,
+        "phone: device {} registered for {}",
+        device.device_id, device.user
+    )?;
     let oncall = ConnectClient::new(stack.api_url.clone()).with_header(
         "authorization",
         format!("Bearer {}", stack.token(&config.owner, &config.org)?),
@@ -221,16 +228,18 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
                 )
                 .await?;
             for event in &timeline.events {
-                let at = Duration::from_millis((event.at_ms - run.started_at_ms).max(0) as u64);
                 writeln!(
                     out,
-                    "{:>7.2}s  {} g{}  {:<8} {:<22} {}",
-                    at.as_secs_f64(),
-                    short(&run.id),
-                    run.generation,
-                    event.stage,
-                    event.r#type,
-                    event.summary
+                    "{}",
+                    timeline_line(
+                        &run.id,
+                        run.generation,
+                        run.started_at_ms,
+                        event.at_ms,
+                        &event.stage,
+                        &event.r#type,
+                        &event.summary
+                    )
                 )?;
             }
             if let Some(last) = timeline.events.last()
@@ -287,14 +296,23 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
         for approval in phone.pending().await? {
             if decided.insert(approval.id.clone()) {
                 let approve = scenario.phone == PhoneAnswer::Approve;
+                let typing = match (&approval.confirmation_phrase, approve) {
+                    (Some(phrase), true) => format!(", typing {phrase:?}"),
+                    _ => String::new(),
+                };
                 writeln!(
                     out,
-                    "           phone {}: {} ({})",
+                    "           phone {}: {} ({}){typing}",
                     if approve { "approves" } else { "denies" },
                     approval.summary.lines().next().unwrap_or_default(),
                     approval.id
                 )?;
-                phone.decide(&approval.id, approve).await?;
+                let decided = phone.decide(&approval.id, approve).await?;
+                writeln!(
+                    out,
+                    "           phone: signed with device {}, server says {:?}",
+                    device.device_id, decided.state
+                )?;
             }
         }
         if all_ended {
@@ -379,8 +397,31 @@ fn is_ended(state: &str) -> bool {
     loams_factory::RunState::parse(state).is_some_and(loams_factory::RunState::is_terminal)
 }
 
-fn short(run: &str) -> &str {
+/// A run id shortened for a line of output.
+pub(crate) fn short(run: &str) -> &str {
     run.get(..8).unwrap_or(run)
+}
+
+/// One timeline event as `loams demo` and `loams phone watch` print it, timed from the run's start.
+pub(crate) fn timeline_line(
+    run_id: &str,
+    generation: u32,
+    started_at_ms: i64,
+    at_ms: i64,
+    stage: &str,
+    kind: &str,
+    summary: &str,
+) -> String {
+    let at = Duration::from_millis((at_ms - started_at_ms).max(0) as u64);
+    format!(
+        "{:>7.2}s  {} g{}  {:<8} {:<22} {}",
+        at.as_secs_f64(),
+        short(run_id),
+        generation,
+        stage,
+        kind,
+        summary
+    )
 }
 
 fn or_none(s: &str) -> &str {

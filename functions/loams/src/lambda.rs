@@ -3,17 +3,23 @@
 //! many as fit in the invocation), and the scheduler's `fire_due`.
 //!
 //! One binary (`loams-lambda`) serves every function; `LOAMS_FUNCTION` picks which. Everything comes from the
-//! environment, read once at start; a missing or bad variable stops the function at start, naming it:
+//! environment, read once at start; a missing or bad variable stops the function at start, naming it. Each function
+//! gets only the keys and credentials its own work needs, and refuses to start with one meant for another:
 //!
 //! | variable | functions | meaning |
 //! |---|---|---|
 //! | `LOAMS_FUNCTION` | all | `api`, `worker`, `scheduler` or `agent:<zulip\|plane\|forgejo\|glitchtip\|analytics>` |
-//! | `LOAMS_CONFIG` | all (optional) | the `loams dev` TOML configuration (`factory`, `policy`, `model`, `apps`, ...) |
+//! | `LOAMS_CONFIG` | api, worker (optional) | the `loams dev` TOML configuration without `[apps]` (`factory`, `policy`, `model`, `webhooks`) |
 //! | `LOAMS_ORG`, `LOAMS_ENV` | all | the tenant and the environment runs are opened in (override `LOAMS_CONFIG`) |
 //! | `LOAMS_TABLE`, `LOAMS_QUEUE_URL`, `LOAMS_DEAD_LETTER_URL` | all | the DynamoDB table and the SQS queues |
 //! | `LOAMS_AWS_ENDPOINT` | optional | a local emulator (moto) instead of AWS (nothing is created there either) |
-//! | `LOAMS_ISSUER_KEY` | api, worker, agents | base64 PKCS#8 P-256 key of the token issuer (`loams token`'s key) |
-//! | `LOAMS_CARD_KEY` | worker, agents | base64 PKCS#8 P-256 key the agents sign their cards with |
+//! | `LOAMS_BASE_BRANCH`, `LOAMS_ANALYTICS_PROJECT` | api, worker | what a run starts with: the repository's base branch and the analytics project |
+//! | `LOAMS_ISSUER_PUBLIC_KEY` | api | base64 SPKI DER of the people's token issuer (`loams token`'s key); its private key is in no function |
+//! | `LOAMS_AGENT_TOKEN_KEY` | worker | base64 PKCS#8 P-256 key the worker signs its agent tokens with |
+//! | `LOAMS_AGENT_TOKEN_PUBLIC_KEY` | agents | base64 SPKI DER of that key: the agents accept tokens it signed, and no others |
+//! | `LOAMS_CARD_KEY` | agents | base64 PKCS#8 P-256 key the agents sign their cards with |
+//! | `LOAMS_CARD_PUBLIC_KEY` | worker | base64 SPKI DER of that key: the worker trusts cards it signed |
+//! | `LOAMS_APP_SECRET_ARN` | agents | the Secrets Manager secret with this agent's app settings (the JSON of `[apps.<name>]`), read at start |
 //! | `LOAMS_AGENT_URL_<NAME>` | worker | each agent's Function URL |
 //! | `LOAMS_BASE_URL` | agents (optional) | the agent's own URL; unset: taken from the first request's `Host` |
 //! | `LOAMS_WEBHOOK_TOKEN`, `LOAMS_GLITCHTIP_ORIGIN` | api | the GlitchTip webhook's URL token and GlitchTip's URL |
@@ -24,31 +30,38 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow};
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
+use aws_lc_rs::encoding::AsDer;
+use aws_lc_rs::signature::{ECDSA_P256_SHA256_FIXED, ParsedPublicKey};
 use base64::Engine;
-use base64::engine::general_purpose::STANDARD;
-use loams_a2a::{A2aClient, CardSigner, Guards, Jwks};
-use loams_api::{AgentAuth, AgentTokens, ApiState, ApprovalBroker, Issuer};
+use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+use jsonwebtoken::jwk::JwkSet;
+use loams_a2a::{A2aClient, CardSigner, Guards, Jwk, Jwks};
+use loams_api::{AgentAuth, AgentTokens, ApiState, ApprovalBroker, Issuer, Verifier};
 use loams_factory::Envelope;
-use loams_model::Replay;
+use loams_model::{ChatModel, Replay};
 use loams_platform::aws::{
     BODY_ENCODING_ATTRIBUTE, BatchOutcome, batch_item_failures, decode_body,
 };
 use loams_worker::{
-    A2aAgents, AgentCaller, AgentReply, Scheduler, Settlement, Worker, WorkerError,
+    A2aAgents, AgentCaller, AgentReply, Scheduler, Settlement, Worker, WorkerDeps, WorkerError,
 };
 use serde_json::Value;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
-use crate::config::{AGENTS, AppSettings, Config, ConfigError, QueueKind, Secret, StoreKind};
+use crate::config::{AGENTS, App, Config, ConfigError, QueueKind, Secret, StoreKind};
 use crate::stack::{
-    Backend, DEV_AUDIENCE, DEV_ISSUER, WorkerOpener, agent, api_config, model, worker_deps,
+    AGENT_TOKEN_ISSUER, Backend, DEV_AUDIENCE, DEV_ISSUER, WorkerOpener, agent, api_config, model,
+    worker_deps,
 };
 
 /// Largest value accepted from one environment variable (Lambda allows 4 KiB for all of them together).
 const MAX_VAR_BYTES: usize = 64 * 1024;
 /// Scheduler passes per invocation (each fires up to the scheduler's batch of due timers).
 const SCHEDULER_PASSES: usize = 20;
+/// Length of a P-256 public key as SubjectPublicKeyInfo DER; its last 65 bytes are the uncompressed point.
+const P256_SPKI_LEN: usize = 91;
+const P256_POINT_LEN: usize = 65;
 
 /// Which function this process is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,15 +91,57 @@ impl Function {
                 }),
         }
     }
+
+    /// Why this function must not be given `var`, if it must not: a private key, a credential (or where to read
+    /// one) or the shared configuration belongs to the functions that use it, and a template that hands it to
+    /// another function fails at that function's start instead of silently widening who holds what.
+    fn must_not_hold(&self, var: &str) -> Option<&'static str> {
+        let agent = matches!(self, Function::Agent(_));
+        match var {
+            "LOAMS_ISSUER_KEY" => Some(
+                "no function holds the people's issuer key: tokens are minted offline (`loams token`) and the API \
+                 checks them with LOAMS_ISSUER_PUBLIC_KEY",
+            ),
+            "LOAMS_AGENT_TOKEN_KEY" if *self != Function::Worker => {
+                Some("only the worker signs agent tokens")
+            }
+            "LOAMS_CARD_KEY" if !agent => Some("only the agents sign their cards"),
+            "LOAMS_APP_SECRET_ARN" if !agent => Some("only an agent reads its app's credentials"),
+            "LOAMS_WEBHOOK_TOKEN" if *self != Function::Api => {
+                Some("only the API receives the GlitchTip webhook")
+            }
+            "LOAMS_CONFIG" if !matches!(self, Function::Api | Function::Worker) => {
+                Some("only the API and the worker open or move runs")
+            }
+            _ => None,
+        }
+    }
 }
+
+/// The variables some function must not be given (see [`Function::must_not_hold`]).
+const GUARDED_VARS: [&str; 6] = [
+    "LOAMS_ISSUER_KEY",
+    "LOAMS_AGENT_TOKEN_KEY",
+    "LOAMS_CARD_KEY",
+    "LOAMS_APP_SECRET_ARN",
+    "LOAMS_WEBHOOK_TOKEN",
+    "LOAMS_CONFIG",
+];
 
 /// Everything a function reads from its environment.
 #[derive(Debug)]
 pub struct Settings {
     pub function: Function,
     pub config: Config,
-    issuer_key: Option<Secret>,
+    agent_token_key: Option<Secret>,
     card_key: Option<Secret>,
+    issuer_public_key: Option<String>,
+    agent_token_public_key: Option<String>,
+    card_public_key: Option<String>,
+    app_secret_arn: Option<String>,
+    /// What a run starts with (API and worker): the repository's base branch and the analytics project.
+    base_branch: Option<String>,
+    analytics_project: Option<String>,
     agent_urls: HashMap<&'static str, String>,
     base_url: Option<String>,
     glitchtip_origin: Option<String>,
@@ -112,6 +167,14 @@ impl Settings {
             })
         };
         let function = Function::parse(&need("LOAMS_FUNCTION")?)?;
+        for name in GUARDED_VARS {
+            if let (Some(why), Some(_)) = (function.must_not_hold(name), get(name)?) {
+                return Err(ConfigError::Invalid {
+                    setting: name,
+                    message: format!("must not be given to this function: {why}"),
+                });
+            }
+        }
         let mut config = match get("LOAMS_CONFIG")? {
             Some(text) => Config::parse(&text).map_err(|message| ConfigError::Invalid {
                 setting: "LOAMS_CONFIG",
@@ -119,6 +182,14 @@ impl Settings {
             })?,
             None => Config::default(),
         };
+        if config.apps.is_some() {
+            return Err(ConfigError::Invalid {
+                setting: "LOAMS_CONFIG",
+                message: "must not hold [apps]: each agent reads its own app's settings from its secret \
+                          (LOAMS_APP_SECRET_ARN); runs start with LOAMS_BASE_BRANCH and LOAMS_ANALYTICS_PROJECT"
+                    .into(),
+            });
+        }
         config.org = need("LOAMS_ORG")?;
         config.env = need("LOAMS_ENV")?;
         // The only writable place on Lambda; nothing durable is kept there.
@@ -134,43 +205,43 @@ impl Settings {
         let mut settings = Settings {
             function: function.clone(),
             config,
-            issuer_key: None,
+            agent_token_key: None,
             card_key: None,
+            issuer_public_key: None,
+            agent_token_public_key: None,
+            card_public_key: None,
+            app_secret_arn: None,
+            base_branch: None,
+            analytics_project: None,
             agent_urls: HashMap::new(),
             base_url: None,
             glitchtip_origin: None,
         };
         match function {
             Function::Api => {
-                settings.issuer_key = Some(Secret::new(need("LOAMS_ISSUER_KEY")?));
+                settings.issuer_public_key = Some(need("LOAMS_ISSUER_PUBLIC_KEY")?);
                 settings.config.webhook_token = Some(Secret::new(need("LOAMS_WEBHOOK_TOKEN")?));
                 settings.glitchtip_origin = Some(need("LOAMS_GLITCHTIP_ORIGIN")?);
             }
             Function::Worker => {
-                settings.issuer_key = Some(Secret::new(need("LOAMS_ISSUER_KEY")?));
-                settings.card_key = Some(Secret::new(need("LOAMS_CARD_KEY")?));
+                settings.agent_token_key = Some(Secret::new(need("LOAMS_AGENT_TOKEN_KEY")?));
+                settings.card_public_key = Some(need("LOAMS_CARD_PUBLIC_KEY")?);
                 for (agent, name) in AGENTS.into_iter().zip(AGENT_URL_VARS) {
                     settings.agent_urls.insert(agent, need(name)?);
                 }
             }
             Function::Agent(_) => {
-                settings.issuer_key = Some(Secret::new(need("LOAMS_ISSUER_KEY")?));
+                settings.app_secret_arn = Some(need("LOAMS_APP_SECRET_ARN")?);
+                settings.agent_token_public_key = Some(need("LOAMS_AGENT_TOKEN_PUBLIC_KEY")?);
                 settings.card_key = Some(Secret::new(need("LOAMS_CARD_KEY")?));
                 settings.base_url = get("LOAMS_BASE_URL")?;
             }
             Function::Scheduler => {}
         }
-        // The API too: a run it opens takes its base branch and analytics project from them.
-        if matches!(
-            function,
-            Function::Api | Function::Worker | Function::Agent(_)
-        ) && settings.config.apps.is_none()
-        {
-            return Err(ConfigError::Invalid {
-                setting: "LOAMS_CONFIG",
-                message: "must hold the [apps] settings for the API, the worker and the agents"
-                    .into(),
-            });
+        // Both open runs (the API from webhooks), which start with these.
+        if matches!(function, Function::Api | Function::Worker) {
+            settings.base_branch = Some(need("LOAMS_BASE_BRANCH")?);
+            settings.analytics_project = Some(need("LOAMS_ANALYTICS_PROJECT")?);
         }
         settings.config.validate()?;
         check_url("LOAMS_BASE_URL", settings.base_url.as_deref())?;
@@ -210,24 +281,128 @@ fn check_url(setting: &'static str, url: Option<&str>) -> Result<(), ConfigError
     }
 }
 
-/// A base64 PKCS#8 key from the environment.
-fn key_bytes(setting: &'static str, key: Option<&Secret>) -> Result<Vec<u8>, ConfigError> {
-    let key = key.ok_or(ConfigError::Invalid {
+/// The bytes of a base64 variable.
+fn base64_var(setting: &'static str, value: Option<&str>) -> Result<Vec<u8>, ConfigError> {
+    let value = value.ok_or(ConfigError::Invalid {
         setting,
         message: "is not set".into(),
     })?;
     STANDARD
-        .decode(key.expose().trim())
+        .decode(value.trim())
         .map_err(|e| ConfigError::Invalid {
             setting,
-            message: format!("is not base64 (a PKCS#8 P-256 key, base64-encoded): {e}"),
+            message: format!("is not base64: {e}"),
         })
 }
 
-fn issuer(settings: &Settings) -> anyhow::Result<Issuer> {
-    let der = key_bytes("LOAMS_ISSUER_KEY", settings.issuer_key.as_ref())?;
-    Issuer::from_pkcs8(&der, DEV_ISSUER, DEV_AUDIENCE)
-        .map_err(|e| anyhow!("setting `LOAMS_ISSUER_KEY`: {e}"))
+/// A base64 PKCS#8 private key from the environment.
+fn key_bytes(setting: &'static str, key: Option<&Secret>) -> Result<Vec<u8>, ConfigError> {
+    base64_var(setting, key.map(Secret::expose)).map_err(|e| match e {
+        ConfigError::Invalid { setting, message } => ConfigError::Invalid {
+            setting,
+            message: format!("{message} (a PKCS#8 P-256 key, base64-encoded)"),
+        },
+        other => other,
+    })
+}
+
+/// The JWK coordinates (base64url x and y) and the uncompressed point of a P-256 public key given as base64
+/// SubjectPublicKeyInfo DER (`openssl pkey -pubout -outform DER`).
+fn public_key(
+    setting: &'static str,
+    value: Option<&str>,
+) -> Result<(String, String, Vec<u8>), ConfigError> {
+    let invalid = || ConfigError::Invalid {
+        setting,
+        message: "is not a P-256 public key (base64 SubjectPublicKeyInfo DER)".into(),
+    };
+    let der = base64_var(setting, value)?;
+    // Parsing checks the curve and that the point lies on it; the canonical DER re-encoding then ends in the point.
+    let key = ParsedPublicKey::new(&ECDSA_P256_SHA256_FIXED, &der).map_err(|_| invalid())?;
+    let spki = key.as_der().map_err(|_| invalid())?;
+    let spki = spki.as_ref();
+    if spki.len() != P256_SPKI_LEN {
+        return Err(invalid());
+    }
+    let point = &spki[P256_SPKI_LEN - P256_POINT_LEN..];
+    if point[0] != 0x04 {
+        return Err(invalid());
+    }
+    Ok((
+        URL_SAFE_NO_PAD.encode(&point[1..33]),
+        URL_SAFE_NO_PAD.encode(&point[33..]),
+        point.to_vec(),
+    ))
+}
+
+/// A JWKS of one token-signing public key, with the key id `loams_api::Issuer` puts in the tokens it signs (the
+/// first 8 bytes of the SHA-256 of the uncompressed point, in hex), so its tokens find their key.
+fn token_jwks(setting: &'static str, value: Option<&str>) -> Result<JwkSet, ConfigError> {
+    let (x, y, point) = public_key(setting, value)?;
+    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, &point);
+    let kid: String = digest.as_ref()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let jwks = serde_json::json!({ "keys": [{
+        "kty": "EC", "crv": "P-256", "x": x, "y": y, "kid": kid, "use": "sig", "alg": "ES256"
+    }]});
+    serde_json::from_value(jwks).map_err(|e| ConfigError::Invalid {
+        setting,
+        message: format!("cannot make a JWKS of it: {e}"),
+    })
+}
+
+/// The agents' card key as the worker trusts it, with the RFC 7638 thumbprint as key id (what `CardSigner` uses).
+fn card_jwks(setting: &'static str, value: Option<&str>) -> Result<Jwks, ConfigError> {
+    let (x, y, _) = public_key(setting, value)?;
+    // RFC 7638: SHA-256 over the required members in lexicographic order, no whitespace.
+    let thumb_input = format!(r#"{{"crv":"P-256","kty":"EC","x":"{x}","y":"{y}"}}"#);
+    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, thumb_input.as_bytes());
+    Ok(Jwks {
+        keys: vec![Jwk {
+            kty: "EC".into(),
+            crv: "P-256".into(),
+            x,
+            y,
+            kid: URL_SAFE_NO_PAD.encode(digest.as_ref()),
+            alg: Some("ES256".into()),
+            use_: Some("sig".into()),
+        }],
+    })
+}
+
+/// The API's check of people's tokens: the issuer's public key only.
+fn people_verifier(settings: &Settings) -> Result<(Verifier, JwkSet), ConfigError> {
+    let jwks = token_jwks(
+        "LOAMS_ISSUER_PUBLIC_KEY",
+        settings.issuer_public_key.as_deref(),
+    )?;
+    Ok((
+        Verifier::from_keys(jwks.clone(), DEV_ISSUER, DEV_AUDIENCE),
+        jwks,
+    ))
+}
+
+/// An agent's check of the worker's tokens: the agent-token public key only (the audience is set per call).
+fn agent_auth(settings: &Settings) -> Result<AgentAuth, ConfigError> {
+    let jwks = token_jwks(
+        "LOAMS_AGENT_TOKEN_PUBLIC_KEY",
+        settings.agent_token_public_key.as_deref(),
+    )?;
+    Ok(AgentAuth::new(Verifier::from_keys(
+        jwks,
+        AGENT_TOKEN_ISSUER,
+        AGENT_TOKEN_ISSUER,
+    )))
+}
+
+/// The worker's agent tokens, signed with the agent-token key.
+fn agent_tokens(settings: &Settings) -> anyhow::Result<AgentTokens> {
+    let der = key_bytes("LOAMS_AGENT_TOKEN_KEY", settings.agent_token_key.as_ref())?;
+    let issuer = Issuer::from_pkcs8(&der, AGENT_TOKEN_ISSUER, AGENT_TOKEN_ISSUER)
+        .map_err(|e| anyhow!("setting `LOAMS_AGENT_TOKEN_KEY`: {e}"))?;
+    Ok(AgentTokens::new(issuer, settings.config.org.clone()))
 }
 
 fn card_signer(settings: &Settings) -> anyhow::Result<CardSigner> {
@@ -235,12 +410,76 @@ fn card_signer(settings: &Settings) -> anyhow::Result<CardSigner> {
     CardSigner::from_pkcs8(&der).map_err(|e| anyhow!("setting `LOAMS_CARD_KEY`: {e}"))
 }
 
-fn apps(settings: &Settings) -> anyhow::Result<&AppSettings> {
-    settings
-        .config
-        .apps
-        .as_ref()
-        .ok_or_else(|| anyhow!("setting `LOAMS_CONFIG`: [apps] is missing"))
+/// The agent's app settings, from its own secret. Read once, at cold start: a missing or unreadable secret, or one
+/// that is not this app's settings, stops the function with a message naming the secret.
+async fn app_from_secret(settings: &Settings, name: &str) -> anyhow::Result<App> {
+    let arn = settings
+        .app_secret_arn
+        .as_deref()
+        .ok_or_else(|| anyhow!("setting `LOAMS_APP_SECRET_ARN`: is not set"))?;
+    let sdk = crate::backend::sdk_config(settings.config.backend.aws_endpoint.as_deref()).await;
+    let read = aws_sdk_secretsmanager::Client::new(&sdk)
+        .get_secret_value()
+        .secret_id(arn)
+        .send()
+        .await
+        .map_err(|e| {
+            anyhow!(
+                "setting `LOAMS_APP_SECRET_ARN`: cannot read the secret {arn}: {}",
+                secret_read_error(&e)
+            )
+        })?;
+    Ok(app_from_secret_string(name, arn, read.secret_string())?)
+}
+
+/// Why a secret could not be read, without the raw response the SDK's own error context would show: for an
+/// answer that failed to parse, that response is the secret itself.
+fn secret_read_error<E, R>(error: &aws_sdk_secretsmanager::error::SdkError<E, R>) -> String
+where
+    E: aws_sdk_secretsmanager::error::ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug,
+{
+    use aws_sdk_secretsmanager::error::{DisplayErrorContext, SdkError};
+    match error {
+        SdkError::ServiceError(e) => format!(
+            "{}: {}",
+            e.err().code().unwrap_or("error"),
+            e.err().message().unwrap_or("no message")
+        ),
+        SdkError::ResponseError(_) => "its answer could not be read".into(),
+        // Failures before any answer (no connection, a timeout): no response to leak.
+        other => DisplayErrorContext(other).to_string(),
+    }
+}
+
+/// App `name`'s settings from the text of the secret `arn`.
+fn app_from_secret_string(name: &str, arn: &str, text: Option<&str>) -> Result<App, ConfigError> {
+    let text = text.ok_or_else(|| ConfigError::Invalid {
+        setting: "LOAMS_APP_SECRET_ARN",
+        message: format!("the secret {arn} has no text value (expected the JSON of [apps.{name}])"),
+    })?;
+    App::from_json(name, text).map_err(|why| ConfigError::Invalid {
+        setting: "LOAMS_APP_SECRET_ARN",
+        message: format!("the secret {arn} is not the {name} app's settings: {why}"),
+    })
+}
+
+/// A worker's dependencies on this function's settings: runs start with the configured base branch and
+/// analytics project (the app credentials stay with the agents).
+fn run_deps(
+    settings: &Settings,
+    backend: &Backend,
+    agents: Arc<dyn AgentCaller>,
+    model: Arc<dyn ChatModel>,
+) -> WorkerDeps {
+    let mut deps = worker_deps(&settings.config, None, backend, agents, model);
+    if let Some(base) = &settings.base_branch {
+        deps.config.base_branch = base.clone();
+    }
+    if let Some(project) = &settings.analytics_project {
+        deps.config.analytics_project_id = project.clone();
+    }
+    deps
 }
 
 /// Runs the function the settings name until the Lambda runtime stops it.
@@ -252,13 +491,13 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             lambda_http::run_with_streaming_response(router).await
         }
         Function::Agent(name) => {
-            let service = agent_service(&settings, name, backend)?;
+            let app = app_from_secret(&settings, name).await?;
+            let service = agent_service(&settings, &app, backend)?;
             lambda_http::run_with_streaming_response(service).await
         }
         Function::Worker => {
-            let worker = Arc::new(Worker::new(worker_deps(
-                &settings.config,
-                Some(apps(&settings)?),
+            let worker = Arc::new(Worker::new(run_deps(
+                &settings,
                 &backend,
                 Arc::new(lazy_agents(&settings)?),
                 model(&settings.config)?,
@@ -295,14 +534,13 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
 /// runs through has no agents and a model that answers nothing.
 fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Router> {
     let config = &settings.config;
-    let issuer = issuer(settings)?;
+    let (verifier, jwks) = people_verifier(settings)?;
     let no_model =
         Replay::from_json_str(r#"{"completions": []}"#).context("the API's empty model")?;
-    // The API opens runs: the factory settings (cooldown, ...) and the app settings a run starts with (base
-    // branch, analytics project) come from the same LOAMS_CONFIG as the worker function's.
-    let worker = Worker::new(worker_deps(
-        config,
-        config.apps.as_ref(),
+    // The API opens runs: the factory settings (cooldown, ...) come from the same LOAMS_CONFIG as the worker
+    // function's, the base branch and analytics project a run starts with from the same variables.
+    let worker = Worker::new(run_deps(
+        settings,
         &backend,
         Arc::new(A2aAgents::new(HashMap::new())),
         Arc::new(no_model),
@@ -316,7 +554,7 @@ fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Rou
     let state = ApiState {
         store,
         queue,
-        verifier: issuer.verifier(),
+        verifier,
         clock,
         config: Arc::new(api_config(
             config,
@@ -328,7 +566,7 @@ fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Rou
             settings.glitchtip_origin.clone().unwrap_or_default(),
         )),
         opener: Arc::new(WorkerOpener(Arc::new(worker))),
-        jwks: Some(Arc::new(issuer.jwks())),
+        jwks: Some(Arc::new(jwks)),
     };
     Ok(loams_api::router(state))
 }
@@ -338,7 +576,7 @@ fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Rou
 /// on the first request, from the `Host` Lambda routed it by (a Function URL is reachable only by its own host).
 fn agent_service(
     settings: &Settings,
-    name: &'static str,
+    app: &App,
     backend: Backend,
 ) -> anyhow::Result<
     impl tower::Service<
@@ -348,14 +586,13 @@ fn agent_service(
         Future = impl Send,
     >,
 > {
-    let skills = agent(apps(settings)?, name).context("setting `LOAMS_FUNCTION`")?;
-    let issuer = issuer(settings)?;
+    let skills = agent(app).context("setting `LOAMS_APP_SECRET_ARN`")?;
     // Loaded once here so a bad key fails at start; the router takes a signer of its own when it is built.
     let card_key = card_signer(settings)?
         .to_pkcs8()
         .map_err(|e| anyhow!("setting `LOAMS_CARD_KEY`: {e}"))?;
     let guards = Guards {
-        auth: Arc::new(AgentAuth::new(issuer.verifier())),
+        auth: Arc::new(agent_auth(settings)?),
         gate: Arc::new(ApprovalBroker::new(
             backend.store.clone(),
             backend.clock.clone(),
@@ -405,13 +642,8 @@ fn agent_service(
 /// The worker's agent clients, each connected (its signed card fetched and verified) on its first call, so a
 /// cold start does not fetch five cards for a step that calls one agent.
 fn lazy_agents(settings: &Settings) -> anyhow::Result<LazyAgents> {
-    let trusted = card_signer(settings)?
-        .jwks()
-        .map_err(|e| anyhow!("setting `LOAMS_CARD_KEY`: {e}"))?;
-    let tokens = Arc::new(AgentTokens::new(
-        issuer(settings)?,
-        settings.config.org.clone(),
-    ));
+    let trusted = card_jwks("LOAMS_CARD_PUBLIC_KEY", settings.card_public_key.as_deref())?;
+    let tokens = Arc::new(agent_tokens(settings)?);
     let clients = settings
         .agent_urls
         .iter()
@@ -610,42 +842,285 @@ mod tests {
         pairs.push(("LOAMS_TABLE", "loams-prod"));
 
         pairs[0].1 = "worker";
-        pairs.push(("LOAMS_ISSUER_KEY", "a2V5"));
-        pairs.push(("LOAMS_CARD_KEY", "a2V5"));
+        pairs.push(("LOAMS_AGENT_TOKEN_KEY", "a2V5"));
+        pairs.push(("LOAMS_CARD_PUBLIC_KEY", "a2V5"));
         assert!(error(&pairs).contains("LOAMS_AGENT_URL_ZULIP"));
         for var in AGENT_URL_VARS {
             pairs.push((var, "https://agent.lambda-url.eu-west-1.on.aws/"));
         }
         assert!(
-            error(&pairs).contains("LOAMS_CONFIG"),
-            "the worker needs [apps]"
+            error(&pairs).contains("LOAMS_BASE_BRANCH"),
+            "runs start with the base branch"
         );
-        pairs[0].1 = "api";
-        assert!(error(&pairs).contains("LOAMS_WEBHOOK_TOKEN"));
-        // The API opens runs, which start with the app settings.
-        pairs.push(("LOAMS_WEBHOOK_TOKEN", "0123456789abcdef0123456789abcdef"));
-        pairs.push(("LOAMS_GLITCHTIP_ORIGIN", "https://glitchtip.example.com"));
+        pairs.push(("LOAMS_BASE_BRANCH", "main"));
+        assert!(error(&pairs).contains("LOAMS_ANALYTICS_PROJECT"));
+        pairs.push(("LOAMS_ANALYTICS_PROJECT", "shop"));
+        let worker = Settings::read(vars(&pairs)).unwrap();
+        // The keys are only decoded when the function starts: not base64 of a PKCS#8 key, not a public key.
+        let err = agent_tokens(&worker).err().unwrap().to_string();
+        assert!(err.contains("LOAMS_AGENT_TOKEN_KEY"), "{err}");
+        let err = card_jwks("LOAMS_CARD_PUBLIC_KEY", worker.card_public_key.as_deref())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("LOAMS_CARD_PUBLIC_KEY"), "{err}");
+
+        let mut api: Vec<_> = BASE.into();
+        api.push(("LOAMS_FUNCTION", "api"));
+        api.push(("LOAMS_BASE_BRANCH", "main"));
+        api.push(("LOAMS_ANALYTICS_PROJECT", "shop"));
+        assert!(error(&api).contains("LOAMS_ISSUER_PUBLIC_KEY"));
+        api.push(("LOAMS_ISSUER_PUBLIC_KEY", "a2V5"));
+        assert!(error(&api).contains("LOAMS_WEBHOOK_TOKEN"));
+        api.push(("LOAMS_WEBHOOK_TOKEN", "0123456789abcdef0123456789abcdef"));
+        api.push(("LOAMS_GLITCHTIP_ORIGIN", "glitchtip.example.com"));
+        assert!(error(&api).contains("LOAMS_GLITCHTIP_ORIGIN"));
+        api.pop();
+        api.push(("LOAMS_GLITCHTIP_ORIGIN", "https://glitchtip.example.com"));
+        let read = Settings::read(vars(&api)).unwrap();
+        let err = people_verifier(&read).err().unwrap().to_string();
+        assert!(err.contains("LOAMS_ISSUER_PUBLIC_KEY"), "{err}");
+        api.push(("LOAMS_CONFIG", "[factory]\nmax_attempts = 0\n"));
+        assert!(error(&api).contains("factory.max_attempts"));
+    }
+
+    /// Base64 PKCS#8 of a new P-256 key, and base64 SubjectPublicKeyInfo DER of its public key.
+    fn key_pair() -> (Vec<u8>, String, String) {
+        let pkcs8 = Issuer::generate_pkcs8().unwrap();
+        let public = spki(&pkcs8);
+        (pkcs8.clone(), STANDARD.encode(&pkcs8), public)
+    }
+
+    fn spki(pkcs8: &[u8]) -> String {
+        use aws_lc_rs::signature::{ECDSA_P256_SHA256_FIXED_SIGNING, EcdsaKeyPair, KeyPair};
+        let pair = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8).unwrap();
+        STANDARD.encode(pair.public_key().as_der().unwrap().as_ref())
+    }
+
+    /// A complete, valid environment of each kind of function.
+    fn environment(function: &'static str) -> Vec<(&'static str, &'static str)> {
+        let mut pairs: Vec<_> = BASE.into();
+        pairs.push(("LOAMS_FUNCTION", function));
+        let own: &[(&str, &str)] = match function {
+            "api" => &[
+                ("LOAMS_ISSUER_PUBLIC_KEY", "a2V5"),
+                ("LOAMS_WEBHOOK_TOKEN", "0123456789abcdef0123456789abcdef"),
+                ("LOAMS_GLITCHTIP_ORIGIN", "https://glitchtip.example.com"),
+                ("LOAMS_BASE_BRANCH", "main"),
+                ("LOAMS_ANALYTICS_PROJECT", "shop"),
+            ],
+            "worker" => &[
+                ("LOAMS_AGENT_TOKEN_KEY", "a2V5"),
+                ("LOAMS_CARD_PUBLIC_KEY", "a2V5"),
+                ("LOAMS_BASE_BRANCH", "main"),
+                ("LOAMS_ANALYTICS_PROJECT", "shop"),
+                (
+                    "LOAMS_AGENT_URL_ZULIP",
+                    "https://z.lambda-url.eu-west-1.on.aws/",
+                ),
+                (
+                    "LOAMS_AGENT_URL_PLANE",
+                    "https://p.lambda-url.eu-west-1.on.aws/",
+                ),
+                (
+                    "LOAMS_AGENT_URL_FORGEJO",
+                    "https://f.lambda-url.eu-west-1.on.aws/",
+                ),
+                (
+                    "LOAMS_AGENT_URL_GLITCHTIP",
+                    "https://g.lambda-url.eu-west-1.on.aws/",
+                ),
+                (
+                    "LOAMS_AGENT_URL_ANALYTICS",
+                    "https://a.lambda-url.eu-west-1.on.aws/",
+                ),
+            ],
+            "scheduler" => &[],
+            _ => &[
+                ("LOAMS_APP_SECRET_ARN", SECRET_ARN),
+                ("LOAMS_AGENT_TOKEN_PUBLIC_KEY", "a2V5"),
+                ("LOAMS_CARD_KEY", "a2V5"),
+            ],
+        };
+        pairs.extend_from_slice(own);
+        pairs
+    }
+
+    const SECRET_ARN: &str =
+        "arn:aws:secretsmanager:eu-west-1:1:secret:loams-acme-production/forgejo-AbCdEf";
+
+    #[test]
+    fn each_function_refuses_the_keys_and_credentials_of_others() {
+        // What each kind may hold, and nothing else of the guarded variables.
+        let allowed: [(&str, &[&str]); 4] = [
+            ("api", &["LOAMS_WEBHOOK_TOKEN", "LOAMS_CONFIG"]),
+            ("worker", &["LOAMS_AGENT_TOKEN_KEY", "LOAMS_CONFIG"]),
+            ("scheduler", &[]),
+            ("agent:forgejo", &["LOAMS_CARD_KEY", "LOAMS_APP_SECRET_ARN"]),
+        ];
+        for (function, own) in allowed {
+            let pairs = environment(function);
+            Settings::read(vars(&pairs)).unwrap_or_else(|e| panic!("{function}: {e}"));
+            for var in GUARDED_VARS.into_iter().filter(|v| !own.contains(v)) {
+                let mut with = pairs.clone();
+                with.retain(|(k, _)| *k != var);
+                with.push((var, "[factory]\nmax_attempts = 3\n"));
+                let err = error(&with);
+                assert!(
+                    err.contains(var) && err.contains("must not be given"),
+                    "{function} took {var}: {err}"
+                );
+            }
+        }
+        // The shared configuration carries no app credentials, for the functions that take it either; the
+        // refusal does not repeat them.
+        let apps = r#"apps = { zulip = { url = "https://z", email = "b@z", api_key = "zulip-secret-1" }, plane = { url = "https://p", api_key = "k", workspace = "w", project_id = "p" }, forgejo = { url = "https://f", token = "t", owner = "o", repo = "r", base = "main" }, glitchtip = { url = "https://g", token = "t", org = "o" }, analytics = { url = "https://a", client_id = "c", client_secret = "s", project_id = "p" } }"#;
+        for function in ["api", "worker"] {
+            let mut pairs = environment(function);
+            pairs.push(("LOAMS_CONFIG", apps));
+            let err = error(&pairs);
+            assert!(
+                err.contains("LOAMS_CONFIG") && err.contains("[apps]"),
+                "{function}: {err}"
+            );
+            assert!(!err.contains("zulip-secret-1"), "{err}");
+        }
+    }
+
+    #[test]
+    fn an_agent_starts_only_with_its_own_apps_secret() {
+        let mut pairs = environment("agent:forgejo");
+        pairs.retain(|(k, _)| *k != "LOAMS_APP_SECRET_ARN");
+        assert!(error(&pairs).contains("LOAMS_APP_SECRET_ARN"));
+
+        let forgejo = r#"{"url": "https://git.example.com", "token": "forgejo-secret-1", "owner": "acme", "repo": "shop", "base": "main"}"#;
+        let App::Forgejo(read) =
+            app_from_secret_string("forgejo", SECRET_ARN, Some(forgejo)).unwrap()
+        else {
+            panic!("not the forgejo settings");
+        };
+        assert_eq!(read.token.expose(), "forgejo-secret-1");
+        // A binary secret, or another app's: refused, naming the variable and the secret, quoting no value.
+        for (name, text) in [("forgejo", None), ("zulip", Some(forgejo))] {
+            let err = app_from_secret_string(name, SECRET_ARN, text)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("LOAMS_APP_SECRET_ARN") && err.contains(SECRET_ARN),
+                "{err}"
+            );
+            assert!(!err.contains("forgejo-secret-1"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_secret_that_cannot_be_read_is_explained_without_its_answer() {
+        use aws_sdk_secretsmanager::error::{ErrorMetadata, SdkError};
+        use aws_sdk_secretsmanager::operation::get_secret_value::GetSecretValueError;
+        use aws_sdk_secretsmanager::types::error::ResourceNotFoundException;
+        let missing = ResourceNotFoundException::builder()
+            .message("Secrets Manager can't find the specified secret.")
+            .meta(
+                ErrorMetadata::builder()
+                    .code("ResourceNotFoundException")
+                    .message("Secrets Manager can't find the specified secret.")
+                    .build(),
+            )
+            .build();
+        let raw = r#"{"__type": "ResourceNotFoundException", "aws_request_id": "r-1"}"#.to_string();
+        let error =
+            SdkError::service_error(GetSecretValueError::ResourceNotFoundException(missing), raw);
+        assert_eq!(
+            secret_read_error(&error),
+            "ResourceNotFoundException: Secrets Manager can't find the specified secret."
+        );
+        // An answer that did not parse is the secret itself: none of it is shown.
+        let answer = r#"{"SecretString": "{\"token\": \"forgejo-secret-1\"}"#.to_string();
+        let error: SdkError<GetSecretValueError, String> =
+            SdkError::response_error("unexpected end of input", answer);
+        assert!(!secret_read_error(&error).contains("forgejo-secret-1"));
+    }
+
+    #[tokio::test]
+    async fn agents_accept_tokens_of_the_agent_key_only() {
+        use loams_a2a::{CallerAuth, TokenSource};
+        let (people_pkcs8, _, people_public) = key_pair();
+        let (_, agent_key, agent_public) = key_pair();
+        let mut worker = environment("worker");
+        worker.retain(|(k, _)| *k != "LOAMS_AGENT_TOKEN_KEY");
+        worker.push(("LOAMS_AGENT_TOKEN_KEY", &agent_key));
+        let worker = Settings::read(vars(&worker)).unwrap();
+        let mut agent = environment("agent:forgejo");
+        agent.retain(|(k, _)| *k != "LOAMS_AGENT_TOKEN_PUBLIC_KEY");
+        agent.push(("LOAMS_AGENT_TOKEN_PUBLIC_KEY", &agent_public));
+        let agent = Settings::read(vars(&agent)).unwrap();
+        let auth = agent_auth(&agent).unwrap();
+        let url = "https://f.lambda-url.eu-west-1.on.aws/";
+
+        let token = agent_tokens(&worker).unwrap().token(url).await.unwrap();
+        let principal = auth.verify(Some(&token), url).await.unwrap();
+        assert_eq!(
+            (principal.subject.as_str(), principal.org.as_str()),
+            (loams_api::AGENT_SUBJECT, "acme")
+        );
+        // The people's issuer key signs nothing an agent accepts: not an agent token (even one naming the agent
+        // token issuer), not a person's token for the agent's URL.
+        let people = Issuer::from_pkcs8(&people_pkcs8, DEV_ISSUER, DEV_AUDIENCE).unwrap();
+        let forged =
+            Issuer::from_pkcs8(&people_pkcs8, AGENT_TOKEN_ISSUER, AGENT_TOKEN_ISSUER).unwrap();
+        let now = jsonwebtoken::get_current_timestamp();
+        for token in [
+            AgentTokens::new(forged, "acme").token(url).await.unwrap(),
+            AgentTokens::new(people.clone(), "acme")
+                .token(url)
+                .await
+                .unwrap(),
+            people
+                .issue_for(url, "alice", "acme", loams_api::scope::ALL, now, 300)
+                .unwrap(),
+        ] {
+            assert_eq!(
+                auth.verify(Some(&token), url).await,
+                Err(loams_a2a::AuthError::Invalid)
+            );
+        }
+
+        // The API checks people's tokens with the public key alone, and serves the JWKS the issuer would.
+        let mut api = environment("api");
+        api.retain(|(k, _)| *k != "LOAMS_ISSUER_PUBLIC_KEY");
+        api.push(("LOAMS_ISSUER_PUBLIC_KEY", &people_public));
+        let (verifier, jwks) = people_verifier(&Settings::read(vars(&api)).unwrap()).unwrap();
+        assert_eq!(jwks, people.jwks());
+        let person = crate::stack::dev_token(&people, "alice", "acme").unwrap();
+        assert_eq!(verifier.verify(&person).await.unwrap().user, "alice");
         assert!(
-            error(&pairs).contains("LOAMS_CONFIG"),
-            "the API needs [apps]"
+            verifier.verify(&token).await.is_err(),
+            "an agent token is no person's"
         );
-        pairs.truncate(pairs.len() - 2);
-        pairs.push(("LOAMS_CONFIG", super::template_tests::APPS));
-        pairs.push(("LOAMS_WEBHOOK_TOKEN", "0123456789abcdef0123456789abcdef"));
-        pairs.push(("LOAMS_GLITCHTIP_ORIGIN", "glitchtip.example.com"));
-        assert!(error(&pairs).contains("LOAMS_GLITCHTIP_ORIGIN"));
-        pairs.pop();
-        pairs.push(("LOAMS_GLITCHTIP_ORIGIN", "https://glitchtip.example.com"));
-        let api = Settings::read(vars(&pairs)).unwrap();
-        // The key is only decoded when the function starts: not base64 of a PKCS#8 key.
-        let err = issuer(&api).err().unwrap().to_string();
-        assert!(err.contains("LOAMS_ISSUER_KEY"), "{err}");
-        let bad = format!(
-            "{}\n[factory]\nmax_attempts = 0\n",
-            super::template_tests::APPS
+    }
+
+    #[test]
+    fn public_keys_are_checked_and_match_their_private_keys() {
+        let card = CardSigner::generate().unwrap();
+        let card_public = spki(&card.to_pkcs8().unwrap());
+        assert_eq!(
+            card_jwks("LOAMS_CARD_PUBLIC_KEY", Some(&card_public)).unwrap(),
+            card.jwks().unwrap()
         );
-        pairs.push(("LOAMS_CONFIG", &bad));
-        assert!(error(&pairs).contains("factory.max_attempts"));
+        let p384 = {
+            use aws_lc_rs::signature::{ECDSA_P384_SHA384_FIXED_SIGNING, EcdsaKeyPair, KeyPair};
+            let rng = aws_lc_rs::rand::SystemRandom::new();
+            let doc = EcdsaKeyPair::generate_pkcs8(&ECDSA_P384_SHA384_FIXED_SIGNING, &rng).unwrap();
+            let pair =
+                EcdsaKeyPair::from_pkcs8(&ECDSA_P384_SHA384_FIXED_SIGNING, doc.as_ref()).unwrap();
+            STANDARD.encode(pair.public_key().as_der().unwrap().as_ref())
+        };
+        let (_, private, _) = key_pair();
+        for bad in ["not base64!", "a2V5", &p384, &private] {
+            let err = token_jwks("LOAMS_AGENT_TOKEN_PUBLIC_KEY", Some(bad))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("LOAMS_AGENT_TOKEN_PUBLIC_KEY"), "{err}");
+        }
     }
 
     /// Answers every agent call with an empty object.
@@ -775,7 +1250,6 @@ mod template_tests {
     use super::*;
 
     const TEMPLATE: &str = include_str!("../../../infra/template.yaml");
-    pub(super) const APPS: &str = r#"apps = { zulip = { url = "https://z", email = "b@z", api_key = "k" }, plane = { url = "https://p", api_key = "k", workspace = "w", project_id = "p" }, forgejo = { url = "https://f", token = "t", owner = "o", repo = "r", base = "main" }, glitchtip = { url = "https://g", token = "t", org = "o" }, analytics = { url = "https://a", client_id = "c", client_secret = "s", project_id = "p" } }"#;
 
     /// The `LOAMS_*: value` lines of a part of the template.
     fn variables(block: &str) -> Vec<(String, String)> {
@@ -797,8 +1271,13 @@ mod template_tests {
             "LOAMS_ORG" => "acme".into(),
             "LOAMS_ENV" => "production".into(),
             "LOAMS_TABLE" => "loams-acme-production".into(),
-            "LOAMS_CONFIG" => APPS.into(),
-            "LOAMS_ISSUER_KEY" | "LOAMS_CARD_KEY" => "a2V5".into(),
+            "LOAMS_CONFIG" => "[factory]\nmax_attempts = 3\n".into(),
+            "LOAMS_BASE_BRANCH" => "main".into(),
+            "LOAMS_ANALYTICS_PROJECT" => "shop".into(),
+            "LOAMS_APP_SECRET_ARN" => {
+                "arn:aws:secretsmanager:eu-west-1:1:secret:loams-acme-production/app-AbCdEf".into()
+            }
+            name if name.ends_with("_KEY") => "a2V5".into(),
             "LOAMS_WEBHOOK_TOKEN" => "0123456789abcdef0123456789abcdef".into(),
             _ => "https://example.lambda-url.eu-west-1.on.aws/".into(),
         }
@@ -833,6 +1312,32 @@ mod template_tests {
             let settings =
                 Settings::read(|var| pairs.iter().find(|(k, _)| k == var).map(|(_, v)| v.clone()))
                     .unwrap_or_else(|e| panic!("{name}: {e}"));
+            // An agent may read its own app's secret, which refuses everyone else; no other function reads any.
+            let grants: Vec<&str> = block
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("Resource: !Ref "))
+                .filter(|r| r.ends_with("Secret"))
+                .collect();
+            match settings.function {
+                Function::Agent(agent) => {
+                    let secret = format!("{}{}Secret", agent[..1].to_uppercase(), &agent[1..]);
+                    assert_eq!(grants, [secret.as_str()], "{name}");
+                    assert!(
+                        own.contains(&("LOAMS_APP_SECRET_ARN".into(), format!("!Ref {secret}"))),
+                        "{name}: {own:?}"
+                    );
+                    let policy = blocks
+                        .iter()
+                        .find(|b| b.starts_with(&format!("{secret}Policy:")))
+                        .unwrap_or_else(|| panic!("no policy on {secret}"));
+                    assert!(
+                        policy.contains(&format!("!Ref {secret}"))
+                            && policy.contains(&format!("!GetAtt {name}Role.Arn")),
+                        "{policy}"
+                    );
+                }
+                _ => assert!(!block.contains("secretsmanager:"), "{name} reads a secret"),
+            }
             seen.push(settings.function);
         }
         let agents = AGENTS.iter().map(|a| Function::Agent(a));

@@ -7,3 +7,4 @@ pub mod demo;
 pub mod lambda;
 pub mod phone;
 pub mod stack;
+pub mod terminal;

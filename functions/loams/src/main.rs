@@ -1,7 +1,8 @@
 //! The `loams` binary: `loams demo` (the whole loop once, in one process, no network), `loams dev` (the same
-//! stack, staying up), `loams sandbox` (the fake apps alone, as their own process) and `loams bench`.
+//! stack, staying up), `loams phone` (a phone in the terminal), `loams sandbox` (the fake apps alone, as their own
+//! process) and `loams bench`.
 
-use loams::{config, demo, stack};
+use loams::{config, demo, stack, terminal};
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -69,6 +70,8 @@ enum Command {
         #[arg(long)]
         user: String,
     },
+    /// A phone in the terminal, on the phones' core: register a device key, list and decide approvals, watch a run.
+    Phone(terminal::PhoneArgs),
     /// Print a new P-256 private key (PKCS#8, base64) for a deployed stack's token issuer or agent cards.
     Keygen,
     /// Run only the sandbox apps (fake Zulip, Plane, Forgejo, GlitchTip, OpenPanel) and print their URLs as JSON.
@@ -188,6 +191,7 @@ fn main() -> ExitCode {
                 println!("{}", stack::dev_token(&issuer, &user, &config.org)?);
                 Ok(())
             }
+            Command::Phone(args) => terminal::run(args).await,
             Command::Keygen => {
                 let key = loams_api::Issuer::generate_pkcs8()
                     .map_err(|e| anyhow::anyhow!("generating a key: {e}"))?;

@@ -1,134 +1,348 @@
-//! A simulated phone: what the SwiftUI and Compose apps do for an approval, done from Rust over the same Connect
-//! API. It registers a P-256 device key, lists pending approvals, fetches a challenge, signs the canonical
-//! decision bytes defined in `loams-proto`, and decides.
+//! A phone in the terminal, on the phones' own core (`loams-core`): the same client, SQLite cache, software device
+//! key, signed approval flow and run watch the SwiftUI and Compose apps use through `loams-ffi`. `loams phone`
+//! (see `terminal.rs`) is its front end; `loams demo`, the end-to-end tests and the engine bench approve with it.
+
+use std::any::Any;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, anyhow};
-use aws_lc_rs::rand::SystemRandom;
-use aws_lc_rs::signature::{ECDSA_P256_SHA256_ASN1_SIGNING, EcdsaKeyPair, KeyPair};
-use loams_proto::approvals::v1 as approvals;
-use loams_proto::connect::ConnectClient;
-use loams_proto::devices::v1 as devices;
 
-const SERVICE_APPROVALS: &str = "/loams.approvals.v1.ApprovalService";
-const SERVICE_DEVICES: &str = "/loams.devices.v1.DeviceService";
+use crate::stack::create_private_dir;
+use async_trait::async_trait;
+use keyring_core::api::{Credential, CredentialApi, CredentialStoreApi};
+use keyring_core::{CredentialStore, Entry};
+use loams_core::{
+    Approval, Client, ClientConfig, Decision, Device, Error, RunListener, SoftwareSigner,
+    TaskHandle, TokenProvider,
+};
 
+/// The keyring service the device key is stored under; the account is the phone's account directory name.
+const KEY_SERVICE: &str = "loams-phone";
+
+/// One account (server, organisation) of a phone: its core client, cache and device key.
 pub struct Phone {
-    api: ConnectClient,
-    key: EcdsaKeyPair,
-    device_id: String,
+    client: Client,
+    /// A throwaway phone keeps its cache and key in a temporary directory that goes with it.
+    _scratch: Option<tempfile::TempDir>,
+}
+
+/// The bearer token `loams phone` was given: the core asks for it before every request.
+struct StaticToken(String);
+
+#[async_trait]
+impl TokenProvider for StaticToken {
+    async fn access_token(&self) -> loams_core::Result<String> {
+        Ok(self.0.clone())
+    }
 }
 
 impl Phone {
-    /// Generates a device key and registers it for the user the bearer token names.
-    pub async fn register(api_url: &str, token: &str, name: &str) -> anyhow::Result<Phone> {
-        let api =
-            ConnectClient::new(api_url).with_header("authorization", format!("Bearer {token}"))?;
-        let rng = SystemRandom::new();
-        let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, &rng)
-            .map_err(|_| anyhow!("cannot generate a P-256 device key"))?;
-        let key = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, pkcs8.as_ref())
-            .map_err(|_| anyhow!("generated device key does not load"))?;
-        let request = devices::RegisterDeviceRequest {
-            device_id: String::new(),
-            public_key: key.public_key().as_ref().to_vec(),
-            name: name.to_string(),
-            push_token: String::new(),
-            idempotency_key: format!("register-{name}"),
-        };
-        let device: devices::Device = api
-            .unary(&format!("{SERVICE_DEVICES}/RegisterDevice"), &request)
-            .await
-            .context("registering the device")?;
+    /// Opens the account of `org` on `server_url` under `data_dir`: its cache (`<account>/cache.db`) and its device
+    /// key (in `keys/`, created on first use). Makes no request.
+    pub fn open(
+        server_url: &str,
+        org: &str,
+        token: String,
+        data_dir: &Path,
+    ) -> anyhow::Result<Phone> {
+        let account = account_name(server_url, org);
+        let account_dir = data_dir.join(&account);
+        create_private_dir(&account_dir)?;
+        let keys = FileStore::open(&data_dir.join("keys"))?;
+        let signer = SoftwareSigner::load_or_create(&keys, KEY_SERVICE, &account)
+            .context("loading the device key")?;
+        let config = ClientConfig::new(server_url, org, account_dir.join("cache.db"));
+        let client = Client::new(config, Arc::new(StaticToken(token)), Arc::new(signer))
+            .with_context(|| format!("opening the phone's cache in {}", account_dir.display()))?;
         Ok(Phone {
-            api,
-            key,
-            device_id: device.device_id,
+            client,
+            _scratch: None,
         })
     }
 
-    pub fn device_id(&self) -> &str {
-        &self.device_id
+    /// A throwaway phone for the token's user (its cache and key in a temporary directory), with its device
+    /// registered: the scripted approver of the kill-restart test and the engine bench.
+    pub async fn register(api_url: &str, token: &str, name: &str) -> anyhow::Result<Phone> {
+        let org = token_org(token)
+            .ok_or_else(|| anyhow!("the token names no organisation (no `org` claim)"))?;
+        let scratch = tempfile::tempdir().context("creating the phone's directory")?;
+        let mut phone = Phone::open(api_url, &org, token.to_string(), scratch.path())?;
+        phone._scratch = Some(scratch);
+        phone.register_device(name).await?;
+        Ok(phone)
     }
 
-    pub async fn pending(&self) -> anyhow::Result<Vec<approvals::Approval>> {
-        let request = approvals::ListApprovalsRequest {
-            page_size: 50,
-            page_token: String::new(),
-            state: approvals::ApprovalState::Pending as i32,
-        };
-        let response: approvals::ListApprovalsResponse = self
-            .api
-            .unary(&format!("{SERVICE_APPROVALS}/ListApprovals"), &request)
-            .await?;
-        Ok(response.approvals)
+    /// Registers this phone's device key for the token's user; an already registered key keeps its device.
+    pub async fn register_device(&self, name: &str) -> loams_core::Result<Device> {
+        self.client.devices().register(name, None).await
     }
 
-    /// Reads the approval as the server renders it, gets a fresh challenge, signs and decides.
-    pub async fn decide(
+    /// The registered device, as last confirmed by the server; `None` before `register_device`.
+    pub fn device(&self) -> loams_core::Result<Option<Device>> {
+        self.client.devices().current()
+    }
+
+    /// The pending approvals the token's user may decide, read from the server (and cached).
+    pub async fn pending(&self) -> loams_core::Result<Vec<Approval>> {
+        self.client.approvals().refresh_pending().await
+    }
+
+    /// The pending approvals as last read, for when the server cannot be reached.
+    pub fn cached_pending(&self) -> loams_core::Result<Vec<Approval>> {
+        self.client.approvals().cached_pending(u32::MAX)
+    }
+
+    /// One approval as the server renders it now.
+    pub async fn approval(&self, approval_id: &str) -> loams_core::Result<Approval> {
+        self.client.approvals().get(approval_id).await
+    }
+
+    /// Signs `decision` with the device key through the core's approval flow; approving a destructive action
+    /// needs its confirmation phrase typed exactly.
+    pub async fn decide_typed(
         &self,
         approval_id: &str,
-        approve: bool,
-    ) -> anyhow::Result<approvals::Approval> {
-        let shown: approvals::GetApprovalResponse = self
-            .api
-            .unary(
-                &format!("{SERVICE_APPROVALS}/GetApproval"),
-                &approvals::GetApprovalRequest {
-                    approval_id: approval_id.to_string(),
-                },
-            )
-            .await?;
-        let approval = shown.approval.context("server returned no approval")?;
-        let challenge: approvals::GetChallengeResponse = self
-            .api
-            .unary(
-                &format!("{SERVICE_APPROVALS}/GetChallenge"),
-                &approvals::GetChallengeRequest {
-                    approval_id: approval_id.to_string(),
-                    device_id: self.device_id.clone(),
-                },
-            )
-            .await?;
+        decision: Decision,
+        typed_confirmation: Option<String>,
+    ) -> loams_core::Result<Approval> {
+        self.client
+            .approvals()
+            .decide(approval_id, decision, typed_confirmation)
+            .await
+    }
+
+    /// The scripted approver (demo, tests, bench): no person is at the keyboard, so it types the phrase the
+    /// approval shows, as a person reading the screen would. The phrase comes from the cached copy when there is
+    /// one, else from the core's refusal, which names it without having spent a challenge.
+    pub async fn decide(&self, approval_id: &str, approve: bool) -> loams_core::Result<Approval> {
         let decision = if approve {
-            approvals::Decision::Approve
+            Decision::Approve
         } else {
-            approvals::Decision::Deny
+            Decision::Deny
         };
-        let decided_at_ms = now_ms();
-        let bytes = loams_proto::canonical_decision_bytes(
-            approval_id,
-            &approval.action_hash,
-            decision,
-            &self.device_id,
-            &challenge.challenge,
-            decided_at_ms,
-        );
-        let signature = self
-            .key
-            .sign(&SystemRandom::new(), &bytes)
-            .map_err(|_| anyhow!("signing the decision failed"))?;
-        let request = approvals::DecideRequest {
-            approval_id: approval_id.to_string(),
-            decision: decision as i32,
-            device_id: self.device_id.clone(),
-            challenge: challenge.challenge,
-            decided_at_ms,
-            signature: signature.as_ref().to_vec(),
-            // A person reads the phrase on screen and types it; the simulation types what it reads.
-            typed_confirmation: approval.confirmation_phrase.clone(),
-            idempotency_key: format!("decide-{approval_id}-{}", self.device_id),
-        };
-        let decided: approvals::DecideResponse = self
-            .api
-            .unary(&format!("{SERVICE_APPROVALS}/Decide"), &request)
-            .await?;
-        decided.approval.context("server returned no approval")
+        let shown = self
+            .client
+            .approvals()
+            .cached(approval_id)?
+            .and_then(|a| a.confirmation_phrase);
+        match self.decide_typed(approval_id, decision, shown).await {
+            Err(Error::ConfirmationMismatch { phrase }) => {
+                self.decide_typed(approval_id, decision, Some(phrase)).await
+            }
+            other => other,
+        }
+    }
+
+    /// Follows a run: the cached snapshot first, then the server's changes, until the run has ended.
+    pub async fn watch(
+        &self,
+        run_id: &str,
+        listener: Arc<dyn RunListener>,
+    ) -> loams_core::Result<TaskHandle> {
+        self.client.runs().watch(run_id, listener).await
     }
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+/// The organisation a bearer token names (its `org` claim), read without verifying it: the server verifies the
+/// token; the phone only needs the name to pick the account's cache.
+pub fn token_org(token: &str) -> Option<String> {
+    use base64::Engine;
+    let claims = token.split('.').nth(1)?;
+    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(claims.trim_end_matches('='))
+        .ok()?;
+    let claims: serde_json::Value = serde_json::from_slice(&json).ok()?;
+    claims["org"].as_str().map(str::to_string)
+}
+
+/// The directory and key name of one account. The core binds a cache to one server and organisation, so each
+/// pair gets its own; the server part is hashed because a URL is no file name.
+fn account_name(server_url: &str, org: &str) -> String {
+    // The core trims a trailing slash too: `http://h/` and `http://h` are one account.
+    let url = server_url.trim_end_matches('/');
+    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, url.as_bytes());
+    format!("{org}-{}", hex(&digest.as_ref()[..8]))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A keyring-core credential store keeping each secret in its own file, readable by its owner only. A terminal has
+/// no Secure Enclave, and the desktop keyrings' stores are not among this workspace's dependencies; the core takes
+/// any keyring-core store, so one of those can replace this without touching the signer.
+#[derive(Debug)]
+pub struct FileStore {
+    dir: PathBuf,
+}
+
+impl FileStore {
+    pub fn open(dir: &Path) -> anyhow::Result<Arc<CredentialStore>> {
+        create_private_dir(dir)?;
+        Ok(Arc::new(FileStore {
+            dir: dir.to_path_buf(),
+        }))
+    }
+}
+
+impl CredentialStoreApi for FileStore {
+    fn vendor(&self) -> String {
+        "loams file store".into()
+    }
+
+    fn id(&self) -> String {
+        self.dir.display().to_string()
+    }
+
+    fn build(
+        &self,
+        service: &str,
+        user: &str,
+        modifiers: Option<&std::collections::HashMap<&str, &str>>,
+    ) -> keyring_core::Result<Entry> {
+        if modifiers.is_some_and(|m| !m.is_empty()) {
+            return Err(keyring_core::Error::NotSupportedByStore(
+                "the file store takes no entry modifiers".into(),
+            ));
+        }
+        // Hex keeps any service and user name a plain, unambiguous file name.
+        let file = format!("{}.{}", hex(service.as_bytes()), hex(user.as_bytes()));
+        Ok(Entry::new_with_credential(Arc::new(FileCredential {
+            path: self.dir.join(file),
+            service: service.to_string(),
+            user: user.to_string(),
+        })))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[derive(Debug)]
+struct FileCredential {
+    path: PathBuf,
+    service: String,
+    user: String,
+}
+
+fn storage(e: std::io::Error) -> keyring_core::Error {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        keyring_core::Error::NoEntry
+    } else {
+        keyring_core::Error::NoStorageAccess(Box::new(e))
+    }
+}
+
+impl CredentialApi for FileCredential {
+    /// Whole or not at all: a key cut short by a crash would fail to load forever after. The temporary file is
+    /// created owner-only in the same directory, then renamed over the target.
+    fn set_secret(&self, secret: &[u8]) -> keyring_core::Result<()> {
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        let write = || -> std::io::Result<()> {
+            let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+            tmp.write_all(secret)?;
+            tmp.as_file().sync_all()?;
+            tmp.persist(&self.path).map_err(|e| e.error)?;
+            Ok(())
+        };
+        write().map_err(|e| keyring_core::Error::PlatformFailure(Box::new(e)))
+    }
+
+    fn get_secret(&self) -> keyring_core::Result<Vec<u8>> {
+        std::fs::read(&self.path).map_err(storage)
+    }
+
+    fn delete_credential(&self) -> keyring_core::Result<()> {
+        std::fs::remove_file(&self.path).map_err(storage)
+    }
+
+    /// The entry is the file itself, so it is its own credential (keyring-core's "`None` gives `self` back").
+    fn get_credential(&self) -> keyring_core::Result<Option<Arc<Credential>>> {
+        std::fs::metadata(&self.path).map_err(storage)?;
+        Ok(None)
+    }
+
+    fn get_specifiers(&self) -> Option<(String, String)> {
+        Some((self.service.clone(), self.user.clone()))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use loams_core::DeviceSigner;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[tokio::test]
+    async fn the_device_key_survives_in_the_file_store_and_is_private() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore::open(&dir.path().join("keys")).unwrap();
+        let first = SoftwareSigner::load_or_create(&store, KEY_SERVICE, "acme-1").unwrap();
+        // A second process (a later `loams phone` command) opens the same store.
+        let again = FileStore::open(&dir.path().join("keys")).unwrap();
+        let second = SoftwareSigner::load_or_create(&again, KEY_SERVICE, "acme-1").unwrap();
+        assert_eq!(
+            first.public_key().await.unwrap(),
+            second.public_key().await.unwrap()
+        );
+        let other = SoftwareSigner::load_or_create(&again, KEY_SERVICE, "acme-2").unwrap();
+        assert_ne!(
+            first.public_key().await.unwrap(),
+            other.public_key().await.unwrap()
+        );
+
+        let files: Vec<_> = std::fs::read_dir(dir.path().join("keys"))
+            .unwrap()
+            .map(|f| f.unwrap())
+            .collect();
+        assert_eq!(files.len(), 2, "one file per key, no temporary left");
+        for file in &files {
+            let mode = file.metadata().unwrap().permissions().mode();
+            assert_eq!(mode & 0o077, 0, "{:?} is readable by others", file.path());
+        }
+        let keys = std::fs::metadata(dir.path().join("keys")).unwrap();
+        assert_eq!(keys.permissions().mode() & 0o077, 0);
+
+        SoftwareSigner::delete(&again, KEY_SERVICE, "acme-1").unwrap();
+        let entry = Entry::new_in_store(&again, KEY_SERVICE, "acme-1").unwrap();
+        assert!(matches!(
+            entry.get_secret(),
+            Err(keyring_core::Error::NoEntry)
+        ));
+        assert!(matches!(
+            entry.delete_credential(),
+            Err(keyring_core::Error::NoEntry)
+        ));
+    }
+
+    #[test]
+    fn the_org_comes_from_the_token_claims() {
+        use base64::Engine;
+        let claims = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .encode(br#"{"sub":"alice","org":"acme"}"#);
+        assert_eq!(
+            token_org(&format!("e30.{claims}.sig")).as_deref(),
+            Some("acme")
+        );
+        assert_eq!(token_org("opaque-token"), None);
+        assert_eq!(token_org("a.!!!.c"), None);
+        let no_org = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(br#"{"sub":"a"}"#);
+        assert_eq!(token_org(&format!("e30.{no_org}.sig")), None);
+    }
+
+    #[test]
+    fn each_server_and_org_has_its_own_account() {
+        let a = account_name("http://127.0.0.1:8080/", "acme");
+        assert_eq!(a, account_name("http://127.0.0.1:8080", "acme"));
+        assert_ne!(a, account_name("http://127.0.0.1:8081", "acme"));
+        assert_ne!(a, account_name("http://127.0.0.1:8080", "other"));
+        assert!(a.starts_with("acme-"));
+    }
 }

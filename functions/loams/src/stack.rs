@@ -27,7 +27,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::{
-    AGENTS, AnalyticsSettings, AppSettings, Config, ForgejoSettings, GlitchtipSettings,
+    AGENTS, AnalyticsSettings, App, AppSettings, Config, ForgejoSettings, GlitchtipSettings,
     MIN_WEBHOOK_TOKEN, PlaneSettings, Secret, WebhookSettings, ZulipSettings,
 };
 
@@ -40,6 +40,10 @@ const WORKERS: usize = 2;
 /// Issuer and audience of the tokens `loams dev` issues and accepts.
 pub const DEV_ISSUER: &str = "loams-dev";
 pub const DEV_AUDIENCE: &str = "loams-api";
+/// Issuer of the tokens the worker presents to the agents. They are signed with a key of their own, never the
+/// people's issuer key: an agent then trusts only the worker, and whoever can mint agent tokens cannot mint a
+/// person's token (or the reverse).
+pub const AGENT_TOKEN_ISSUER: &str = "loams-agent-tokens";
 
 /// The state the stack runs on: the ports, and the clock they share.
 #[derive(Clone)]
@@ -89,17 +93,21 @@ impl Stack {
         let (stop, stop_rx) = watch::channel(false);
         let mut tasks = Vec::new();
 
-        // The agents accept only tokens of this issuer minted for their own URL, and run a destructive skill only
-        // under a settled approval from the store that matches the call; the worker's clients carry such tokens.
         let issuer = dev_issuer(&config.data_dir)?;
+        // The agents accept only tokens of the agent-token key minted for their own URL, and run a destructive
+        // skill only under a settled approval from the store that matches the call; the worker's clients carry
+        // such tokens. The key is made fresh at each start: agent tokens live minutes and both ends are in this
+        // process.
+        let agent_tokens = Issuer::generate(AGENT_TOKEN_ISSUER, AGENT_TOKEN_ISSUER)
+            .map_err(|e| anyhow!("agent token key: {e}"))?;
         let guards = Guards {
-            auth: Arc::new(AgentAuth::new(issuer.verifier())),
+            auth: Arc::new(AgentAuth::new(agent_tokens.verifier())),
             gate: Arc::new(ApprovalBroker::new(
                 backend.store.clone(),
                 backend.clock.clone(),
             )),
         };
-        let tokens = Arc::new(AgentTokens::new(issuer.clone(), config.org.clone()));
+        let tokens = Arc::new(AgentTokens::new(agent_tokens, config.org.clone()));
         let mut clients = HashMap::new();
         for (name, skills) in agents(apps)? {
             let (url, task) = serve_agent(
@@ -298,7 +306,7 @@ pub fn webhook_token(config: &Config) -> anyhow::Result<String> {
 }
 
 /// Creates the data directory readable by its owner only (it holds the store and keys).
-fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
+pub(crate) fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -353,51 +361,55 @@ impl RunOpener for WorkerOpener {
 pub(crate) fn agents(apps: &AppSettings) -> anyhow::Result<Vec<(&'static str, Arc<dyn Skills>)>> {
     AGENTS
         .into_iter()
-        .map(|name| Ok((name, agent(apps, name)?)))
+        .map(|name| {
+            let app = apps
+                .app(name)
+                .ok_or_else(|| anyhow!("no agent named {name}"))?;
+            Ok((name, agent(&app)?))
+        })
         .collect()
 }
 
 /// One agent's skills over its app (each holds its own HTTP client, so a process serving one agent builds one).
-pub(crate) fn agent(apps: &AppSettings, name: &str) -> anyhow::Result<Arc<dyn Skills>> {
-    Ok(match name {
-        "zulip" => Arc::new(ZulipAgent::new(&ZulipConfig {
-            base_url: apps.zulip.url.clone(),
-            email: apps.zulip.email.clone(),
-            api_key: apps.zulip.api_key.expose().to_string(),
+pub(crate) fn agent(app: &App) -> anyhow::Result<Arc<dyn Skills>> {
+    Ok(match app {
+        App::Zulip(zulip) => Arc::new(ZulipAgent::new(&ZulipConfig {
+            base_url: zulip.url.clone(),
+            email: zulip.email.clone(),
+            api_key: zulip.api_key.expose().to_string(),
             timeout: APP_TIMEOUT,
         })?),
-        "plane" => Arc::new(PlaneAgent::new(&PlaneConfig {
-            base_url: apps.plane.url.clone(),
-            api_key: apps.plane.api_key.expose().to_string(),
-            workspace_slug: apps.plane.workspace.clone(),
-            project_id: apps.plane.project_id.clone(),
+        App::Plane(plane) => Arc::new(PlaneAgent::new(&PlaneConfig {
+            base_url: plane.url.clone(),
+            api_key: plane.api_key.expose().to_string(),
+            workspace_slug: plane.workspace.clone(),
+            project_id: plane.project_id.clone(),
             web_url: None,
             // Read from the project on first use.
             project_identifier: None,
             timeout: APP_TIMEOUT,
         })?),
-        "forgejo" => Arc::new(ForgejoAgent::new(&ForgejoConfig {
-            base_url: apps.forgejo.url.clone(),
-            token: apps.forgejo.token.expose().to_string(),
-            owner: apps.forgejo.owner.clone(),
-            repo: apps.forgejo.repo.clone(),
-            base_branch: apps.forgejo.base.clone(),
+        App::Forgejo(forgejo) => Arc::new(ForgejoAgent::new(&ForgejoConfig {
+            base_url: forgejo.url.clone(),
+            token: forgejo.token.expose().to_string(),
+            owner: forgejo.owner.clone(),
+            repo: forgejo.repo.clone(),
+            base_branch: forgejo.base.clone(),
             timeout: APP_TIMEOUT,
         })?),
-        "glitchtip" => Arc::new(GlitchTipAgent::new(&GlitchTipConfig {
-            base_url: apps.glitchtip.url.clone(),
-            token: apps.glitchtip.token.expose().to_string(),
-            org_slug: apps.glitchtip.org.clone(),
+        App::Glitchtip(glitchtip) => Arc::new(GlitchTipAgent::new(&GlitchTipConfig {
+            base_url: glitchtip.url.clone(),
+            token: glitchtip.token.expose().to_string(),
+            org_slug: glitchtip.org.clone(),
             timeout: APP_TIMEOUT,
         })?),
-        "analytics" => Arc::new(AnalyticsAgent::new(&AnalyticsConfig {
-            base_url: apps.analytics.url.clone(),
-            client_id: apps.analytics.client_id.clone(),
-            client_secret: apps.analytics.client_secret.expose().to_string(),
-            project_id: apps.analytics.project_id.clone(),
+        App::Analytics(analytics) => Arc::new(AnalyticsAgent::new(&AnalyticsConfig {
+            base_url: analytics.url.clone(),
+            client_id: analytics.client_id.clone(),
+            client_secret: analytics.client_secret.expose().to_string(),
+            project_id: analytics.project_id.clone(),
             timeout: APP_TIMEOUT,
         })?),
-        other => anyhow::bail!("no agent named {other}"),
     })
 }
 

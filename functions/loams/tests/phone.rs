@@ -1,0 +1,411 @@
+//! `loams phone` as a person uses it: the `loams` binary, one command at a time, against the demo's stack running in
+//! this process (the sandbox apps, the agents, the worker and the API). A device is registered, the run's merge
+//! approval is listed with its context, approved with the typed phrase (or denied), and the run is watched to its
+//! end. Settings that are missing or wrong are refused with the setting named.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use loams::demo::{Scenario, sandbox_counts};
+use loams::stack::{Backend, Stack, sandbox_apps, webhook_token};
+use loams_model::Replay;
+use loams_sandbox::{Sandbox, SandboxHandle};
+
+const BIN: &str = env!("CARGO_BIN_EXE_loams");
+/// Every setting `loams phone` reads from the environment: a test sets exactly the ones it means to.
+const SETTINGS: [&str; 6] = [
+    "LOAMS_SERVER",
+    "LOAMS_TOKEN",
+    "LOAMS_ORG",
+    "LOAMS_PHONE_DIR",
+    "XDG_DATA_HOME",
+    "HOME",
+];
+
+struct Server {
+    stack: Stack,
+    sandbox: SandboxHandle,
+    org: String,
+    run_id: String,
+}
+
+impl Server {
+    /// The demo's stack, with one run opened by the sandbox's GlitchTip alert.
+    async fn start(data_dir: &Path) -> Server {
+        let scenario = Scenario::demo(data_dir.to_path_buf());
+        let sandbox = Sandbox::start(scenario.sandbox.clone()).await.unwrap();
+        let model = Arc::new(Replay::from_json_str(&scenario.cassette).unwrap());
+        let config = &scenario.config;
+        let stack = Stack::start(
+            config,
+            &sandbox_apps(&sandbox.info()),
+            model,
+            Backend::sqlite(&config.data_dir).unwrap(),
+        )
+        .await
+        .unwrap();
+        let hook = format!(
+            "{}/webhooks/glitchtip/{}",
+            stack.api_url,
+            webhook_token(config).unwrap()
+        );
+        let body: serde_json::Value = reqwest::Client::new()
+            .post(&hook)
+            .json(&sandbox.alert_payload())
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let run_id = body["run"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no run opened: {body}"))
+            .to_string();
+        Server {
+            stack,
+            sandbox,
+            org: config.org.clone(),
+            run_id,
+        }
+    }
+
+    fn token(&self, user: &str) -> String {
+        self.stack.token(user, &self.org).unwrap()
+    }
+
+    async fn merges(&self) -> u64 {
+        let state = sandbox_counts(&self.sandbox.info().urls.forgejo)
+            .await
+            .unwrap();
+        state["forgejo"]["merges"].as_u64().unwrap()
+    }
+
+    async fn stop(self) {
+        self.stack.shutdown().await;
+        self.sandbox.shutdown().await;
+    }
+}
+
+struct Ran {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+impl std::fmt::Display for Ran {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stdout:\n{}\nstderr:\n{}", self.stdout, self.stderr)
+    }
+}
+
+/// `loams phone <args>` with exactly the settings `env` gives, and no terminal on stdin. One that hangs is killed
+/// and reported with what it had printed.
+async fn phone(env: &[(&str, &str)], args: &[&str]) -> Ran {
+    use tokio::io::AsyncReadExt;
+    let mut cmd = tokio::process::Command::new(BIN);
+    cmd.arg("phone")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    for name in SETTINGS {
+        cmd.env_remove(name);
+    }
+    cmd.envs(env.iter().copied());
+    let mut child = cmd.spawn().unwrap();
+    let collect = |mut pipe: Box<dyn tokio::io::AsyncRead + Send + Unpin>| {
+        tokio::spawn(async move {
+            let mut text = Vec::new();
+            let _ = pipe.read_to_end(&mut text).await;
+            String::from_utf8_lossy(&text).into_owned()
+        })
+    };
+    let stdout = collect(Box::new(child.stdout.take().unwrap()));
+    let stderr = collect(Box::new(child.stderr.take().unwrap()));
+    let status = tokio::time::timeout(Duration::from_secs(120), child.wait()).await;
+    if status.is_err() {
+        child.kill().await.unwrap();
+    }
+    let ran = Ran {
+        ok: matches!(&status, Ok(Ok(s)) if s.success()),
+        stdout: stdout.await.unwrap(),
+        stderr: stderr.await.unwrap(),
+    };
+    assert!(
+        status.is_ok(),
+        "loams phone {args:?} did not end within 120 s: {ran}"
+    );
+    ran
+}
+
+/// Lists the approvals until one is pending, and returns the listing and the approval's id.
+async fn wait_for_approval(env: &[(&str, &str)]) -> (String, String) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let listed = phone(env, &["approvals"]).await;
+        assert!(listed.ok, "{listed}");
+        if let Some(id) = listed
+            .stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("approval "))
+        {
+            return (id.to_string(), listed.stdout);
+        }
+        assert!(listed.stdout.contains("no pending approvals"), "{listed}");
+        assert!(
+            Instant::now() < deadline,
+            "no approval within 90 s: {listed}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_registers_lists_the_merge_approves_it_with_the_phrase_and_watches_the_run_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server")).await;
+    let token = server.token("alice");
+    let phone_dir = dir.path().join("phone");
+    let env = [
+        ("LOAMS_SERVER", server.stack.api_url.as_str()),
+        ("LOAMS_TOKEN", token.as_str()),
+        ("LOAMS_PHONE_DIR", phone_dir.to_str().unwrap()),
+    ];
+
+    let registered = phone(&env, &["register", "--name", "alice-laptop"]).await;
+    assert!(registered.ok, "{registered}");
+    assert!(
+        registered
+            .stdout
+            .contains("registered for alice as \"alice-laptop\""),
+        "{registered}"
+    );
+    // The key is kept in the data directory: a second start registers the same device, not a new one.
+    let again = phone(&env, &["register", "--name", "alice-laptop"]).await;
+    assert!(again.ok, "{again}");
+    let device = |out: &str| out.split_whitespace().nth(1).unwrap().to_string();
+    assert_eq!(device(&registered.stdout), device(&again.stdout));
+
+    let (approval, listing) = wait_for_approval(&env).await;
+    for context in [
+        format!("run:       {}", server.run_id),
+        "action:    forgejo.merge (destructive)".to_string(),
+        "to approve, type: merge #1".to_string(),
+        "summary:   Merge PR #1".to_string(),
+        "by agent:loams-factory on behalf of oncall".to_string(),
+    ] {
+        assert!(listing.contains(&context), "{context:?} in {listing}");
+    }
+
+    // Nobody at a terminal to type the phrase, and a wrong phrase: nothing is signed.
+    let untyped = phone(&env, &["approve", &approval]).await;
+    assert!(!untyped.ok, "{untyped}");
+    assert!(
+        untyped.stderr.contains("pass --confirm \"merge #1\""),
+        "{untyped}"
+    );
+    let mistyped = phone(&env, &["approve", &approval, "--confirm", "merge #2"]).await;
+    assert!(!mistyped.ok, "{mistyped}");
+    assert!(
+        mistyped
+            .stderr
+            .contains("the typed confirmation does not match the phrase \"merge #1\""),
+        "{mistyped}"
+    );
+    assert_eq!(server.merges().await, 0);
+
+    let approved = phone(&env, &["approve", &approval, "--confirm", "merge #1"]).await;
+    assert!(approved.ok, "{approved}");
+    assert!(
+        approved.stdout.contains(&format!(
+            "approved {approval} (forgejo.merge), signed by device {}",
+            device(&registered.stdout)
+        )),
+        "{approved}"
+    );
+
+    let watched = phone(&env, &["watch", &server.run_id]).await;
+    assert!(watched.ok, "{watched}");
+    for line in [
+        "approval_settled       approved by alice",
+        "merged ",
+        "verdict: resolved",
+        &format!("run {} ended succeeded [resolved]", server.run_id),
+    ] {
+        assert!(watched.stdout.contains(line), "{line:?} in {watched}");
+    }
+    assert_eq!(server.merges().await, 1);
+
+    let after = phone(&env, &["approvals"]).await;
+    assert!(after.stdout.contains("no pending approvals"), "{after}");
+    let twice = phone(&env, &["approve", &approval, "--confirm", "merge #1"]).await;
+    assert!(!twice.ok, "{twice}");
+    assert!(twice.stderr.contains("is no longer pending"), "{twice}");
+    // A run the server does not know ends the watch at once: retrying cannot help.
+    let unknown = phone(&env, &["watch", "r-0000000000000000"]).await;
+    assert!(!unknown.ok, "{unknown}");
+    assert!(
+        unknown
+            .stderr
+            .contains("the watch of run r-0000000000000000 stopped: not found"),
+        "{unknown}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denied_merge_ends_the_run_without_merging() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server")).await;
+    let token = server.token("bob");
+    let phone_dir = dir.path().join("phone");
+    // The settings as flags this time, the organisation named explicitly.
+    let flags = [
+        "--server",
+        server.stack.api_url.as_str(),
+        "--token",
+        token.as_str(),
+        "--org",
+        server.org.as_str(),
+        "--data-dir",
+        phone_dir.to_str().unwrap(),
+    ];
+    fn with<'a>(flags: &[&'a str], args: &[&'a str]) -> Vec<&'a str> {
+        [flags, args].concat()
+    }
+
+    let registered = phone(&[], &with(&flags, &["register"])).await;
+    assert!(registered.ok, "{registered}");
+    let env = [
+        ("LOAMS_SERVER", server.stack.api_url.as_str()),
+        ("LOAMS_TOKEN", token.as_str()),
+        ("LOAMS_PHONE_DIR", phone_dir.to_str().unwrap()),
+    ];
+    let (approval, _) = wait_for_approval(&env).await;
+
+    let denied = phone(&[], &with(&flags, &["deny", &approval])).await;
+    assert!(denied.ok, "{denied}");
+    assert!(
+        denied
+            .stdout
+            .contains(&format!("denied {approval} (forgejo.merge)")),
+        "{denied}"
+    );
+
+    // The abandoned run cleans up after itself, and closing the pull request is destructive too.
+    let (close, listing) = wait_for_approval(&env).await;
+    assert_ne!(close, approval);
+    assert!(
+        listing.contains("action:    forgejo.close_pr (destructive)"),
+        "{listing}"
+    );
+    let closed = phone(
+        &[],
+        &with(&flags, &["approve", &close, "--confirm", "close #1"]),
+    )
+    .await;
+    assert!(closed.ok, "{closed}");
+
+    let watched = phone(&[], &with(&flags, &["watch", &server.run_id])).await;
+    assert!(watched.ok, "{watched}");
+    for line in [
+        "approval_settled       denied by bob",
+        "stopped: approval_denied",
+        &format!("run {} ended failed", server.run_id),
+    ] {
+        assert!(watched.stdout.contains(line), "{line:?} in {watched}");
+    }
+    assert!(!watched.stdout.contains(" merged "), "{watched}");
+    assert_eq!(server.merges().await, 0);
+    server.stop().await;
+}
+
+/// A command that must fail: the settings given in the environment, the arguments, and what the error must say.
+type Refused<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str], &'a str);
+
+#[tokio::test]
+async fn missing_or_wrong_settings_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    // Nothing listens on the discard port; none of these commands gets as far as a request anyway.
+    let server = "http://127.0.0.1:9";
+    // A token shaped like the dev issuer's, naming organisation `acme`; its signature is never checked here.
+    let token = "e30.eyJzdWIiOiJhbGljZSIsIm9yZyI6ImFjbWUifQ.sig";
+
+    let cases: [Refused; 7] = [
+        (
+            &[],
+            &["approvals"],
+            "setting `server` is missing: pass --server or set LOAMS_SERVER",
+        ),
+        (
+            &[("LOAMS_SERVER", server)],
+            &["approvals"],
+            "setting `token` is missing: pass --token or set LOAMS_TOKEN",
+        ),
+        (
+            &[("LOAMS_SERVER", server), ("LOAMS_TOKEN", "opaque")],
+            &["approvals"],
+            "setting `org` is missing: pass --org or set LOAMS_ORG",
+        ),
+        (
+            &[("LOAMS_SERVER", server), ("LOAMS_TOKEN", token)],
+            &["approvals"],
+            "setting `data_dir` is missing: pass --data-dir or set LOAMS_PHONE_DIR",
+        ),
+        (
+            &[("LOAMS_SERVER", "ftp://x"), ("LOAMS_TOKEN", token)],
+            &["--data-dir", data, "approvals"],
+            "server_url must be an http(s) URL",
+        ),
+        (
+            &[("LOAMS_SERVER", server), ("LOAMS_TOKEN", token)],
+            &["--data-dir", data, "--org", "Acme", "approvals"],
+            "org must match",
+        ),
+        (
+            &[("LOAMS_SERVER", server), ("LOAMS_TOKEN", token)],
+            &[
+                "--data-dir",
+                data,
+                "approve",
+                "a-1",
+                "--confirm",
+                "merge #1",
+            ],
+            "no registered device key: run `loams phone register` first",
+        ),
+    ];
+    for (env, args, expected) in cases {
+        let ran = phone(env, args).await;
+        assert!(!ran.ok, "{args:?}: {ran}");
+        assert!(
+            ran.stderr.contains(expected),
+            "{args:?}: {expected:?} in {ran}"
+        );
+    }
+
+    // Settings that are all there but a server that cannot be reached: the cached list, said to be one.
+    let offline = phone(
+        &[("LOAMS_SERVER", server), ("LOAMS_TOKEN", token)],
+        &["--data-dir", data, "approvals"],
+    )
+    .await;
+    assert!(offline.ok, "{offline}");
+    assert!(offline.stderr.starts_with("offline ("), "{offline}");
+    assert!(offline.stdout.contains("no pending approvals"), "{offline}");
+
+    let usage = phone(&[], &["approve"]).await;
+    assert!(!usage.ok, "{usage}");
+    assert!(usage.stderr.contains("<APPROVAL>"), "{usage}");
+    let unknown = phone(&[], &["approve-all"]).await;
+    assert!(!unknown.ok, "{unknown}");
+    assert!(
+        unknown.stderr.contains("unrecognized subcommand"),
+        "{unknown}"
+    );
+}
