@@ -324,6 +324,10 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
     Ok(guard(run, events, ctx))
 }
 
+fn limit_text(limit: Option<u64>) -> String {
+    limit.map_or_else(|| "none".into(), |l| l.to_string())
+}
+
 fn abandon(state: RunState, reason: Reason, detail: String) -> Event {
     Event::Abandoned {
         state,
@@ -881,9 +885,12 @@ fn guard_once(run: &Run, ctx: &Ctx) -> Option<Event> {
             RunState::Failed,
             Reason::Budget,
             format!(
-                "the organisation spent {} of its {} micro-dollars for model calls this month",
+                "the organisation's model budget for this month is spent: {} micro-dollars (limit {}), {} tokens \
+                 (limit {})",
                 ctx.org_spend.spent_micros,
-                ctx.org_spend.limit_micros.unwrap_or_default()
+                limit_text(ctx.org_spend.limit_micros),
+                ctx.org_spend.spent_tokens,
+                limit_text(ctx.org_spend.limit_tokens)
             ),
         )),
         Effect::Call { agent, skill, .. } => {

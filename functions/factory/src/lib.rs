@@ -94,9 +94,10 @@ pub struct Config {
     pub recheck_ms: u64,
     pub budget_tokens: u64,
     pub budget_micros: u64,
-    /// The organisation's model spend allowed per calendar month (UTC), over all its runs; `None`: no limit
-    /// beyond each run's own budget.
+    /// The organisation's model spend allowed per calendar month (UTC) over all its runs, in micro-dollars and in
+    /// tokens; `None`: no limit beyond each run's own budget.
     pub org_budget_micros: Option<u64>,
+    pub org_budget_tokens: Option<u64>,
     pub cooldown_ms: u64,
     /// Files of the repository the fix stage shows the model.
     pub target_files: Vec<String>,
@@ -124,6 +125,7 @@ impl Default for Config {
             budget_tokens: 400_000,
             budget_micros: 2_000_000,
             org_budget_micros: None,
+            org_budget_tokens: None,
             cooldown_ms: 600_000,
             target_files: vec!["src/checkout.py".into()],
             channel: "factory".into(),
@@ -161,18 +163,23 @@ impl Prices {
     }
 }
 
-/// The organisation's model spend this month against its limit, read by the worker before a decision.
+/// The organisation's model spend this month against its limits, read by the worker before a decision.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[serde(default)]
 pub struct OrgSpend {
     pub limit_micros: Option<u64>,
+    pub limit_tokens: Option<u64>,
     pub spent_micros: u64,
+    pub spent_tokens: u64,
 }
 
 impl OrgSpend {
     pub fn exhausted(&self) -> bool {
         self.limit_micros
             .is_some_and(|limit| self.spent_micros >= limit)
+            || self
+                .limit_tokens
+                .is_some_and(|limit| self.spent_tokens >= limit)
     }
 }
 

@@ -62,21 +62,42 @@ fn attempts_exhausted_hand_off_as_fail_safe() {
         &t[t.len() - 3..],
         ["forgejo.open_pr", "plane.comment", "zulip.post"]
     );
-    // The closing comment carries an external id naming its step without any retry count, so Plane refuses a
-    // second copy from a later try.
-    let comments: Vec<_> = world
+}
+
+#[test]
+fn a_closing_comment_tried_again_keeps_its_external_id() {
+    // Attempts fail CI until fail_safe; the closing comment's first try fails retryably (its answer was lost).
+    let ci = ci_hook(|_| "FAIL test_one");
+    let comment_failed = std::cell::Cell::new(false);
+    let mut world = World::with(move |e| match e {
+        Effect::Call { skill, .. } if skill == "comment" && !comment_failed.replace(true) => {
+            Some(Outcome::Failed {
+                error: "HTTP 502".into(),
+                retryable: true,
+            })
+        }
+        _ => ci(e),
+    });
+    let (w, _) = drive(&mut world, ctx());
+    assert_eq!(ended(&w).0, RunState::Failed);
+    let mut comments: Vec<(String, String)> = world
         .performed
         .iter()
         .filter_map(|(step, (e, _))| match e {
             Effect::Call { skill, args, .. } if skill == "comment" => {
-                Some((step.clone(), args.clone()))
+                Some((step.clone(), args["external_id"].as_str()?.to_string()))
             }
             _ => None,
         })
         .collect();
-    assert_eq!(comments.len(), 1, "{comments:?}");
-    let (step, args) = &comments[0];
-    assert_eq!(args["external_id"].as_str(), Some(step.as_str()));
+    comments.sort();
+    assert_eq!(comments.len(), 2, "{comments:?}");
+    let (first, second) = (&comments[0], &comments[1]);
+    assert_ne!(first.0, second.0, "each try is its own step");
+    assert!(second.0.ends_with("~2"), "{comments:?}");
+    // Both tries name the same comment (the first try's step), so Plane refuses a second copy.
+    assert_eq!(first.1, first.0);
+    assert_eq!(second.1, first.0);
 }
 
 #[test]
@@ -343,31 +364,48 @@ fn budget_stops_before_the_next_model_call() {
 
 #[test]
 fn an_organisation_over_its_monthly_budget_pays_for_no_model_call() {
-    let mut c = ctx();
-    c.org_spend = loams_factory::OrgSpend {
-        limit_micros: Some(5_000_000),
-        spent_micros: 5_000_000,
-    };
-    let mut world = World::new();
-    let (w, _) = drive(&mut world, c);
-    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::Budget)));
-    assert!(!trace(&world).iter().any(|s| s.starts_with("model.")));
-    let detail = w.log.iter().find_map(|e| match e {
-        Event::Abandoned { detail, .. } => Some(detail.clone()),
-        _ => None,
-    });
-    assert!(
-        detail
-            .as_deref()
-            .is_some_and(|d| d.contains("organisation spent 5000000 of its 5000000")),
-        "{detail:?}"
-    );
+    let over = [
+        loams_factory::OrgSpend {
+            limit_micros: Some(5_000_000),
+            spent_micros: 5_000_000,
+            ..Default::default()
+        },
+        loams_factory::OrgSpend {
+            limit_tokens: Some(1_000_000),
+            spent_tokens: 1_000_000,
+            ..Default::default()
+        },
+    ];
+    for spend in over {
+        let mut c = ctx();
+        c.org_spend = spend;
+        let mut world = World::new();
+        let (w, _) = drive(&mut world, c);
+        assert_eq!(
+            ended(&w),
+            (RunState::Failed, Some(Reason::Budget)),
+            "{spend:?}"
+        );
+        assert!(!trace(&world).iter().any(|s| s.starts_with("model.")));
+        let detail = w.log.iter().find_map(|e| match e {
+            Event::Abandoned { detail, .. } => Some(detail.clone()),
+            _ => None,
+        });
+        assert!(
+            detail
+                .as_deref()
+                .is_some_and(|d| d.contains("organisation's model budget")),
+            "{detail:?}"
+        );
+    }
 
-    // Under the limit the same run is paid for as usual.
+    // Under both limits the same run is paid for as usual.
     let mut c = ctx();
     c.org_spend = loams_factory::OrgSpend {
         limit_micros: Some(5_000_000),
+        limit_tokens: Some(1_000_000),
         spent_micros: 4_999_999,
+        spent_tokens: 999_999,
     };
     let mut world = World::new();
     let (w, _) = drive(&mut world, c);

@@ -8,7 +8,7 @@ pub enum WorkerError {
     Corrupt(String),
     #[error("run {0} not found")]
     RunNotFound(String),
-    #[error("the run changed under us {0} times in a row; giving up for now")]
+    #[error("a record changed under us {0} times in a row; giving up for now")]
     Contended(u32),
     #[error("open refused: {0}")]
     OpenRefused(String),

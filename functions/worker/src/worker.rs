@@ -17,7 +17,7 @@ use loams_platform::limits::MAX_RECEIVE;
 use loams_platform::{Claim, Clock, Cond, Delivery, Item, Page, Queue, Store, StoreError, Timers};
 use serde_json::json;
 use tokio::time::Instant;
-use tracing::{Instrument, info_span, warn};
+use tracing::{Instrument, error, info_span, warn};
 
 use crate::WorkerError;
 use crate::agents::{AgentCaller, AgentReply};
@@ -736,10 +736,12 @@ impl Worker {
             info_span!("chat", gen_ai.operation.name = "chat", purpose = %purpose, step = %step);
         match d.model.complete(&request).instrument(span).await {
             Ok(answer) => {
-                let cost = d
-                    .prices
-                    .cost_micros(answer.input_tokens, answer.output_tokens);
-                spend::add(d.store.as_ref(), org, d.clock.now_ms(), cost).await?;
+                let paid = spend::Spent {
+                    micros: d
+                        .prices
+                        .cost_micros(answer.input_tokens, answer.output_tokens),
+                    tokens: answer.input_tokens.saturating_add(answer.output_tokens),
+                };
                 let outcome = Outcome::Model {
                     text: answer.text,
                     input_tokens: answer.input_tokens,
@@ -748,6 +750,11 @@ impl Worker {
                 d.store
                     .finish(org, &key, &to_json(&outcome)?, d.clock.now_ms())
                     .await?;
+                // Counted after the answer is kept, so a failure here never makes the call be paid again. The price
+                // is an undercount of this one answer when the count fails or the process dies right here.
+                if let Err(e) = spend::add(d.store.as_ref(), org, d.clock.now_ms(), paid).await {
+                    error!(error = %e, %org, micros = paid.micros, tokens = paid.tokens, "the organisation's model spend was not counted");
+                }
                 Ok(outcome)
             }
             Err(e) => {
@@ -770,10 +777,14 @@ impl Worker {
         ctx.prices = d.prices;
         ctx.owner = d.owner.clone();
         ctx.kill = self.kill_switches(org).await?;
-        if let Some(limit) = d.config.org_budget_micros {
+        let (limit_micros, limit_tokens) = (d.config.org_budget_micros, d.config.org_budget_tokens);
+        if limit_micros.is_some() || limit_tokens.is_some() {
+            let spent = spend::this_month(d.store.as_ref(), org, now_ms).await?;
             ctx.org_spend = OrgSpend {
-                limit_micros: Some(limit),
-                spent_micros: spend::this_month(d.store.as_ref(), org, now_ms).await?,
+                limit_micros,
+                limit_tokens,
+                spent_micros: spent.micros,
+                spent_tokens: spent.tokens,
             };
         }
         Ok(ctx)

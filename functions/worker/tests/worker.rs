@@ -1009,7 +1009,7 @@ async fn an_organisation_over_its_monthly_budget_opens_runs_that_pay_for_no_mode
         reasons[0]["detail"]
             .as_str()
             .unwrap()
-            .contains("organisation spent 147 of its 100"),
+            .contains("147 micro-dollars (limit 100), 360 tokens (limit none)"),
         "{reasons:?}"
     );
 }
