@@ -35,8 +35,8 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Read connections of a file database. Reads are short; two keep both cores busy while the writer commits.
 const READERS: usize = 2;
-/// Prepared statements kept per connection: more than the store and queue use (about 30, counting the list
-/// queries built per filter), because parsing SQL again on every call cost about a seventh of a run's CPU.
+/// Prepared statements kept per connection: more than the store and queue use (about 35, counting the list
+/// queries built per filter and the transaction-control statements), because parsing SQL again on every call cost about a seventh of a run's CPU.
 const STATEMENT_CACHE: usize = 64;
 
 /// Most calls one writer transaction commits together. Bounds how long one group holds the write lock and how
@@ -262,8 +262,20 @@ fn write_groups(mut conn: Connection, queue: mpsc::Receiver<Job>) {
                         .and_then(|()| control(&conn, "RELEASE call"));
                 }
             }
+            // SQLite rolls the whole transaction back by itself on some errors (a full disk, say). The calls
+            // already run are then lost, and a later SAVEPOINT would open a transaction of its own outside the
+            // group: stop here, and every call of the group hears an error (the rest by their dropped replies).
+            if conn.is_autocommit() {
+                break;
+            }
         }
-        let committed = control(&conn, "COMMIT").map_err(db);
+        let committed = if conn.is_autocommit() {
+            Err(StoreError::Backend(
+                "the database rolled the transaction back".into(),
+            ))
+        } else {
+            control(&conn, "COMMIT").map_err(db)
+        };
         if committed.is_err() {
             // A failed COMMIT may leave the transaction open; end it so the next group starts clean.
             let _ = control(&conn, "ROLLBACK");
@@ -274,8 +286,8 @@ fn write_groups(mut conn: Connection, queue: mpsc::Receiver<Job>) {
     }
 }
 
-/// Runs a transaction-control statement through the statement cache: the writer runs four per call, and parsing
-/// them each time showed in the profile.
+/// Runs a transaction-control statement through the statement cache: the writer runs two or three per call and
+/// two per group, and parsing them each time showed in the profile.
 fn control(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
     conn.prepare_cached(sql)?.execute([]).map(drop)
 }
@@ -294,9 +306,9 @@ fn configure(conn: &Connection) -> Result<()> {
     conn.busy_timeout(BUSY_TIMEOUT).map_err(db)?;
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     // Query planner stability: a cached statement keeps its plan whatever is bound to it. Without it SQLite
-    // re-plans a statement whenever a parameter it looked at while planning (a LIMIT, a bound compared with a
-    // partial index's condition) changes value, which profiling showed re-parsing `list_items` on most calls
-    // (12% of the engine's CPU). Every statement here is written to use its index whatever the values.
+    // re-plans a statement whenever a parameter it looked at while planning changes value: the bound LIMIT of
+    // the listings, whose page size differs between callers, had `list_items` re-parsed on most calls (12% of the
+    // engine's CPU). Every statement here is written to use its index whatever the values.
     conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)
         .map_err(db)?;
     Ok(())
