@@ -317,6 +317,9 @@ pub struct FactorySettings {
     pub ci_poll_ms: u64,
     pub budget_micros: u64,
     pub budget_tokens: u64,
+    /// The organisation's model spend per calendar month (UTC) over all runs; unset: no monthly limit.
+    pub org_budget_micros: Option<u64>,
+    pub org_budget_tokens: Option<u64>,
     pub cooldown_ms: u64,
     /// Files of the repository the fix stage shows the model.
     pub target_files: Vec<String>,
@@ -408,7 +411,15 @@ impl App {
     /// names a field at most and never quotes a value: the object holds the app's credentials.
     pub fn from_json(name: &str, text: &str) -> Result<App, String> {
         let object: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_str(text).map_err(|e| format!("not a JSON object: {e}"))?;
+            // Not `{e}`: for a value of the wrong type serde quotes the value, and this text is the secret.
+            serde_json::from_str(text).map_err(|e| {
+                format!(
+                    "not a JSON object ({:?} error at line {}, column {})",
+                    e.classify(),
+                    e.line(),
+                    e.column()
+                )
+            })?;
         // serde quotes a value of the wrong type in its message; refuse one first, by its key alone.
         if let Some((key, _)) = object.iter().find(|(_, value)| !value.is_string()) {
             let key: String = key.chars().take(64).collect();
@@ -480,6 +491,8 @@ impl Default for FactorySettings {
             ci_poll_ms: 2_000,
             budget_micros: 2_000_000,
             budget_tokens: 400_000,
+            org_budget_micros: None,
+            org_budget_tokens: None,
             cooldown_ms: 600_000,
             target_files: vec!["src/checkout.py".into()],
             channel: "factory".into(),
@@ -653,6 +666,19 @@ mod tests {
     }
 
     #[test]
+    fn the_organisation_budget_is_off_unless_set() {
+        assert_eq!(Config::default().factory.org_budget_micros, None);
+        let c =
+            Config::parse("[factory]\norg_budget_micros = 50000000\norg_budget_tokens = 9000000\n")
+                .unwrap();
+        c.validate().unwrap();
+        assert_eq!(
+            (c.factory.org_budget_micros, c.factory.org_budget_tokens),
+            (Some(50_000_000), Some(9_000_000))
+        );
+    }
+
+    #[test]
     fn unknown_setting_is_named() {
         let err = Config::parse("listen = \"127.0.0.1:1\"\nlisten_port = 3\n").unwrap_err();
         assert!(err.contains("listen_port"), "{err}");
@@ -751,10 +777,18 @@ mod tests {
                 "`url`",
             ),
             ("api_key = \"zulip-secret-3\"", "not a JSON object"),
+            // A whole secret stored as a JSON string or number instead of an object.
+            ("\"zulip-secret-4\"", "not a JSON object"),
+            ("9876543210", "not a JSON object"),
         ] {
             let err = App::from_json("zulip", text).unwrap_err();
             assert!(err.contains(expected), "{text}: {err}");
-            for secret in ["987654321", "zulip-secret-2", "zulip-secret-3"] {
+            for secret in [
+                "987654321",
+                "zulip-secret-2",
+                "zulip-secret-3",
+                "zulip-secret-4",
+            ] {
                 assert!(!err.contains(secret), "{secret} leaked: {err}");
             }
         }

@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, anyhow};
+use anyhow::{Context, anyhow, bail};
 
 use crate::stack::create_private_dir;
 use async_trait::async_trait;
@@ -47,9 +47,11 @@ impl Phone {
         token: String,
         data_dir: &Path,
     ) -> anyhow::Result<Phone> {
+        // The organisation becomes part of a path: nothing but a valid organisation name may reach the filesystem.
+        loams_platform::limits::org(org).map_err(|e| anyhow!("setting `org`: {e}"))?;
         let account = account_name(server_url, org);
         let account_dir = data_dir.join(&account);
-        create_private_dir(&account_dir)?;
+        owner_only_dir(&account_dir)?;
         let keys = FileStore::open(&data_dir.join("keys"))?;
         let signer = SoftwareSigner::load_or_create(&keys, KEY_SERVICE, &account)
             .context("loading the device key")?;
@@ -170,6 +172,30 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Creates `dir` if needed and refuses one that others could have written to: a key planted in a shared directory
+/// (say under /tmp) would otherwise be loaded and registered as this person's device. A directory owned by someone
+/// else with these modes cannot be read by us at all, so the mode check is enough.
+fn owner_only_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    create_private_dir(dir)?;
+    let meta =
+        std::fs::symlink_metadata(dir).with_context(|| format!("reading {}", dir.display()))?;
+    if !meta.is_dir() {
+        bail!(
+            "{} is not a directory (a symlink is refused)",
+            dir.display()
+        );
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        bail!(
+            "{} is open to other users (mode {:o}); it holds the device key: make it 0700 (chmod 700)",
+            dir.display(),
+            meta.permissions().mode() & 0o777
+        );
+    }
+    Ok(())
+}
+
 /// A keyring-core credential store keeping each secret in its own file, readable by its owner only. A terminal has
 /// no Secure Enclave, and the desktop keyrings' stores are not among this workspace's dependencies; the core takes
 /// any keyring-core store, so one of those can replace this without touching the signer.
@@ -180,7 +206,7 @@ pub struct FileStore {
 
 impl FileStore {
     pub fn open(dir: &Path) -> anyhow::Result<Arc<CredentialStore>> {
-        create_private_dir(dir)?;
+        owner_only_dir(dir)?;
         Ok(Arc::new(FileStore {
             dir: dir.to_path_buf(),
         }))
@@ -335,6 +361,32 @@ mod tests {
         assert_eq!(token_org("a.!!!.c"), None);
         let no_org = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(br#"{"sub":"a"}"#);
         assert_eq!(token_org(&format!("e30.{no_org}.sig")), None);
+    }
+
+    #[test]
+    fn a_shared_or_linked_key_directory_and_a_path_like_org_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = dir.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = FileStore::open(&shared).unwrap_err().to_string();
+        assert!(err.contains("open to other users (mode 777)"), "{err}");
+
+        let private = dir.path().join("private");
+        std::fs::create_dir(&private).unwrap();
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&private, &link).unwrap();
+        let err = FileStore::open(&link).unwrap_err().to_string();
+        assert!(err.contains("symlink"), "{err}");
+        FileStore::open(&private).unwrap();
+
+        let err = Phone::open("http://127.0.0.1:1", "../../x", "t".into(), dir.path())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("setting `org`"), "{err}");
+        assert!(!dir.path().parent().unwrap().join("x").exists());
     }
 
     #[test]

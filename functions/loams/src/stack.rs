@@ -239,6 +239,8 @@ pub(crate) fn worker_deps(
     factory.ci_poll_ms = f.ci_poll_ms;
     factory.budget_micros = f.budget_micros;
     factory.budget_tokens = f.budget_tokens;
+    factory.org_budget_micros = f.org_budget_micros;
+    factory.org_budget_tokens = f.org_budget_tokens;
     factory.cooldown_ms = f.cooldown_ms;
     factory.target_files = f.target_files.clone();
     factory.channel = f.channel.clone();
