@@ -38,8 +38,8 @@ pub enum AgentError {
         attempts: u32,
         retry_after: Option<Duration>,
     },
-    /// A call that is not safe to repeat was sent but its answer was lost (timeout, dropped connection): it may or
-    /// may not have taken effect. Not retried; look the effect up before trying again.
+    /// A call that is not safe to repeat was sent but its answer was lost (timeout, dropped connection, a 5xx): it
+    /// may or may not have taken effect. Not retried; look the effect up before trying again.
     #[error(
         "{app}: {call}: outcome unknown, the request may have been applied ({message}); not retried, check the app \
          before repeating it"
@@ -64,6 +64,21 @@ impl AgentError {
             AgentError::Transport { .. } | AgentError::RateLimited { .. } => true,
             AgentError::Status { status, .. } => *status == 429 || *status >= 500,
             _ => false,
+        }
+    }
+
+    /// An [`AgentError::Uncertain`] whose effect could not be looked up either: still uncertain, now also naming
+    /// the lookup's failure. The lookup's own error (a timeout, a 5xx, a 429) must not take its place: those count
+    /// as retryable, and a retry of the skill would send the lost call a second time. Other errors are final
+    /// already and stay as they are.
+    pub(crate) fn unresolved(self, lookup: &AgentError) -> AgentError {
+        match self {
+            AgentError::Uncertain { app, call, message } => AgentError::Uncertain {
+                app,
+                call,
+                message: format!("{message}; looking for its effect failed too: {lookup}"),
+            },
+            other => other,
         }
     }
 }

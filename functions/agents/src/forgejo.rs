@@ -18,7 +18,7 @@ use reqwest::Method;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy};
+use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy, create_or_find, find_lost};
 use crate::{AGENT_VERSION, AgentError, args, require, skill};
 
 const MAX_FILES: usize = 100;
@@ -413,8 +413,8 @@ impl ForgejoClient {
         )
     }
 
-    /// `POST /pulls`; `None` on 409 (an open PR for these branches exists). The 409 makes a repeat harmless, so
-    /// the call is retried like an idempotent one.
+    /// `POST /pulls`; `None` on 409 (an open PR for these branches exists). Forgejo checks for that PR and then
+    /// creates one, not atomically, so the call is not repeated blindly (see `http::create_or_find`).
     pub async fn create_pr(
         &self,
         head: &str,
@@ -425,7 +425,7 @@ impl ForgejoClient {
         let req = json!({"head": head, "base": base, "title": title, "body": body});
         let reply = self
             .http
-            .send_idempotent(
+            .send(
                 self.http
                     .request(Method::POST, self.repo_url(&["pulls"]))
                     .json(&req),
@@ -485,13 +485,12 @@ impl ForgejoClient {
             let id = match self.http.json::<Label>(rb).await {
                 Ok(created) => created.id,
                 // The answer was lost: the label may exist now, and creating it again would make a second one.
-                Err(e @ AgentError::Uncertain { .. }) => {
-                    self.labels()
-                        .await?
-                        .into_iter()
-                        .find(|l| &l.name == name)
-                        .ok_or(e)?
-                        .id
+                Err(lost @ AgentError::Uncertain { .. }) => {
+                    find_lost(lost, || async {
+                        Ok(self.labels().await?.into_iter().find(|l| &l.name == name))
+                    })
+                    .await?
+                    .id
                 }
                 Err(e) => return Err(e),
             };
@@ -875,24 +874,30 @@ impl ForgejoAgent {
         } else {
             a.title.clone()
         };
-        let existing = self.client.open_pr_for(&a.base, &a.branch).await?;
-        let pr = match existing {
+        let find = || self.client.open_pr_for(&a.base, &a.branch);
+        let pr = match find().await? {
             Some(pr) => pr,
-            None => match self
-                .client
-                .create_pr(&a.branch, &a.base, &title, &a.body)
+            None => {
+                create_or_find(
+                    || async {
+                        match self
+                            .client
+                            .create_pr(&a.branch, &a.base, &title, &a.body)
+                            .await?
+                        {
+                            Some(pr) => Ok(pr),
+                            // 409: created concurrently (or by an earlier attempt whose answer was lost).
+                            None => find().await?.ok_or_else(|| {
+                                AgentError::Refused(
+                                    "forgejo: PR exists (409) but cannot be found".into(),
+                                )
+                            }),
+                        }
+                    },
+                    find,
+                )
                 .await?
-            {
-                Some(pr) => pr,
-                // 409: created concurrently (or by an earlier attempt whose answer was lost).
-                None => self
-                    .client
-                    .open_pr_for(&a.base, &a.branch)
-                    .await?
-                    .ok_or_else(|| {
-                        AgentError::Refused("forgejo: PR exists (409) but cannot be found".into())
-                    })?,
-            },
+            }
         };
         // Open-or-update: bring title and body to what was asked.
         let pr = if pr.title != title || pr.body.as_deref().unwrap_or("") != a.body {

@@ -3,13 +3,17 @@
 //!
 //! Retries live here only, so every app gets the same rules. A call is repeated after a 5xx, a timeout or a lost
 //! connection only when repeating it is harmless: the method is idempotent (GET, HEAD, PUT, DELETE, OPTIONS) or the
-//! calling code made it so (`*_idempotent`: a dedupe key the app enforces, absolute values, a pinned sha). Any other
-//! call that may have reached the app fails with [`AgentError::Uncertain`] instead of risking a second effect. A
+//! calling code made it so (`*_idempotent`: a key the app enforces atomically, absolute values, a pinned sha; a key
+//! the app only checks before saving is not enough, see [`create_or_find`]). Any other call that may have reached
+//! the app (timeout, lost connection, or a 5xx, which a proxy in front of the app may answer while the app goes on)
+//! fails with [`AgentError::Uncertain`] instead of risking a second effect. A
 //! connection that could not be opened, and a 429 (the app did not process the request), are retried for every
-//! method.
+//! method. All attempts and waits of a call fit in [`RetryPolicy::max_elapsed`].
 
 use std::hash::{BuildHasher, Hasher};
 use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
 
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use reqwest::{Method, Request, RequestBuilder, Url};
@@ -33,6 +37,10 @@ pub struct RetryPolicy {
     pub max_backoff: Duration,
     /// Longest `Retry-After` honoured; an app asking for more fails the call with [`AgentError::RateLimited`].
     pub max_retry_after: Duration,
+    /// Longest a call may take, every attempt and wait included: an attempt gets at most the time left, and a wait
+    /// that would not leave time for another attempt ends the call. Keeps a call well inside the A2A skill
+    /// timeout, past which the skill is cut off with its effects unknown.
+    pub max_elapsed: Duration,
 }
 
 impl Default for RetryPolicy {
@@ -43,6 +51,8 @@ impl Default for RetryPolicy {
             max_backoff: Duration::from_secs(5),
             // Plane's limit is 60 requests a minute: a full window is the longest wait worth making.
             max_retry_after: Duration::from_secs(60),
+            // A third of the skill timeout (240 s), so a skill's lookup after a lost answer fits too.
+            max_elapsed: Duration::from_secs(90),
         }
     }
 }
@@ -74,8 +84,11 @@ pub(crate) struct AppHttp {
     app: &'static str,
     client: reqwest::Client,
     base: Url,
-    /// Values scrubbed from error excerpts (apps sometimes echo credentials back).
+    /// Values scrubbed from error texts (apps sometimes echo credentials back), longest first so a secret that
+    /// contains another is replaced whole.
     secrets: Vec<String>,
+    /// Per attempt; an attempt near the call's deadline gets less.
+    timeout: Duration,
     retry: RetryPolicy,
 }
 
@@ -144,19 +157,22 @@ impl AppHttp {
             .connect_timeout(timeout.min(Duration::from_secs(10)))
             .build()
             .map_err(|e| AgentError::Config(format!("{app}: cannot build HTTP client: {e}")))?;
+        let mut secrets: Vec<String> = secrets.into_iter().filter(|s| !s.is_empty()).collect();
+        secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
         Ok(Self {
             app,
             client,
             base,
-            secrets: secrets.into_iter().filter(|s| !s.is_empty()).collect(),
+            secrets,
+            timeout,
             retry: RetryPolicy::default(),
         })
     }
 
     pub fn set_retry(&mut self, retry: RetryPolicy) -> Result<(), AgentError> {
-        if retry.max_attempts == 0 {
+        if retry.max_attempts == 0 || retry.max_elapsed.is_zero() {
             return Err(AgentError::Config(format!(
-                "{}: retry.max_attempts must be at least 1",
+                "{}: retry.max_attempts and retry.max_elapsed must be positive",
                 self.app
             )));
         }
@@ -189,7 +205,7 @@ impl AppHttp {
     }
 
     /// Like [`Self::send`] for a call the caller made safe to repeat whatever its method (a POST the app dedupes
-    /// by a key, a PATCH to absolute values).
+    /// atomically by a key, a PATCH to absolute values).
     pub async fn send_idempotent(&self, rb: RequestBuilder) -> Result<Reply, AgentError> {
         self.exchange(rb, Repeat::Idempotent).await
     }
@@ -210,6 +226,7 @@ impl AppHttp {
     }
 
     async fn exchange(&self, rb: RequestBuilder, repeat: Repeat) -> Result<Reply, AgentError> {
+        let deadline = Instant::now() + self.retry.max_elapsed;
         let request = rb
             .build()
             .map_err(|e| self.bad(format!("cannot build request: {}", e.without_url())))?;
@@ -222,11 +239,16 @@ impl AppHttp {
         let mut attempt = 1;
         loop {
             // Bodies here are JSON or forms (bytes), which always clone.
-            let this = request
+            let mut this = request
                 .try_clone()
                 .ok_or_else(|| self.bad(format!("{call}: request body cannot be resent")))?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            *this.timeout_mut() = Some(self.timeout.min(left));
             let outcome = self.once(this).await;
-            let last = attempt >= self.retry.max_attempts;
+            let left = deadline.saturating_duration_since(Instant::now());
+            // Another attempt only if one is left and the wait before it still leaves time to make it.
+            let may_wait = |wait: Duration| attempt < self.retry.max_attempts && wait < left;
+            let backoff = self.retry.backoff(attempt);
             let wait = match outcome {
                 Ok((status, headers, body)) => {
                     let reply = Reply {
@@ -238,7 +260,9 @@ impl AppHttp {
                     };
                     if status == 429 {
                         let asked = retry_after(&reply.headers, SystemTime::now());
-                        if last || asked.is_some_and(|d| d > self.retry.max_retry_after) {
+                        let wait = asked.unwrap_or(backoff);
+                        if !may_wait(wait) || asked.is_some_and(|d| d > self.retry.max_retry_after)
+                        {
                             return Err(AgentError::RateLimited {
                                 app: self.app,
                                 call,
@@ -246,9 +270,20 @@ impl AppHttp {
                                 retry_after: asked,
                             });
                         }
-                        asked.unwrap_or_else(|| self.retry.backoff(attempt))
-                    } else if status >= 500 && repeatable && !last {
-                        self.retry.backoff(attempt)
+                        wait
+                    } else if status >= 500 && !repeatable {
+                        // A 5xx is no proof that nothing happened: a gateway answers 502/504 while the app may
+                        // still commit the request.
+                        return Err(AgentError::Uncertain {
+                            app: self.app,
+                            call,
+                            message: format!(
+                                "answered HTTP {status}: {}",
+                                self.scrub(&app_message(&reply.body))
+                            ),
+                        });
+                    } else if status >= 500 && may_wait(backoff) {
+                        backoff
                     } else {
                         return Ok(reply);
                     }
@@ -267,24 +302,37 @@ impl AppHttp {
                     return Err(AgentError::Uncertain {
                         app: self.app,
                         call,
-                        message: format!("{what} after the request was sent: {message}"),
+                        message: self
+                            .scrub(&format!("{what} after the request was sent: {message}")),
                     });
                 }
                 Err(Failure::Transport {
                     timeout, message, ..
-                }) if last => {
-                    let kind = if timeout {
-                        "timeout"
-                    } else {
-                        "connection failed"
-                    };
-                    return Err(AgentError::Transport {
-                        app: self.app,
-                        call,
-                        message: format!("{kind} after {attempt} attempt(s): {message}"),
-                    });
+                }) => {
+                    if !may_wait(backoff) {
+                        let kind = if timeout {
+                            "timeout"
+                        } else {
+                            "connection failed"
+                        };
+                        let spent = if attempt < self.retry.max_attempts {
+                            format!(
+                                " (the call's time limit of {} s is spent)",
+                                self.retry.max_elapsed.as_secs_f64()
+                            )
+                        } else {
+                            String::new()
+                        };
+                        return Err(AgentError::Transport {
+                            app: self.app,
+                            call,
+                            message: self.scrub(&format!(
+                                "{kind} after {attempt} attempt(s){spent}: {message}"
+                            )),
+                        });
+                    }
+                    backoff
                 }
-                Err(Failure::Transport { .. }) => self.retry.backoff(attempt),
             };
             tracing::warn!(app = self.app, call = %call, attempt, wait_ms = wait.as_millis() as u64, "retrying app call");
             tokio::time::sleep(wait).await;
@@ -324,16 +372,12 @@ impl AppHttp {
 
     /// The app's error for `reply`: its status, the call, how often it was tried and the app's own message.
     pub fn status_error(&self, reply: &Reply) -> AgentError {
-        let mut message = app_message(&reply.body);
-        for s in &self.secrets {
-            message = message.replace(s.as_str(), "<redacted>");
-        }
         AgentError::Status {
             app: self.app,
             call: reply.call.clone(),
             status: reply.status,
             attempts: reply.attempts,
-            message,
+            message: self.scrub(&app_message(&reply.body)),
         }
     }
 
@@ -341,11 +385,71 @@ impl AppHttp {
         serde_json::from_slice(body).map_err(|e| self.bad(format!("unexpected JSON: {e}")))
     }
 
+    /// A bad answer; `message` may quote the app (a JSON error names the value it choked on), so it is scrubbed.
     pub fn bad(&self, message: impl Into<String>) -> AgentError {
         AgentError::BadResponse {
             app: self.app,
-            message: message.into(),
+            message: self.scrub(&message.into()),
         }
+    }
+
+    /// `text` without the client's secrets, cut to [`ERROR_EXCERPT_CHARS`]. Replaced before the cut: cut first, a
+    /// secret straddling the cut would no longer match and its first part would be shown.
+    fn scrub(&self, text: &str) -> String {
+        let mut clean = text.to_string();
+        for s in &self.secrets {
+            clean = clean.replace(s.as_str(), "<redacted>");
+        }
+        clean.chars().take(ERROR_EXCERPT_CHARS).collect()
+    }
+}
+
+/// What became of a call whose answer was lost (`lost`, an [`AgentError::Uncertain`]), found by `find`: the effect
+/// if it is there, else `lost` itself. A lookup that fails leaves the outcome unknown (see
+/// [`AgentError::unresolved`]).
+pub(crate) async fn find_lost<T, Found>(
+    lost: AgentError,
+    find: impl FnOnce() -> Found,
+) -> Result<T, AgentError>
+where
+    Found: Future<Output = Result<Option<T>, AgentError>>,
+{
+    match find().await {
+        Ok(Some(found)) => Ok(found),
+        Ok(None) => Err(lost),
+        Err(e) => Err(lost.unresolved(&e)),
+    }
+}
+
+/// A create the app dedupes by a key, but not atomically (it checks for the key, then saves), so an immediate
+/// repeat could pass the check while the first request is still on its way to the save. `create` is sent as a
+/// non-idempotent call: the retry layer repeats it only when nothing was sent or on a 429. When its answer is lost
+/// (timeout, dropped connection, 5xx) the object is looked up with `find` instead, and only if it is not there is
+/// `create` sent once more; its dedupe makes that safe unless the first request is still held up inside the app
+/// between its check and its save, which is the race that remains. A second lost answer is looked up again and
+/// otherwise stays [`AgentError::Uncertain`].
+// Plain closures returning futures rather than async closures: the futures of async closures cannot yet be shown
+// to be `Send`, which the agents' `invoke` needs.
+pub(crate) async fn create_or_find<T, Made, Found>(
+    create: impl Fn() -> Made,
+    find: impl Fn() -> Found,
+) -> Result<T, AgentError>
+where
+    Made: Future<Output = Result<T, AgentError>>,
+    Found: Future<Output = Result<Option<T>, AgentError>>,
+{
+    let lost = match create().await {
+        Err(lost @ AgentError::Uncertain { .. }) => lost,
+        other => return other,
+    };
+    match find().await {
+        Ok(Some(found)) => return Ok(found),
+        Ok(None) => {}
+        Err(e) => return Err(lost.unresolved(&e)),
+    }
+    match create().await {
+        Err(lost @ AgentError::Uncertain { .. }) => find_lost(lost, find).await,
+        other => other,
     }
 }
 
@@ -384,7 +488,7 @@ fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
 }
 
 /// The app's own error text: the usual message field of a JSON error body (Zulip `msg`, Forgejo and OpenPanel
-/// `message`, GlitchTip and DRF `detail`, Plane `error`), else the start of the body.
+/// `message`, GlitchTip and DRF `detail`, Plane `error`), else the body; cut by [`AppHttp::scrub`].
 fn app_message(body: &[u8]) -> String {
     let text = String::from_utf8_lossy(body);
     let field = serde_json::from_slice::<serde_json::Value>(body)
@@ -394,8 +498,7 @@ fn app_message(body: &[u8]) -> String {
                 .iter()
                 .find_map(|k| v.get(k)?.as_str().map(str::to_string))
         });
-    let message = field.unwrap_or_else(|| text.trim().to_string());
-    message.chars().take(ERROR_EXCERPT_CHARS).collect()
+    field.unwrap_or_else(|| text.trim().to_string())
 }
 
 #[cfg(test)]
@@ -441,6 +544,69 @@ mod tests {
         assert_eq!(retry_after(&HeaderMap::new(), now), None);
     }
 
+    /// A client whose secret is `token`, as an app that echoes credentials would meet it.
+    fn leaky(token: &str) -> AppHttp {
+        AppHttp::new(
+            "forgejo",
+            "http://127.0.0.1:1",
+            vec![("authorization", format!("token {token}"))],
+            DEFAULT_TIMEOUT,
+            vec![token.to_string(), "short".into()],
+        )
+        .unwrap()
+    }
+
+    fn reply(status: u16, body: String) -> Reply {
+        Reply {
+            status,
+            headers: HeaderMap::new(),
+            body: body.into_bytes(),
+            call: "POST /api/v1/x".into(),
+            attempts: 1,
+        }
+    }
+
+    #[test]
+    fn secrets_echoed_by_an_app_never_reach_an_error() {
+        let token = "t0k3n-ABCDEFGHIJKLMNOPQRSTUVWXYZ-0123456789";
+        let http = leaky(token);
+        let prefix = &token[..10];
+        let message = |body: String| match http.status_error(&reply(401, body)) {
+            AgentError::Status { message, .. } => message,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            message(format!(r#"{{"message":"bad token {token}"}}"#)),
+            "bad token <redacted>"
+        );
+        assert_eq!(
+            message(format!("<h1>401</h1> header was: token {token} (short)")),
+            "<h1>401</h1> header was: token <redacted> (<redacted>)"
+        );
+        // Straddling the excerpt's cut at every offset: not even the token's first characters remain.
+        for before in ERROR_EXCERPT_CHARS - token.len()..=ERROR_EXCERPT_CHARS {
+            let expected: String = format!("{}<redacted> and more", "x".repeat(before))
+                .chars()
+                .take(ERROR_EXCERPT_CHARS)
+                .collect();
+            assert_eq!(
+                message(format!("{}{token} and more", "x".repeat(before))),
+                expected
+            );
+        }
+        // A body we cannot decode (serde quotes the value it choked on) and a Zulip-style `msg` past the cut go
+        // through the same scrubbing.
+        let quoted: Result<u64, _> = http.decode(format!(r#""{token}""#).as_bytes());
+        let bad = http.bad(format!("result `error`: {}{token}", "y".repeat(290)));
+        for e in [quoted.unwrap_err(), bad] {
+            assert!(!e.to_string().contains(prefix), "{e}");
+        }
+        // The cut still holds whatever the secrets.
+        let long = http.status_error(&reply(500, "z".repeat(1000))).to_string();
+        assert!(long.ends_with(&"z".repeat(ERROR_EXCERPT_CHARS)));
+        assert!(!long.contains(&"z".repeat(ERROR_EXCERPT_CHARS + 1)));
+    }
+
     #[test]
     fn app_messages_come_from_the_usual_fields() {
         assert_eq!(
@@ -460,7 +626,6 @@ mod tests {
             app_message(b"  <h1>Bad Gateway</h1>\n"),
             "<h1>Bad Gateway</h1>"
         );
-        assert_eq!(app_message(&[b'x'; 1000]).len(), ERROR_EXCERPT_CHARS);
         // A non-string field is not a message; the body is shown instead.
         assert_eq!(
             app_message(br#"{"detail":[{"loc":"q"}]}"#),

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
-use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy};
+use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy, create_or_find};
 use crate::{AGENT_VERSION, AgentError, args, require, skill, text_to_html};
 
 /// The `external_source` of everything the factory creates.
@@ -109,6 +109,28 @@ struct Created {
     id: String,
 }
 
+/// The fields of Plane's `IssueComment` that tell whose comment it is.
+#[derive(Deserialize)]
+struct CommentRow {
+    id: String,
+    issue: String,
+    #[serde(default)]
+    comment_html: String,
+    #[serde(default)]
+    external_id: Option<String>,
+    #[serde(default)]
+    external_source: Option<String>,
+}
+
+impl CommentRow {
+    fn is(&self, issue_id: &str, comment_html: &str, external_id: &str) -> bool {
+        self.issue == issue_id
+            && self.comment_html == comment_html
+            && self.external_id.as_deref() == Some(external_id)
+            && self.external_source.as_deref() == Some(EXTERNAL_SOURCE)
+    }
+}
+
 /// What `create_work_item` found.
 #[derive(Debug, Clone, PartialEq)]
 pub enum CreateOutcome {
@@ -197,9 +219,9 @@ impl PlaneClient {
         }))
     }
 
-    /// `POST .../work-items/` (create_work_item_2) with our external id; a 409 names the existing item. Plane
-    /// refuses a second item with the same external id, so the call is retried like an idempotent one: a repeat
-    /// after a lost answer gets the 409.
+    /// `POST .../work-items/` (create_work_item_2) with our external id; a 409 names the existing item. Plane checks
+    /// for the external id and then saves, not atomically, so the call is not repeated blindly after a lost answer:
+    /// see [`PlaneAgent`]'s `create_issue`.
     pub async fn create_work_item(
         &self,
         name: &str,
@@ -214,7 +236,7 @@ impl PlaneClient {
         });
         let reply = self
             .http
-            .send_idempotent(
+            .send(
                 self.http
                     .request(Method::POST, self.project_url(&["work-items"]))
                     .json(&body),
@@ -226,6 +248,23 @@ impl PlaneClient {
         }
         let reply = self.http.ok(reply)?;
         Ok(CreateOutcome::Created(self.http.decode(&reply.body)?))
+    }
+
+    /// The work item a 409 named, provided it carries `external_id`: we adopt it as ours, so it must be.
+    pub async fn adopt_work_item(
+        &self,
+        id: &str,
+        external_id: &str,
+    ) -> Result<WorkItem, AgentError> {
+        let item = self.get_work_item(id).await?;
+        if item.external_id.as_deref() != Some(external_id)
+            || item.external_source.as_deref() != Some(EXTERNAL_SOURCE)
+        {
+            return Err(AgentError::Refused(format!(
+                "plane: the work item {id} named as the holder of external id `{external_id}` does not carry it"
+            )));
+        }
+        Ok(item)
     }
 
     /// `GET .../work-items/{id}/`.
@@ -253,10 +292,29 @@ impl PlaneClient {
         Ok(id.as_str())
     }
 
-    /// `POST .../work-items/{id}/comments/` (create_work_item_comment_2); returns the comment id. With an external
-    /// id Plane refuses a second comment with it (409 naming the first), so the call is retried and a repeat
-    /// returns the comment already made; without one a lost answer is [`AgentError::Uncertain`].
+    /// Adds a comment (`POST .../work-items/{id}/comments/`, create_work_item_comment_2); returns its id. With an
+    /// external id Plane refuses a second comment with it (409 naming the first), but checks and saves not
+    /// atomically, so a lost answer is looked up before the comment is sent again (see `http::create_or_find`), and a
+    /// repeat returns the comment already made. Without one a lost answer is [`AgentError::Uncertain`].
     pub async fn add_comment(
+        &self,
+        issue_id: &str,
+        comment_html: &str,
+        external_id: Option<&str>,
+    ) -> Result<String, AgentError> {
+        match external_id {
+            None => self.post_comment(issue_id, comment_html, None).await,
+            Some(ext) => {
+                create_or_find(
+                    || self.post_comment(issue_id, comment_html, Some(ext)),
+                    || self.find_comment(issue_id, comment_html, ext),
+                )
+                .await
+            }
+        }
+    }
+
+    async fn post_comment(
         &self,
         issue_id: &str,
         comment_html: &str,
@@ -274,16 +332,73 @@ impl PlaneClient {
                 self.project_url(&["work-items", issue_id, "comments"]),
             )
             .json(&body);
-        let reply = match external_id {
-            Some(_) => self.http.send_idempotent(rb).await?,
-            None => self.http.send(rb).await?,
-        };
-        if reply.status == 409 && external_id.is_some() {
+        let reply = self.http.send(rb).await?;
+        if reply.status == 409
+            && let Some(ext) = external_id
+        {
             let c: Conflict = self.http.decode(&reply.body)?;
-            return Ok(c.id);
+            return self.adopt_comment(issue_id, comment_html, ext, &c.id).await;
         }
         let c: Created = self.http.decode(&self.http.ok(reply)?.body)?;
         Ok(c.id)
+    }
+
+    /// The comment a 409 named, provided it is this comment: Plane looks for the external id across the whole
+    /// project, so the one it names may sit on another work item (or say something else), and returning it would
+    /// report a comment as made that nobody made.
+    async fn adopt_comment(
+        &self,
+        issue_id: &str,
+        comment_html: &str,
+        external_id: &str,
+        id: &str,
+    ) -> Result<String, AgentError> {
+        // retrieve_work_item_comment_2 answers only for a comment on this work item.
+        let reply = self
+            .http
+            .send(self.http.request(
+                Method::GET,
+                self.project_url(&["work-items", issue_id, "comments", id]),
+            ))
+            .await?;
+        let on_this_item = reply.status != 404;
+        let same = on_this_item && {
+            let c: CommentRow = self.http.decode(&self.http.ok(reply)?.body)?;
+            c.id == id && c.is(issue_id, comment_html, external_id)
+        };
+        if !same {
+            let which = if on_this_item {
+                "a different comment on this work item"
+            } else {
+                "a comment on another work item"
+            };
+            return Err(AgentError::Refused(format!(
+                "plane: external id `{external_id}` is already used by {which} ({id}); the comment was not added"
+            )));
+        }
+        Ok(id.to_string())
+    }
+
+    /// This comment among the work item's newest 100 (list_work_item_comments_2 has no external-id filter).
+    async fn find_comment(
+        &self,
+        issue_id: &str,
+        comment_html: &str,
+        external_id: &str,
+    ) -> Result<Option<String>, AgentError> {
+        let rb = self
+            .http
+            .request(
+                Method::GET,
+                self.project_url(&["work-items", issue_id, "comments"]),
+            )
+            .query(&[("per_page", "100"), ("order_by", "-created_at")]);
+        let page: Paginated<CommentRow> = self.http.json(rb).await?;
+        Ok(page
+            .results
+            .into_iter()
+            .find(|c| c.is(issue_id, comment_html, external_id))
+            .map(|c| c.id))
     }
 
     /// `GET .../states/` (list_states).
@@ -383,17 +498,37 @@ impl PlaneAgent {
                 "`description` is longer than {MAX_TEXT} bytes"
             )));
         }
-        // Look first so a retry never creates a second item; the 409 path covers a race with another worker.
-        let (item, created) = match self.client.find_by_external_id(&a.external_id).await? {
+        // Look first so a retry never creates a second item; the 409 path covers a race with another worker, and
+        // a lost answer is looked up before the create is sent again.
+        let ext = a.external_id.as_str();
+        let description = text_to_html(&a.description);
+        let (item, created) = match self.client.find_by_external_id(ext).await? {
             Some(item) => (item, false),
-            None => match self
-                .client
-                .create_work_item(&a.title, &text_to_html(&a.description), &a.external_id)
+            None => {
+                create_or_find(
+                    || async {
+                        match self
+                            .client
+                            .create_work_item(&a.title, &description, ext)
+                            .await?
+                        {
+                            CreateOutcome::Created(item) => Ok((item, true)),
+                            CreateOutcome::Exists(id) => {
+                                Ok((self.client.adopt_work_item(&id, ext).await?, false))
+                            }
+                        }
+                    },
+                    // Found after our lost create: almost surely made by it.
+                    || async {
+                        Ok(self
+                            .client
+                            .find_by_external_id(ext)
+                            .await?
+                            .map(|i| (i, true)))
+                    },
+                )
                 .await?
-            {
-                CreateOutcome::Created(item) => (item, true),
-                CreateOutcome::Exists(id) => (self.client.get_work_item(&id).await?, false),
-            },
+            }
         };
         let (key, url) = self.client.key_and_url(&item).await?;
         Ok(json!({"id": item.id, "key": key, "url": url, "created": created}))

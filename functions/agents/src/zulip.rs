@@ -10,7 +10,7 @@ use reqwest::Method;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy};
+use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy, find_lost};
 use crate::{AGENT_VERSION, AgentError, args, require, skill};
 
 /// Zulip's own limits (server defaults `max_topic_length`, `max_message_length`, channel names).
@@ -124,23 +124,26 @@ impl ZulipClient {
     }
 
     /// `POST /messages` (send-message) to a channel topic; returns the message id. Zulip has no dedupe key, so
-    /// the send is never repeated; when its answer is lost the topic is searched for it (ours, same content, sent
-    /// since), and only if it is not there does the [`AgentError::Uncertain`] stand.
+    /// the send is never repeated; when its answer is lost (including a 5xx) the topic is searched for it (ours,
+    /// same content, sent since), and if it is not there, or the search fails, the [`AgentError::Uncertain`]
+    /// stands.
     pub async fn send(&self, channel: &str, topic: &str, content: &str) -> Result<u64, AgentError> {
         let started = crate::time::now_ms() / 1000;
         match self.post_message(channel, topic, content).await {
-            Err(e @ AgentError::Uncertain { .. }) => {
-                let newest = self.read(channel, topic, LOOKUP_LIMIT).await?;
-                newest
-                    .iter()
-                    .rev()
-                    .find(|m| {
-                        m.sender_email.eq_ignore_ascii_case(&self.email)
-                            && m.content.trim() == content.trim()
-                            && m.timestamp >= started - CLOCK_SKEW_SECS
-                    })
-                    .map(|m| m.id)
-                    .ok_or(e)
+            Err(lost @ AgentError::Uncertain { .. }) => {
+                find_lost(lost, || async {
+                    let newest = self.read(channel, topic, LOOKUP_LIMIT).await?;
+                    Ok(newest
+                        .iter()
+                        .rev()
+                        .find(|m| {
+                            m.sender_email.eq_ignore_ascii_case(&self.email)
+                                && m.content.trim() == content.trim()
+                                && m.timestamp >= started - CLOCK_SKEW_SECS
+                        })
+                        .map(|m| m.id))
+                })
+                .await
             }
             other => other,
         }

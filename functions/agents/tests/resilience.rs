@@ -17,6 +17,7 @@ fn fast_retry() -> RetryPolicy {
         initial_backoff: Duration::from_millis(10),
         max_backoff: Duration::from_millis(40),
         max_retry_after: Duration::from_secs(5),
+        max_elapsed: Duration::from_secs(30),
     }
 }
 
@@ -24,6 +25,26 @@ async fn sandbox() -> (SandboxHandle, SandboxInfo) {
     let handle = Sandbox::start(SandboxConfig::default()).await.unwrap();
     let info = handle.info();
     (handle, info)
+}
+
+/// A sandbox that records what the apps were sent, for tests about which requests a client made.
+async fn recording_sandbox() -> (SandboxHandle, SandboxInfo) {
+    let config = SandboxConfig {
+        record_requests: true,
+        ..SandboxConfig::default()
+    };
+    let handle = Sandbox::start(config).await.unwrap();
+    let info = handle.info();
+    (handle, info)
+}
+
+/// The recorded requests to `app` as `METHOD path`, oldest first.
+fn sent(sb: &SandboxHandle, app: &str) -> Vec<String> {
+    sb.requests()
+        .into_iter()
+        .filter(|e| e.app == app)
+        .map(|e| format!("{} {}", e.method, e.path))
+        .collect()
 }
 
 async fn ok(agent: &dyn Skills, skill: &str, args: Value) -> Value {
@@ -333,7 +354,7 @@ async fn rate_limits_wait_for_retry_after_for_any_method() {
 async fn lost_answers_to_plane_creates_make_no_duplicates() {
     let (sb, info) = sandbox().await;
     let agent = plane(&info);
-    // The work item is made, the answer lost; the repeat meets Plane's external-id 409 and adopts the item.
+    // The work item is made, the answer lost; it is found by its external id instead of being sent again.
     sb.inject(
         Fault::drop_connection("plane", 1)
             .method("POST")
@@ -498,5 +519,282 @@ async fn lost_answers_to_forgejo_commits_prs_and_labels_make_no_duplicates() {
     assert_eq!(after.commits, before.commits + 1);
     assert_eq!(after.prs, before.prs + 1);
     assert_eq!(after.labels, before.labels + 1);
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_5xx_or_a_failed_lookup_after_a_lost_send_is_uncertain_and_never_retryable() {
+    let (sb, info) = sandbox().await;
+    let agent = zulip(&info);
+    let post = |content: &str| {
+        agent.invoke(
+            "post",
+            json!({"channel": info.zulip_channel, "topic": "incident", "content": content}),
+        )
+    };
+
+    // A gateway's 504 while Zulip stored the message: looked up and found, not sent again.
+    sb.inject(Fault::status("zulip", 1, 504).method("POST").after_effect())
+        .unwrap();
+    let sent = post("Investigating").await.unwrap();
+    assert!(sent["message_id"].as_u64().is_some(), "{sent}");
+    assert_eq!(sb.counts().zulip.messages, 1);
+    assert_eq!(fired(&sb), [1]);
+    sb.clear_faults();
+
+    // The answer is lost and the lookup fails as well: the outcome stays unknown. The lookup's own 503 would
+    // count as retryable, and a retry of the skill would post the message a second time.
+    sb.inject(
+        Fault::drop_connection("zulip", 1)
+            .method("POST")
+            .after_effect(),
+    )
+    .unwrap();
+    sb.inject(
+        Fault::status("zulip", 100, 503)
+            .method("GET")
+            .path_prefix("/api/v1/messages"),
+    )
+    .unwrap();
+    let err = post("Fixed").await.unwrap_err();
+    assert!(!err.retryable, "{err:?}");
+    for part in [
+        "POST /api/v1/messages: outcome unknown",
+        "looking for its effect failed too",
+        "GET /api/v1/messages: HTTP 503",
+    ] {
+        assert!(err.message.contains(part), "{part} in {}", err.message);
+    }
+    assert_eq!(fired(&sb), [1, 4]);
+    assert_eq!(sb.counts().zulip.messages, 2);
+    sb.clear_faults();
+
+    // The same for a Forgejo label: its first listing passes (a no-op delay uses up the rule), the create's
+    // answer is lost, and every later listing fails.
+    let forgejo = forgejo(&info);
+    let branch = "factory/r-label";
+    ok(
+        &forgejo,
+        "commit_patch",
+        json!({"branch": branch, "base": info.forgejo_base, "message": "Fix", "files": [{"path": "FIX.md", "content": "x\n"}]}),
+    )
+    .await;
+    let labels = forgejo_repo(&info, "labels");
+    let before = sb.counts().forgejo.labels;
+    for (method, rule) in [
+        ("GET", Fault::delay("forgejo", 1, Duration::ZERO)),
+        ("POST", Fault::drop_connection("forgejo", 1).after_effect()),
+        ("GET", Fault::status("forgejo", 100, 503)),
+    ] {
+        sb.inject(rule.method(method).path_prefix(&labels)).unwrap();
+    }
+    let err = forgejo
+        .invoke(
+            "open_pr",
+            json!({"branch": branch, "base": info.forgejo_base, "title": "Fix", "body": "b", "labels": ["new-label"]}),
+        )
+        .await
+        .unwrap_err();
+    assert!(!err.retryable, "{err:?}");
+    assert!(
+        err.message
+            .contains(&format!("POST {labels}: outcome unknown"))
+            && err.message.contains("looking for its effect failed too"),
+        "{}",
+        err.message
+    );
+    assert_eq!(fired(&sb), [1, 1, 4]);
+    assert_eq!(sb.counts().forgejo.labels, before + 1);
+    sb.clear_faults();
+
+    // A 5xx to a plain POST with no way to look it up: reported as unknown, not retryable, not resent.
+    let plane = plane(&info);
+    let item = ok(
+        &plane,
+        "create_issue",
+        json!({"external_id": "factory:r-5xx", "title": "t"}),
+    )
+    .await;
+    sb.inject(Fault::status("plane", 1, 502).method("POST").after_effect())
+        .unwrap();
+    let err = plane
+        .invoke("comment", json!({"issue_id": item["id"], "body": "no key"}))
+        .await
+        .unwrap_err();
+    assert!(!err.retryable, "{err:?}");
+    assert!(
+        err.message.contains("outcome unknown") && err.message.contains("HTTP 502"),
+        "{}",
+        err.message
+    );
+    assert_eq!(fired(&sb), [1]);
+    assert_eq!(sb.counts().plane.comments, 1);
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn creates_the_app_dedupes_non_atomically_are_looked_up_before_they_are_sent_again() {
+    let (sb, info) = recording_sandbox().await;
+    let agent = plane(&info);
+    let items = plane_items(&info);
+    let find = format!("GET {items}");
+    let create = format!("POST {items}");
+
+    // Created, but answered after our timeout: found by its external id, never sent a second time.
+    sb.inject(
+        Fault::delay("plane", 1, TIMEOUT * 2)
+            .method("POST")
+            .after_effect(),
+    )
+    .unwrap();
+    let item = ok(
+        &agent,
+        "create_issue",
+        json!({"external_id": "factory:r-late", "title": "t"}),
+    )
+    .await;
+    assert_eq!(item["created"], true);
+    assert_eq!(sb.counts().plane.issues, 1);
+    assert_eq!(sent(&sb, "plane"), [&*find, &create, &find]);
+    sb.clear_faults();
+
+    // A 503 before Plane saw it: the lookup finds nothing, and only then is the create sent again.
+    let before = sent(&sb, "plane").len();
+    sb.inject(Fault::status("plane", 1, 503).method("POST"))
+        .unwrap();
+    let second = ok(
+        &agent,
+        "create_issue",
+        json!({"external_id": "factory:r-503", "title": "t"}),
+    )
+    .await;
+    assert_eq!(second["created"], true);
+    assert_eq!(sb.counts().plane.issues, 2);
+    // The refused POST never reached the recorder: lookup, lookup, create.
+    assert_eq!(sent(&sb, "plane")[before..], [&*find, &find, &create]);
+    assert_eq!(fired(&sb), [1]);
+    sb.clear_faults();
+
+    // A comment with an external id, made but answered 500: found among the item's comments.
+    let comments = format!("{items}{}/comments/", item["id"].as_str().unwrap());
+    sb.inject(Fault::status("plane", 1, 500).method("POST").after_effect())
+        .unwrap();
+    let c = ok(
+        &agent,
+        "comment",
+        json!({"issue_id": item["id"], "body": "PR opened", "external_id": "factory:r-late:pr"}),
+    )
+    .await;
+    assert!(c["id"].as_str().is_some(), "{c}");
+    assert_eq!(sb.counts().plane.comments, 1);
+    let to_comments: Vec<String> = sent(&sb, "plane")
+        .into_iter()
+        .filter(|r| r.ends_with(&comments))
+        .collect();
+    assert_eq!(
+        to_comments,
+        [format!("POST {comments}"), format!("GET {comments}")]
+    );
+    sb.clear_faults();
+
+    // A pull request, opened but answered 502: found by its branches.
+    let forgejo = forgejo(&info);
+    let branch = "factory/r-pr-5xx";
+    ok(
+        &forgejo,
+        "commit_patch",
+        json!({"branch": branch, "base": info.forgejo_base, "message": "Fix", "files": [{"path": "FIX.md", "content": "x\n"}]}),
+    )
+    .await;
+    let prs = sb.counts().forgejo.prs;
+    let pulls = forgejo_repo(&info, "pulls");
+    sb.inject(
+        Fault::status("forgejo", 1, 502)
+            .method("POST")
+            .path_prefix(&pulls)
+            .after_effect(),
+    )
+    .unwrap();
+    let pr = ok(
+        &forgejo,
+        "open_pr",
+        json!({"branch": branch, "base": info.forgejo_base, "title": "Fix", "body": "b"}),
+    )
+    .await;
+    assert!(pr["number"].as_u64().is_some(), "{pr}");
+    assert_eq!(fired(&sb), [1]);
+    assert_eq!(sb.counts().forgejo.prs, prs + 1);
+    let creates = sent(&sb, "forgejo")
+        .iter()
+        .filter(|r| **r == format!("POST {pulls}"))
+        .count();
+    assert_eq!(creates, 1);
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_call_ends_within_its_time_limit() {
+    let (sb, info) = sandbox().await;
+    let limited = |max_elapsed: Duration| {
+        ZulipAgent::new(&zulip_config(&info))
+            .unwrap()
+            .with_retry(RetryPolicy {
+                max_elapsed,
+                ..fast_retry()
+            })
+            .unwrap()
+    };
+    let read = json!({"channel": info.zulip_channel, "topic": "incident"});
+
+    // A Retry-After within the cap but past the time left: fail at once instead of waiting to no purpose.
+    sb.inject(Fault::rate_limited("zulip", 1, "3")).unwrap();
+    let t0 = Instant::now();
+    let err = limited(Duration::from_secs(2))
+        .invoke("read", read.clone())
+        .await
+        .unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert!(err.retryable);
+    assert!(
+        err.message
+            .contains("rate limited (HTTP 429) after 1 attempt(s)")
+            && err.message.contains("asked to wait 3 s"),
+        "{}",
+        err.message
+    );
+    assert_eq!(fired(&sb), [1]);
+    sb.clear_faults();
+
+    // Answers that never come in time: the second attempt only gets what is left of the limit, and there is no
+    // third although the policy allows four.
+    sb.inject(Fault::delay("zulip", 10, TIMEOUT * 4).method("GET"))
+        .unwrap();
+    let limit = TIMEOUT + TIMEOUT / 2;
+    let t0 = Instant::now();
+    let err = limited(limit).invoke("read", read).await.unwrap_err();
+    let took = t0.elapsed();
+    assert!(
+        took >= limit && took < limit + TIMEOUT / 2,
+        "ended at the limit: {took:?}"
+    );
+    assert!(err.retryable);
+    assert!(
+        err.message.contains("timeout after 2 attempt(s)")
+            && err.message.contains("time limit of 2.25 s is spent"),
+        "{}",
+        err.message
+    );
+    assert_eq!(fired(&sb), [2]);
+
+    // The limit must be positive.
+    assert!(
+        ZulipAgent::new(&zulip_config(&info))
+            .unwrap()
+            .with_retry(RetryPolicy {
+                max_elapsed: Duration::ZERO,
+                ..fast_retry()
+            })
+            .is_err()
+    );
     sb.shutdown().await;
 }

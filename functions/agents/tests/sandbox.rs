@@ -192,6 +192,37 @@ async fn plane_create_is_create_if_absent_then_comment_and_state() {
     )
     .await;
     assert!(c["id"].as_str().is_some_and(|s| !s.is_empty()));
+
+    // A comment with an external id is made once; the repeat's 409 names it, and it is checked before it is
+    // returned. Plane looks for the external id project-wide, so the comment a 409 names can be another one.
+    let keyed = json!({"issue_id": id, "body": "PR opened", "external_id": "factory:r-0123456789abcdef:pr"});
+    let made = ok(&agent, "comment", keyed.clone()).await;
+    assert_eq!(ok(&agent, "comment", keyed).await, made);
+    assert_eq!(sb.counts().plane.comments, 2);
+    for (issue, body, needle) in [
+        (&other["id"], "PR opened", "a comment on another work item"),
+        (
+            &first["id"],
+            "PR merged",
+            "a different comment on this work item",
+        ),
+    ] {
+        let err = agent
+            .invoke(
+                "comment",
+                json!({"issue_id": issue, "body": body, "external_id": "factory:r-0123456789abcdef:pr"}),
+            )
+            .await
+            .unwrap_err();
+        assert!(!err.retryable);
+        assert!(
+            err.message.contains(needle) && err.message.contains(made["id"].as_str().unwrap()),
+            "{}",
+            err.message
+        );
+    }
+    assert_eq!(sb.counts().plane.comments, 2);
+
     let s = ok(
         &agent,
         "set_state",

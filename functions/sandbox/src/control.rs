@@ -1,10 +1,13 @@
-//! Test-only control endpoints under `/_sandbox/`, served by every app, without auth.
+//! Test-only control endpoints under `/_sandbox/`, served by every app, without auth. The apps listen on loopback
+//! only, but a web page the developer opens could still reach them through DNS rebinding (its own host name
+//! pointed at 127.0.0.1); such a request carries that foreign name in `Host`, so only loopback names are served.
 
 use crate::fault::{ArmedFault, Fault};
 use crate::glitchtip::ProducingMode;
 use crate::{Shared, State, util};
-use axum::extract::State as AxState;
-use axum::http::StatusCode;
+use axum::extract::{Request, State as AxState};
+use axum::http::{StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -86,6 +89,34 @@ pub(crate) fn router() -> Router<Arc<Shared>> {
             "/_sandbox/faults",
             get(list_faults).post(add_fault).delete(clear_faults),
         )
+        .route_layer(axum::middleware::from_fn(loopback_host_only))
+}
+
+/// Refuses a control request whose `Host` is not a loopback name (see the module docs).
+async fn loopback_host_only(req: Request, next: Next) -> Response {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    if is_loopback_host(host) {
+        next.run(req).await
+    } else {
+        (
+            StatusCode::FORBIDDEN,
+            Json(serde_json::json!({"error": "the sandbox control endpoints answer only to Host 127.0.0.1 or localhost"})),
+        )
+            .into_response()
+    }
+}
+
+/// `127.0.0.1`, `localhost` or `[::1]`, with or without a port.
+fn is_loopback_host(host: &str) -> bool {
+    let name = match host.rsplit_once(':') {
+        Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => host,
+    };
+    name.eq_ignore_ascii_case("localhost") || name == "127.0.0.1" || name == "[::1]"
 }
 
 async fn list_faults(AxState(shared): AxState<Arc<Shared>>) -> Json<Vec<ArmedFault>> {
@@ -160,4 +191,35 @@ async fn producing(
     }
     Json(serde_json::json!({"mode": body.mode, "producing": st.glitchtip.producing()}))
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_loopback_host;
+
+    #[test]
+    fn only_loopback_hosts_pass() {
+        for ok in [
+            "127.0.0.1",
+            "127.0.0.1:8080",
+            "localhost",
+            "LocalHost:1",
+            "[::1]",
+            "[::1]:9",
+        ] {
+            assert!(is_loopback_host(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "evil.example",
+            "evil.example:80",
+            "127.0.0.1.evil.example",
+            "localhost.evil.example:80",
+            "127.0.0.2",
+            "[::2]:80",
+            "127.0.0.1:80:80",
+        ] {
+            assert!(!is_loopback_host(bad), "{bad}");
+        }
+    }
 }

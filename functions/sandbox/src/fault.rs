@@ -16,6 +16,11 @@ use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// Bounds of a rule, so a mistyped or hostile rule cannot hang an app for good: the longest delay (past every
+/// client timeout worth testing) and the most requests one rule may hit.
+pub const MAX_DELAY_MS: u64 = 60_000;
+pub const MAX_TIMES: u32 = 1000;
+
 /// What a matching request gets.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
@@ -128,8 +133,16 @@ impl Fault {
                 crate::APPS.join(", ")
             ));
         }
-        if self.times == 0 {
-            return Err("times must be at least 1".into());
+        if !(1..=MAX_TIMES).contains(&self.times) {
+            return Err(format!(
+                "times must be between 1 and {MAX_TIMES}, got {}",
+                self.times
+            ));
+        }
+        if let Effect::Delay { ms } = self.effect
+            && ms > MAX_DELAY_MS
+        {
+            return Err(format!("delay must be at most {MAX_DELAY_MS} ms, got {ms}"));
         }
         if let Effect::Status { status, .. } = self.effect
             && StatusCode::from_u16(status).is_err()

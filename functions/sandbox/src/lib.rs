@@ -23,7 +23,7 @@ mod zulip;
 
 pub use ci::{CiCheck, CiRule};
 pub use control::{Counts, ForgejoCounts, GlitchtipCounts, PlaneCounts, ZulipCounts};
-pub use fault::{ArmedFault, Effect, Fault, Phase};
+pub use fault::{ArmedFault, Effect, Fault, MAX_DELAY_MS, MAX_TIMES, Phase};
 pub use glitchtip::ProducingMode;
 pub use record::Exchange;
 

@@ -4,7 +4,7 @@ use crate::{PlaneSeed, Shared, util};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -105,7 +105,11 @@ pub(crate) fn router() -> Router<Arc<Shared>> {
         )
         .route(
             &format!("{base}/work-items/{{issue_id}}/comments/"),
-            post(create_comment),
+            get(list_comments).post(create_comment),
+        )
+        .route(
+            &format!("{base}/work-items/{{issue_id}}/comments/{{pk}}/"),
+            get(get_comment),
         )
         .route(&format!("{base}/states/"), get(list_states))
 }
@@ -554,11 +558,11 @@ async fn create_comment(
     if access != "INTERNAL" && access != "EXTERNAL" {
         return field_error("access", &format!("\"{access}\" is not a valid choice."));
     }
+    // Plane looks for the external id in the whole project, not just this work item, so its 409 can name a
+    // comment on another item.
     if let (Some(src), Some(ext)) = (&body.external_source, &body.external_id)
         && let Some(existing) = st.plane.comments.iter().find(|c| {
-            c.issue == issue_id
-                && c.external_source.as_ref() == Some(src)
-                && c.external_id.as_ref() == Some(ext)
+            c.external_source.as_ref() == Some(src) && c.external_id.as_ref() == Some(ext)
         })
     {
         return error(
@@ -578,26 +582,7 @@ async fn create_comment(
         external_id: body.external_id,
         created_ms: now,
     };
-    let out = json!({
-        "id": comment.id,
-        "is_member": true,
-        "created_at": util::iso_ms(now),
-        "updated_at": util::iso_ms(now),
-        "deleted_at": null,
-        "comment_html": comment.comment_html,
-        "attachments": [],
-        "access": comment.access,
-        "external_source": comment.external_source,
-        "external_id": comment.external_id,
-        "edited_at": null,
-        "created_by": st.plane.user_id,
-        "updated_by": st.plane.user_id,
-        "project": shared.config.plane.project_id,
-        "workspace": st.plane.workspace_id,
-        "issue": comment.issue,
-        "actor": st.plane.user_id,
-        "parent": null,
-    });
+    let out = comment_json(&shared, &st.plane, &comment);
     st.plane.comments.push(comment);
     if let Err(e) = shared.persist(&st) {
         return error(
@@ -606,6 +591,85 @@ async fn create_comment(
         );
     }
     (StatusCode::CREATED, Json(out)).into_response()
+}
+
+fn comment_json(shared: &Shared, st: &PlaneState, c: &Comment) -> Value {
+    json!({
+    "id": c.id,
+    "is_member": true,
+    "created_at": util::iso_ms(c.created_ms),
+    "updated_at": util::iso_ms(c.created_ms),
+    "deleted_at": null,
+    "comment_html": c.comment_html,
+    "attachments": [],
+    "access": c.access,
+    "external_source": c.external_source,
+    "external_id": c.external_id,
+    "edited_at": null,
+    "created_by": st.user_id,
+    "updated_by": st.user_id,
+    "project": shared.config.plane.project_id,
+    "workspace": st.workspace_id,
+    "issue": c.issue,
+    "actor": st.user_id,
+    "parent": null,
+    })
+}
+
+/// `GET .../work-items/{issue_id}/comments/` (list_work_item_comments_2): the item's comments, newest first.
+async fn list_comments(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((slug, project_id, issue_id)): Path<(String, String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &slug, &project_id) {
+        return r;
+    }
+    let (per_page, page) = match page_params(&q) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let st = shared.lock();
+    if !st.plane.issues.iter().any(|i| i.id == issue_id) {
+        return not_found();
+    }
+    let matching: Vec<&Comment> = st
+        .plane
+        .comments
+        .iter()
+        .filter(|c| c.issue == issue_id)
+        .collect();
+    let results = matching
+        .iter()
+        .rev()
+        .skip(page * per_page)
+        .take(per_page)
+        .map(|c| comment_json(&shared, &st.plane, c))
+        .collect();
+    Json(paginated(results, matching.len(), per_page, page)).into_response()
+}
+
+/// `GET .../work-items/{issue_id}/comments/{pk}/` (retrieve_work_item_comment_2): 404 unless the comment is on
+/// that work item, as Plane filters by both.
+async fn get_comment(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path((slug, project_id, issue_id, pk)): Path<(String, String, String, String)>,
+) -> Response {
+    if let Err(r) = check(&shared, &headers, &slug, &project_id) {
+        return r;
+    }
+    let st = shared.lock();
+    match st
+        .plane
+        .comments
+        .iter()
+        .find(|c| c.id == pk && c.issue == issue_id)
+    {
+        Some(c) => Json(comment_json(&shared, &st.plane, c)).into_response(),
+        None => not_found(),
+    }
 }
 
 /// `GET /workspaces/{slug}/projects/{pk}/` (retrieve_project): the seeded project, with the identifier that

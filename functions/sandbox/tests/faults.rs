@@ -1,6 +1,9 @@
 //! Fault injection over the control endpoint, as a test in another process would arm it.
 
-use loams_sandbox::{ArmedFault, Counts, Effect, Fault, Sandbox, SandboxConfig, SandboxHandle};
+use loams_sandbox::{
+    ArmedFault, Counts, Effect, Fault, MAX_DELAY_MS, MAX_TIMES, Sandbox, SandboxConfig,
+    SandboxHandle,
+};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -123,6 +126,11 @@ async fn bad_rules_are_refused() {
         json!({"app": "plane", "times": 0, "effect": {"kind": "drop"}}),
         json!({"app": "plane", "times": 1, "effect": {"kind": "status", "status": 1000}}),
         json!({"app": "plane", "times": 1, "effect": {"kind": "explode"}}),
+        // Rules that would hang the app or outlive any test.
+        json!({"app": "plane", "times": 1, "effect": {"kind": "delay", "ms": MAX_DELAY_MS + 1}}),
+        json!({"app": "plane", "times": 1, "effect": {"kind": "delay", "ms": u64::MAX}}),
+        json!({"app": "plane", "times": MAX_TIMES + 1, "effect": {"kind": "drop"}}),
+        json!({"app": "plane", "times": u32::MAX, "effect": {"kind": "drop"}}),
     ] {
         let resp = reqwest::Client::new()
             .post(format!("{}/_sandbox/faults", sb.urls().plane))
@@ -133,7 +141,19 @@ async fn bad_rules_are_refused() {
         assert_eq!(resp.status(), 400, "{body}");
     }
     assert!(sb.inject(Fault::status("nope", 1, 500)).is_err());
+    assert!(
+        sb.inject(Fault::delay("zulip", 1, Duration::from_secs(3600)))
+            .is_err()
+    );
     assert!(sb.faults().is_empty());
+    // The bounds themselves are allowed.
+    sb.inject(Fault::delay(
+        "zulip",
+        MAX_TIMES,
+        Duration::from_millis(MAX_DELAY_MS),
+    ))
+    .unwrap();
+    assert_eq!(sb.faults().len(), 1);
     sb.shutdown().await;
 }
 
@@ -197,5 +217,45 @@ async fn delays_hold_the_answer_and_an_abandoned_request_before_the_effect_does_
         sb.faults()[1].fault.effect,
         Effect::Delay { ms: 600 }
     ));
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn control_endpoints_answer_only_to_loopback_host_names() {
+    let sb = start().await;
+    let client = reqwest::Client::new();
+    let drop_all = json!({"app": "plane", "times": 1, "effect": {"kind": "drop"}});
+    // A page on a rebound name reaches 127.0.0.1 but still says its own name in Host.
+    for host in ["evil.example", "evil.example:80", "127.0.0.1.evil.example"] {
+        let add = client
+            .post(format!("{}/_sandbox/faults", sb.urls().plane))
+            .header("host", host)
+            .json(&drop_all)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(add.status(), 403, "{host}");
+        let state = client
+            .get(format!("{}/_sandbox/state", sb.urls().zulip))
+            .header("host", host)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(state.status(), 403, "{host}");
+    }
+    assert!(sb.faults().is_empty());
+    // The names a local test uses still work.
+    let port = sb.urls().plane.rsplit(':').next().unwrap().to_string();
+    for host in [format!("localhost:{port}"), format!("127.0.0.1:{port}")] {
+        let add = client
+            .post(format!("{}/_sandbox/faults", sb.urls().plane))
+            .header("host", &host)
+            .json(&drop_all)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(add.status(), 204, "{host}");
+    }
+    assert_eq!(sb.faults().len(), 2);
     sb.shutdown().await;
 }
