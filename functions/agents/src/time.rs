@@ -1,36 +1,6 @@
 //! RFC 3339 <-> epoch milliseconds, UTC only: the apps speak ISO timestamps and the contracts speak epoch ms.
 
-const DAY_MS: i64 = 86_400_000;
-
-// Howard Hinnant's days-from-civil algorithm (proleptic Gregorian).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * (m + if m > 2 { -3 } else { 9 }) + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
-fn civil_from_days(z: i64) -> (i64, i64, i64) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (
-        if m <= 2 {
-            yoe + era * 400 + 1
-        } else {
-            yoe + era * 400
-        },
-        m,
-        d,
-    )
-}
+use loams_platform::calendar::{DAY_MS, civil_from_days, days_from_civil};
 
 /// Parses `YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)`; `None` for anything else.
 pub(crate) fn parse_rfc3339_ms(s: &str) -> Option<i64> {
@@ -92,7 +62,12 @@ pub(crate) fn parse_rfc3339_ms(s: &str) -> Option<i64> {
             sign * (hh * 3_600_000 + mm * 60_000)
         }
     };
-    let ms = days_from_civil(y, mo, d) * DAY_MS + h * 3_600_000 + mi * 60_000 + sec * 1000 + millis;
+    // In range: checked above.
+    let ms = days_from_civil(y, mo as u32, d as u32) * DAY_MS
+        + h * 3_600_000
+        + mi * 60_000
+        + sec * 1000
+        + millis;
     Some(ms - offset_ms)
 }
 
@@ -129,7 +104,7 @@ pub(crate) fn parse_http_date_ms(s: &str) -> Option<i64> {
     if !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
         return None;
     }
-    Some(days_from_civil(y, m, d) * DAY_MS + h * 3_600_000 + mi * 60_000 + sec * 1000)
+    Some(days_from_civil(y, m as u32, d as u32) * DAY_MS + h * 3_600_000 + mi * 60_000 + sec * 1000)
 }
 
 /// `YYYY-MM-DD HH:MM:SS` in UTC (OpenPanel's `startDate` / `endDate` form).
