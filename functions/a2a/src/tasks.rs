@@ -507,15 +507,16 @@ async fn run(
     admitted: Result<(), SkillError>,
 ) -> Result<Task, A2AError> {
     // A skill must end before its claim's lease does, or a repeat would run it a second time
-    // alongside. Cut off, its effect is unknown: report it retryable (skills are create-if-absent).
+    // alongside. Cut off, its effect is unknown, and not every skill can be repeated safely (a
+    // chat message has no dedupe key): the failure is final, and a person looks at what happened.
     let timeout = agent.options.skill_timeout();
     let outcome = match admitted {
         Err(refusal) => Err(refusal),
         Ok(()) => match tokio::time::timeout(timeout, agent.skills.invoke(&skill, args)).await {
             Ok(outcome) => outcome,
-            Err(_) => Err(SkillError::retryable(format!(
-                "the skill did not finish within {} s",
-                timeout.as_secs()
+            Err(_) => Err(SkillError::permanent(format!(
+                "the skill did not finish within {} ms; whether it took effect is unknown",
+                timeout.as_millis()
             ))),
         },
     };

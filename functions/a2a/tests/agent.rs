@@ -459,6 +459,37 @@ async fn large_requests_are_stored_without_history_and_still_deduplicated() {
 }
 
 #[tokio::test]
+async fn a_skill_cut_off_at_its_time_limit_fails_for_good() {
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    // The skill's time limit is four fifths of the claim's lease: 240 ms.
+    let options = ServerOptions {
+        claim_lease: Duration::from_millis(300),
+        ..fast_polling()
+    };
+    let agent = start_with(store, options).await;
+    let sent = agent.send("m-cut", "slow", json!({})).await;
+    let task = &sent["result"]["task"];
+    assert_eq!(task["status"]["state"], "TASK_STATE_FAILED", "{sent}");
+    let parts = &task["status"]["message"]["parts"];
+    assert!(
+        parts[0]["text"]
+            .as_str()
+            .unwrap()
+            .contains("whether it took effect is unknown"),
+        "{sent}"
+    );
+    // Not retryable: a repeat under a new message id could make the effect twice.
+    assert_eq!(parts[1]["data"]["retryable"], false, "{sent}");
+    // The same message id gets the same failure, without running the skill again.
+    let repeat = agent.send("m-cut", "slow", json!({})).await;
+    assert_eq!(
+        repeat["result"]["task"]["status"]["state"],
+        "TASK_STATE_FAILED"
+    );
+    assert_eq!(agent.calls(), 1);
+}
+
+#[tokio::test]
 async fn concurrent_repeat_sees_the_task_working() {
     let agent = Arc::new(start().await);
     let slow = {

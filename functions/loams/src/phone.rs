@@ -381,12 +381,23 @@ mod tests {
         assert!(err.contains("symlink"), "{err}");
         FileStore::open(&private).unwrap();
 
-        let err = Phone::open("http://127.0.0.1:1", "../../x", "t".into(), dir.path())
+        // A data directory two levels down, so that `../../x` would land in `dir`, which we can watch.
+        let data_dir = dir.path().join("a/b");
+        let before: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        let err = Phone::open("http://127.0.0.1:1", "../../x", "t".into(), &data_dir)
             .err()
             .unwrap()
             .to_string();
         assert!(err.contains("setting `org`"), "{err}");
-        assert!(!dir.path().parent().unwrap().join("x").exists());
+        let after: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(before, after, "nothing was created");
+        assert!(!data_dir.exists());
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! Days since the Unix epoch <-> civil dates (proleptic Gregorian, UTC): the apps, the sandbox and the monthly
-//! budget all need calendar dates, and no date crate is worth its weight for two conversions. The decomposition
+//! Days since the Unix epoch <-> civil dates (proleptic Gregorian, UTC): the app clients and the monthly budget
+//! need calendar dates, and no date crate is worth its weight for two conversions. The decomposition
 //! into 400-year eras (146 097 days each) with years starting in March makes leap days fall at the end of a year.
 
 pub const DAY_MS: i64 = 86_400_000;

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::WorkerError;
 
 const KIND: &str = "spend";
-/// Concurrent model answers of one organisation each bump the same record, and a lost race reads it again after a
+/// Concurrent model answers of one organisation may pick the same shard; a lost race picks one again after a
 /// short random pause; past this many lost races in a row the caller hears `Contended`.
 const MAX_TRIES: u32 = 32;
 const SHARDS: u8 = 8;

@@ -753,7 +753,8 @@ impl Worker {
                 // Counted after the answer is kept, so a failure here never makes the call be paid again. The price
                 // is an undercount of this one answer when the count fails or the process dies right here.
                 if let Err(e) = spend::add(d.store.as_ref(), org, d.clock.now_ms(), paid).await {
-                    error!(error = %e, %org, micros = paid.micros, tokens = paid.tokens, "the organisation's model spend was not counted");
+                    let (micros, tokens) = (paid.micros, paid.tokens);
+                    error!(error = %e, %org, micros, tokens, "the organisation's model spend was not counted");
                 }
                 Ok(outcome)
             }

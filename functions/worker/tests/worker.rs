@@ -1013,3 +1013,35 @@ async fn an_organisation_over_its_monthly_budget_opens_runs_that_pay_for_no_mode
         "{reasons:?}"
     );
 }
+
+#[tokio::test]
+async fn a_spend_that_cannot_be_counted_keeps_the_paid_answer_and_pays_nothing_twice() {
+    let h = Harness::new(FakeAgents::default(), 2);
+    // Every shard of this month's spend is unreadable, so every count fails.
+    for shard in 0..8 {
+        let month =
+            loams_platform::calendar::civil_from_days(h.clock.now_ms().div_euclid(86_400_000));
+        let broken = Item {
+            org: ORG.into(),
+            kind: "spend".into(),
+            id: format!("model:{:04}-{:02}:{shard}", month.0, month.1),
+            version: 0,
+            index: Some(format!("model:{:04}-{:02}", month.0, month.1)),
+            body: b"not json".to_vec(),
+            expires_ms: None,
+        };
+        h.db.put_item(&broken, Cond::Any).await.unwrap();
+    }
+    let id = h
+        .worker
+        .open(ORG, signal("fp-uncounted"))
+        .await
+        .unwrap()
+        .run_id;
+    assert_eq!(h.drive(&id).await.state.as_str(), "succeeded");
+    // Each answer was stored and used: no call was paid twice.
+    assert_eq!(
+        *h.model.paid.lock().unwrap(),
+        ["fix", "lead_review", "security_audit"]
+    );
+}

@@ -36,7 +36,8 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Read connections of a file database. Reads are short; two keep both cores busy while the writer commits.
 const READERS: usize = 2;
 /// Prepared statements kept per connection: more than the store and queue use (about 35, counting the list
-/// queries built per filter and the transaction-control statements), because parsing SQL again on every call cost about a seventh of a run's CPU.
+/// queries built per filter and the transaction-control statements), because parsing SQL again on every call cost
+/// about a seventh of a run's CPU.
 const STATEMENT_CACHE: usize = 64;
 
 /// Most calls one writer transaction commits together. Bounds how long one group holds the write lock and how
@@ -393,6 +394,10 @@ mod tests {
     use super::*;
     use crate::{ManualClock, Store};
 
+    fn db_error(e: rusqlite::Error) -> StoreError {
+        StoreError::Backend(e.to_string())
+    }
+
     fn file_db(dir: &tempfile::TempDir) -> Sqlite {
         Sqlite::open(
             dir.path().join("loams.db"),
@@ -439,6 +444,64 @@ mod tests {
             .expect("get_run")
             .expect("the run");
         assert_eq!(row.version, 1);
+    }
+
+    #[tokio::test]
+    async fn a_transaction_sqlite_ended_by_itself_fails_the_whole_group_and_commits_nothing_after()
+    {
+        let dir = tempfile::TempDir::new().expect("temp dir");
+        let db = file_db(&dir);
+        // Hold the writer (a group of its own) so that the two calls below queue up and run in the next group.
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let writer = db.clone();
+        let holder = tokio::spawn(async move {
+            writer
+                .with_conn(move |_, _| {
+                    held_tx
+                        .send(())
+                        .map_err(|e| StoreError::Backend(e.to_string()))?;
+                    let _ = release_rx.recv();
+                    Ok(())
+                })
+                .await
+        });
+        tokio::task::spawn_blocking(move || held_rx.recv())
+            .await
+            .expect("join")
+            .expect("writer taken");
+        // As SQLite does by itself on some errors (a full disk): the group's transaction ends under a call.
+        let ending = db.clone();
+        let ends = tokio::spawn(async move {
+            ending
+                .with_conn(|conn, _| conn.execute_batch("ROLLBACK").map_err(db_error))
+                .await
+        });
+        let later = db.clone();
+        let writes = tokio::spawn(async move {
+            later
+                .create_run("o", "after", "running", b"{}", b"e", 1)
+                .await
+        });
+        // Both calls are queued behind the held writer before it is let go.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drop(release_tx);
+        holder
+            .await
+            .expect("holder task")
+            .expect("the holder's own group");
+        assert!(ends.await.expect("task").is_err());
+        assert!(writes.await.expect("task").is_err());
+        assert!(
+            db.get_run("o", "after").await.expect("get_run").is_none(),
+            "a call after the rollback must not commit on its own"
+        );
+        // The writer goes on with the next group.
+        assert!(
+            db.create_run("o", "next", "running", b"{}", b"e", 1)
+                .await
+                .expect("create")
+        );
     }
 
     #[tokio::test]
