@@ -365,7 +365,7 @@ async fn missing_or_wrong_settings_are_refused_by_name() {
         (
             &[("LOAMS_SERVER", server), ("LOAMS_TOKEN", token)],
             &["--data-dir", data, "--org", "Acme", "approvals"],
-            "org must match",
+            "setting `org`: invalid input: org \"Acme\" does not match",
         ),
         (
             &[("LOAMS_SERVER", server), ("LOAMS_TOKEN", token)],
