@@ -2,7 +2,7 @@
 //! (Swagger 2.0, base `/api/v1`), `Authorization: token <PAT>`.
 //!
 //! Every write is safe to repeat: branches are created if absent, unchanged files are not recommitted, an open PR
-//! for the branch is reused, an already-merged PR answers like a fresh merge.
+//! for the branch is reused if this account opened it, an already-merged PR answers like a fresh merge.
 //!
 //! Commits are pinned: a work branch is written only where the caller says it stands (the base head for a first
 //! commit, the caller's previous commit after that), so a branch prepared or pushed to by someone else is refused
@@ -17,6 +17,7 @@ use loams_a2a::{AgentSpec, Risk, SkillError, Skills};
 use reqwest::Method;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use tokio::sync::OnceCell;
 
 use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy, create_or_find, find_lost};
 use crate::{AGENT_VERSION, AgentError, args, require, skill};
@@ -113,6 +114,15 @@ pub struct PullRequest {
     pub body: Option<String>,
     pub head: BranchRef,
     pub base: BranchRef,
+    /// Who opened it (Forgejo's `User`); an answer without it counts as someone else's.
+    #[serde(default)]
+    pub user: Option<User>,
+}
+
+/// The fields of Forgejo's `User` we use.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct User {
+    pub login: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -189,6 +199,8 @@ pub struct ForgejoClient {
     http: AppHttp,
     owner: String,
     repo: String,
+    /// The token's account, read once: it does not change while the client lives.
+    login: OnceCell<String>,
 }
 
 impl ForgejoClient {
@@ -209,7 +221,26 @@ impl ForgejoClient {
             http,
             owner: config.owner.clone(),
             repo: config.repo.clone(),
+            login: OnceCell::new(),
         })
+    }
+
+    /// The login of the account the token belongs to (`GET /user`, userGetCurrent).
+    pub async fn login(&self) -> Result<&str, AgentError> {
+        let login = self
+            .login
+            .get_or_try_init(|| async {
+                let me: User = self
+                    .http
+                    .json(
+                        self.http
+                            .request(Method::GET, self.http.url(&["api", "v1", "user"])),
+                    )
+                    .await?;
+                Ok::<_, AgentError>(me.login)
+            })
+            .await?;
+        Ok(login.as_str())
     }
 
     /// Replaces the default [`RetryPolicy`] (e.g. short backoffs in tests, or none).
@@ -899,6 +930,17 @@ impl ForgejoAgent {
                 .await?
             }
         };
+        // An open PR for the branch is adopted only if this account opened it: one a person opened (or pointed at
+        // our branch) is theirs, and editing, labelling or later merging it would act on their behalf.
+        let me = self.client.login().await?;
+        let author = pr.user.as_ref().map_or("", |u| u.login.as_str());
+        if author != me {
+            return Err(AgentError::Refused(format!(
+                "forgejo: PR #{} for `{}` was opened by `{author}`, not by this agent's account `{me}`; not adopting \
+                 it",
+                pr.number, a.branch
+            )));
+        }
         // Open-or-update: bring title and body to what was asked.
         let pr = if pr.title != title || pr.body.as_deref().unwrap_or("") != a.body {
             self.client
@@ -934,6 +976,13 @@ impl ForgejoAgent {
             return Err(AgentError::Refused(format!(
                 "forgejo: PR #{} is closed without merge",
                 a.number
+            )));
+        }
+        // A PR can be retargeted after it was opened and approved; merging it would then change another branch.
+        if pr.base.name != self.base_branch {
+            return Err(AgentError::Refused(format!(
+                "forgejo: PR #{} is into `{}`, not the configured base `{}`; not merging it",
+                a.number, pr.base.name, self.base_branch
             )));
         }
         if pr.head.sha != a.head_sha {

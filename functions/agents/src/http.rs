@@ -25,6 +25,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Largest app answer we read; file contents and diffs for a patch are far smaller.
 pub const MAX_RESPONSE_BYTES: usize = 8 * 1024 * 1024;
 const ERROR_EXCERPT_CHARS: usize = 300;
+/// Least time left for a further attempt to be started (less if the per-attempt timeout is shorter); a healthy app
+/// answers well within it.
+const MIN_ATTEMPT: Duration = Duration::from_secs(1);
 
 /// How an app client retries; set with each client's or agent's `with_retry`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -246,8 +249,12 @@ impl AppHttp {
             *this.timeout_mut() = Some(self.timeout.min(left));
             let outcome = self.once(this).await;
             let left = deadline.saturating_duration_since(Instant::now());
-            // Another attempt only if one is left and the wait before it still leaves time to make it.
-            let may_wait = |wait: Duration| attempt < self.retry.max_attempts && wait < left;
+            // Another attempt only if one is left and the wait before it still leaves the attempt enough time to be
+            // answered: an attempt with a sliver of time would time out at once, and a lost answer to it is one
+            // more request of unknown effect.
+            let may_wait = |wait: Duration| {
+                attempt < self.retry.max_attempts && wait.saturating_add(self.min_attempt()) <= left
+            };
             let backoff = self.retry.backoff(attempt);
             let wait = match outcome {
                 Ok((status, headers, body)) => {
@@ -340,6 +347,11 @@ impl AppHttp {
         }
     }
 
+    /// The least time an attempt after the first must have: the per-attempt timeout, at most 1 s.
+    fn min_attempt(&self) -> Duration {
+        self.timeout.min(MIN_ATTEMPT)
+    }
+
     /// One attempt: the status, headers and whole (bounded) body.
     async fn once(&self, request: Request) -> Result<(u16, HeaderMap, Vec<u8>), Failure> {
         let mut resp = self.client.execute(request).await.map_err(failure)?;
@@ -421,35 +433,35 @@ where
     }
 }
 
-/// A create the app dedupes by a key, but not atomically (it checks for the key, then saves), so an immediate
-/// repeat could pass the check while the first request is still on its way to the save. `create` is sent as a
-/// non-idempotent call: the retry layer repeats it only when nothing was sent or on a 429. When its answer is lost
-/// (timeout, dropped connection, 5xx) the object is looked up with `find` instead, and only if it is not there is
-/// `create` sent once more; its dedupe makes that safe unless the first request is still held up inside the app
-/// between its check and its save, which is the race that remains. A second lost answer is looked up again and
-/// otherwise stays [`AgentError::Uncertain`].
+/// A create the app dedupes by a key, but not atomically (it checks for the key, then saves): a repeat could pass
+/// the check while the first request is still on its way to the save, and make a second object. So `create` is sent
+/// as a non-idempotent call, which the retry layer repeats only when nothing was processed (the connection was
+/// refused, or a 429). When its answer is lost (timeout, dropped connection, 5xx) the object is looked up with
+/// `find`, and `create` is never sent again within the call: if the lookup does not find it, the app may still be
+/// working on the first request, and the call fails with [`AgentError::Uncertain`] (not retryable; the caller
+/// looks again later before repeating it).
 // Plain closures returning futures rather than async closures: the futures of async closures cannot yet be shown
 // to be `Send`, which the agents' `invoke` needs.
 pub(crate) async fn create_or_find<T, Made, Found>(
-    create: impl Fn() -> Made,
-    find: impl Fn() -> Found,
+    create: impl FnOnce() -> Made,
+    find: impl FnOnce() -> Found,
 ) -> Result<T, AgentError>
 where
     Made: Future<Output = Result<T, AgentError>>,
     Found: Future<Output = Result<Option<T>, AgentError>>,
 {
-    let lost = match create().await {
-        Err(lost @ AgentError::Uncertain { .. }) => lost,
+    let (app, call, message) = match create().await {
+        Err(AgentError::Uncertain { app, call, message }) => (app, call, message),
         other => return other,
     };
     match find().await {
-        Ok(Some(found)) => return Ok(found),
-        Ok(None) => {}
-        Err(e) => return Err(lost.unresolved(&e)),
-    }
-    match create().await {
-        Err(lost @ AgentError::Uncertain { .. }) => find_lost(lost, find).await,
-        other => other,
+        Ok(Some(found)) => Ok(found),
+        Ok(None) => Err(AgentError::Uncertain {
+            app,
+            call,
+            message: format!("{message}; not found right after, the app may still be making it"),
+        }),
+        Err(e) => Err(AgentError::Uncertain { app, call, message }.unresolved(&e)),
     }
 }
 

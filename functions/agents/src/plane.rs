@@ -294,8 +294,8 @@ impl PlaneClient {
 
     /// Adds a comment (`POST .../work-items/{id}/comments/`, create_work_item_comment_2); returns its id. With an
     /// external id Plane refuses a second comment with it (409 naming the first), but checks and saves not
-    /// atomically, so a lost answer is looked up before the comment is sent again (see `http::create_or_find`), and a
-    /// repeat returns the comment already made. Without one a lost answer is [`AgentError::Uncertain`].
+    /// atomically, so a lost answer is looked up instead of sending the comment again (see `http::create_or_find`),
+    /// and a repeat returns the comment already made. Without one a lost answer is [`AgentError::Uncertain`].
     pub async fn add_comment(
         &self,
         issue_id: &str,
@@ -499,7 +499,7 @@ impl PlaneAgent {
             )));
         }
         // Look first so a retry never creates a second item; the 409 path covers a race with another worker, and
-        // a lost answer is looked up before the create is sent again.
+        // a lost answer is looked up, never sent again within the call.
         let ext = a.external_id.as_str();
         let description = text_to_html(&a.description);
         let (item, created) = match self.client.find_by_external_id(ext).await? {

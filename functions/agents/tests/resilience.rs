@@ -633,7 +633,7 @@ async fn a_5xx_or_a_failed_lookup_after_a_lost_send_is_uncertain_and_never_retry
 }
 
 #[tokio::test]
-async fn creates_the_app_dedupes_non_atomically_are_looked_up_before_they_are_sent_again() {
+async fn creates_the_app_dedupes_non_atomically_are_looked_up_never_sent_again() {
     let (sb, info) = recording_sandbox().await;
     let agent = plane(&info);
     let items = plane_items(&info);
@@ -658,22 +658,34 @@ async fn creates_the_app_dedupes_non_atomically_are_looked_up_before_they_are_se
     assert_eq!(sent(&sb, "plane"), [&*find, &create, &find]);
     sb.clear_faults();
 
-    // A 503 before Plane saw it: the lookup finds nothing, and only then is the create sent again.
+    // A 503, here before Plane saw it: the lookup finds nothing, but Plane might still be making the item, so the
+    // create is not sent again; the call fails as unknown and not retryable, naming the create.
     let before = sent(&sb, "plane").len();
     sb.inject(Fault::status("plane", 1, 503).method("POST"))
         .unwrap();
-    let second = ok(
-        &agent,
-        "create_issue",
-        json!({"external_id": "factory:r-503", "title": "t"}),
-    )
-    .await;
-    assert_eq!(second["created"], true);
-    assert_eq!(sb.counts().plane.issues, 2);
-    // The refused POST never reached the recorder: lookup, lookup, create.
-    assert_eq!(sent(&sb, "plane")[before..], [&*find, &find, &create]);
+    let args = json!({"external_id": "factory:r-503", "title": "t"});
+    let err = agent
+        .invoke("create_issue", args.clone())
+        .await
+        .unwrap_err();
+    assert!(!err.retryable, "{err:?}");
+    assert!(
+        err.message.contains(&format!("{create}: outcome unknown"))
+            && err.message.contains("HTTP 503")
+            && err.message.contains("not found right after"),
+        "{}",
+        err.message
+    );
+    assert_eq!(sb.counts().plane.issues, 1);
+    // The refused POST never reached the recorder: lookup, lookup, and no second create.
+    assert_eq!(sent(&sb, "plane")[before..], [&*find, &find]);
     assert_eq!(fired(&sb), [1]);
     sb.clear_faults();
+    // Looked up again later (the caller's decision, as the error asks), it is created once.
+    let second = ok(&agent, "create_issue", args).await;
+    assert_eq!(second["created"], true);
+    assert_eq!(sb.counts().plane.issues, 2);
+    assert_eq!(sent(&sb, "plane")[before + 2..], [&*find, &create]);
 
     // A comment with an external id, made but answered 500: found among the item's comments.
     let comments = format!("{items}{}/comments/", item["id"].as_str().unwrap());
@@ -765,13 +777,16 @@ async fn a_call_ends_within_its_time_limit() {
     assert_eq!(fired(&sb), [1]);
     sb.clear_faults();
 
-    // Answers that never come in time: the second attempt only gets what is left of the limit, and there is no
-    // third although the policy allows four.
+    // Answers that never come in time: the second attempt only gets what is left of the limit (1.2 s, under the
+    // 1.5 s per attempt), and there is no third although the policy allows four.
     sb.inject(Fault::delay("zulip", 10, TIMEOUT * 4).method("GET"))
         .unwrap();
-    let limit = TIMEOUT + TIMEOUT / 2;
+    let limit = TIMEOUT + Duration::from_millis(1200);
     let t0 = Instant::now();
-    let err = limited(limit).invoke("read", read).await.unwrap_err();
+    let err = limited(limit)
+        .invoke("read", read.clone())
+        .await
+        .unwrap_err();
     let took = t0.elapsed();
     assert!(
         took >= limit && took < limit + TIMEOUT / 2,
@@ -780,11 +795,30 @@ async fn a_call_ends_within_its_time_limit() {
     assert!(err.retryable);
     assert!(
         err.message.contains("timeout after 2 attempt(s)")
-            && err.message.contains("time limit of 2.25 s is spent"),
+            && err.message.contains("time limit of 2.7 s is spent"),
         "{}",
         err.message
     );
     assert_eq!(fired(&sb), [2]);
+    sb.clear_faults();
+
+    // Less than a second left after the first timeout: no attempt that would time out at once, the call ends
+    // there with the time-limit error.
+    sb.inject(Fault::delay("zulip", 10, TIMEOUT * 4).method("GET"))
+        .unwrap();
+    let limit = TIMEOUT + Duration::from_millis(700);
+    let t0 = Instant::now();
+    let err = limited(limit).invoke("read", read).await.unwrap_err();
+    let took = t0.elapsed();
+    assert!(took >= TIMEOUT && took < limit, "ended early: {took:?}");
+    assert!(err.retryable);
+    assert!(
+        err.message.contains("timeout after 1 attempt(s)")
+            && err.message.contains("time limit of 2.2 s is spent"),
+        "{}",
+        err.message
+    );
+    assert_eq!(fired(&sb), [1]);
 
     // The limit must be positive.
     assert!(

@@ -468,6 +468,86 @@ async fn forgejo_commit_patch_refuses_branches_it_did_not_make() {
 }
 
 #[tokio::test]
+async fn forgejo_adopts_only_its_own_prs_and_merges_only_into_its_base() {
+    let (sb, info) = sandbox().await;
+    let agent = forgejo(&info);
+    let maintainer = ForgejoClient::new(&ForgejoConfig::new(
+        &info.urls.forgejo,
+        &info.tokens.forgejo_maintainer_token,
+        &info.forgejo_owner,
+        &info.forgejo_repo,
+    ))
+    .unwrap();
+    let base = info.forgejo_base.clone();
+    let commit = |branch: &str| {
+        let files = json!([{"path": "NOTES.md", "content": branch}]);
+        json!({"branch": branch, "base": base, "message": "m", "files": files})
+    };
+
+    // A person opened a PR from the agent's branch first: it is theirs, not adopted, and left as they wrote it.
+    let branch = "factory/r-theirs";
+    ok(&agent, "commit_patch", commit(branch)).await;
+    let theirs = maintainer
+        .create_pr(branch, &base, "Mine", "by hand")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(theirs.user.as_ref().unwrap().login, "maintainer");
+    let prs = sb.counts().forgejo.prs;
+    let args =
+        json!({"branch": branch, "base": base, "title": "Fix", "body": "b", "labels": ["factory"]});
+    refused(
+        &agent,
+        "open_pr",
+        args,
+        "opened by `maintainer`, not by this agent's account `loams-bot`",
+    )
+    .await;
+    let kept = maintainer.get_pr(theirs.number).await.unwrap();
+    assert_eq!(
+        (kept.title.as_str(), kept.body.as_deref()),
+        ("Mine", Some("by hand"))
+    );
+    assert_eq!(sb.counts().forgejo.prs, prs);
+
+    // The agent's own PR, retargeted after it was opened: not merged into the other branch.
+    let branch = "factory/r-retarget";
+    let sha = ok(&agent, "commit_patch", commit(branch)).await["sha"].clone();
+    let ours = ok(
+        &agent,
+        "open_pr",
+        json!({"branch": branch, "base": base, "title": "Fix", "body": ""}),
+    )
+    .await;
+    let number = ours["number"].as_u64().unwrap();
+    assert!(maintainer.create_branch("release", &base).await.unwrap());
+    let moved = maintainer
+        .edit_pr(number, &json!({"base": "release"}))
+        .await
+        .unwrap();
+    assert_eq!(moved.base.name, "release");
+    let merges = sb.counts().forgejo.merges;
+    refused(
+        &agent,
+        "merge",
+        json!({"number": number, "head_sha": sha}),
+        &format!("is into `release`, not the configured base `{base}`"),
+    )
+    .await;
+    assert!(!maintainer.get_pr(number).await.unwrap().merged);
+    assert_eq!(sb.counts().forgejo.merges, merges);
+    // Set back, the same PR merges.
+    maintainer
+        .edit_pr(number, &json!({"base": base}))
+        .await
+        .unwrap();
+    let merged = ok(&agent, "merge", json!({"number": number, "head_sha": sha})).await;
+    assert!(merged["merge_sha"].as_str().is_some(), "{merged}");
+    conform(&info).await;
+    sb.shutdown().await;
+}
+
+#[tokio::test]
 async fn forgejo_close_pr_deletes_its_branch() {
     let (sb, info) = sandbox().await;
     let agent = forgejo(&info);

@@ -3,7 +3,8 @@
 //! reaches the app (nothing happened) or after the app applied it (the effect happened, the caller cannot tell).
 //!
 //! Rules are consumed in the order they were added: a request takes the first rule that matches and still has uses
-//! left. Rules stay listed with their `fired` count until cleared, so a test can check how often its client tried.
+//! left. Rules stay listed with their `fired` count until cleared (or, used up, dropped to make room past
+//! [`MAX_RULES`]), so a test can check how often its client tried.
 //! Faults live in memory only; they are not part of the persisted state.
 
 use crate::Shared;
@@ -20,6 +21,12 @@ use std::time::Duration;
 /// client timeout worth testing) and the most requests one rule may hit.
 pub const MAX_DELAY_MS: u64 = 60_000;
 pub const MAX_TIMES: u32 = 1000;
+/// Most rules armed at once; every request scans them, and memory must not grow with whatever a caller posts.
+/// When full, used-up rules are dropped to make room (their `fired` counts go with them).
+pub const MAX_RULES: usize = 256;
+/// Longest `method`, `path_prefix` or `retry_after`, in bytes: far past any real one, small enough to keep 256
+/// rules cheap.
+pub const MAX_FIELD_BYTES: usize = 2048;
 
 /// What a matching request gets.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -139,6 +146,24 @@ impl Fault {
                 self.times
             ));
         }
+        let retry_after = match &self.effect {
+            Effect::Status { retry_after, .. } => retry_after.as_deref(),
+            _ => None,
+        };
+        for (name, value) in [
+            ("method", self.method.as_deref()),
+            ("path_prefix", self.path_prefix.as_deref()),
+            ("retry_after", retry_after),
+        ] {
+            if let Some(v) = value
+                && v.len() > MAX_FIELD_BYTES
+            {
+                return Err(format!(
+                    "{name} must be at most {MAX_FIELD_BYTES} bytes, got {}",
+                    v.len()
+                ));
+            }
+        }
         if let Effect::Delay { ms } = self.effect
             && ms > MAX_DELAY_MS
         {
@@ -187,7 +212,16 @@ impl Faults {
 
     pub fn add(&self, fault: Fault) -> Result<(), String> {
         fault.validate()?;
-        self.rules().push(ArmedFault { fault, fired: 0 });
+        let mut rules = self.rules();
+        if rules.len() >= MAX_RULES {
+            rules.retain(|r| r.fired < r.fault.times);
+        }
+        if rules.len() >= MAX_RULES {
+            return Err(format!(
+                "{MAX_RULES} rules are armed and none is used up; clear them first"
+            ));
+        }
+        rules.push(ArmedFault { fault, fired: 0 });
         Ok(())
     }
 

@@ -51,6 +51,16 @@ pub(crate) struct Pull {
     /// Label ids, in the order they were added.
     #[serde(default)]
     labels: Vec<u64>,
+    /// Login of the account that opened it; state saved before accounts were told apart has only the bot's.
+    #[serde(default = "bot_login")]
+    author: String,
+}
+
+const BOT_LOGIN: &str = "loams-bot";
+const MAINTAINER_LOGIN: &str = "maintainer";
+
+fn bot_login() -> String {
+    BOT_LOGIN.into()
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -164,6 +174,7 @@ impl AppState {
 pub(crate) fn router() -> Router<Arc<Shared>> {
     let base = "/api/v1/repos/{owner}/{repo}";
     Router::new()
+        .route("/api/v1/user", get(current_user))
         .route(&format!("{base}/branches"), post(create_branch))
         .route(
             &format!("{base}/branches/{{*branch}}"),
@@ -235,7 +246,23 @@ fn persist_or_500(shared: &Shared, st: &AppState) -> Result<(), Response> {
 }
 
 /// Token auth first, then the repository must be the seeded one (names are case-insensitive, as in Forgejo).
-fn check(shared: &Shared, headers: &HeaderMap, owner: &str, repo: &str) -> Result<(), Response> {
+/// Answers the caller's login.
+fn check(
+    shared: &Shared,
+    headers: &HeaderMap,
+    owner: &str,
+    repo: &str,
+) -> Result<&'static str, Response> {
+    let login = authenticate(shared, headers)?;
+    let r = &shared.config.repo;
+    if !owner.eq_ignore_ascii_case(&r.owner) || !repo.eq_ignore_ascii_case(&r.name) {
+        return Err(not_found());
+    }
+    Ok(login)
+}
+
+/// The login the request's token belongs to.
+fn authenticate(shared: &Shared, headers: &HeaderMap) -> Result<&'static str, Response> {
     let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -244,32 +271,41 @@ fn check(shared: &Shared, headers: &HeaderMap, owner: &str, repo: &str) -> Resul
             (scheme.eq_ignore_ascii_case("token") || scheme.eq_ignore_ascii_case("bearer"))
                 .then(|| rest.trim())
         });
+    let tokens = &shared.config.tokens;
     match token {
-        None => return Err(api_error(StatusCode::UNAUTHORIZED, "token is required")),
-        Some(t) if t != shared.config.tokens.forgejo_token => {
-            return Err(api_error(
-                StatusCode::UNAUTHORIZED,
-                "user does not exist [uid: 0, name: ]",
-            ));
-        }
-        Some(_) => {}
+        None => Err(api_error(StatusCode::UNAUTHORIZED, "token is required")),
+        Some(t) if t == tokens.forgejo_token => Ok(BOT_LOGIN),
+        Some(t) if t == tokens.forgejo_maintainer_token => Ok(MAINTAINER_LOGIN),
+        Some(_) => Err(api_error(
+            StatusCode::UNAUTHORIZED,
+            "user does not exist [uid: 0, name: ]",
+        )),
     }
-    let r = &shared.config.repo;
-    if !owner.eq_ignore_ascii_case(&r.owner) || !repo.eq_ignore_ascii_case(&r.name) {
-        return Err(not_found());
-    }
-    Ok(())
 }
 
-fn user_json(shared: &Shared) -> Value {
+/// `GET /user` (userGetCurrent): the account the token belongs to.
+async fn current_user(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    match authenticate(&shared, &headers) {
+        Ok(login) => Json(user_json(&shared, login)).into_response(),
+        Err(r) => r,
+    }
+}
+
+/// The `User` for `login`, one of [`BOT_LOGIN`] and [`MAINTAINER_LOGIN`].
+fn user_json(shared: &Shared, login: &str) -> Value {
+    let (id, full_name, email) = if login == BOT_LOGIN {
+        (2, "Loams", shared.config.tokens.zulip_email.clone())
+    } else {
+        (3, "Maintainer", format!("{login}@forgejo.example"))
+    };
     json!({
-        "id": 2,
-        "login": "loams-bot",
+        "id": id,
+        "login": login,
         "login_name": "",
-        "full_name": "Loams",
-        "email": shared.config.tokens.zulip_email,
-        "avatar_url": format!("{}/avatars/loams-bot", shared.urls.forgejo),
-        "html_url": format!("{}/loams-bot", shared.urls.forgejo),
+        "full_name": full_name,
+        "email": email,
+        "avatar_url": format!("{}/avatars/{login}", shared.urls.forgejo),
+        "html_url": format!("{}/{login}", shared.urls.forgejo),
         "is_admin": false,
         "restricted": false,
         "active": true,
@@ -813,7 +849,7 @@ fn pull_json(shared: &Shared, st: &ForgejoState, p: &Pull) -> Value {
         "html_url": html,
         "diff_url": format!("{html}.diff"),
         "patch_url": format!("{html}.patch"),
-        "user": user_json(shared),
+        "user": user_json(shared, &p.author),
         "title": p.title,
         "body": p.body,
         "labels": pull_labels_json(shared, st, p),
@@ -833,7 +869,7 @@ fn pull_json(shared: &Shared, st: &ForgejoState, p: &Pull) -> Value {
         "mergeable": mergeable,
         "merged": p.merged,
         "merged_at": p.merged_ms.map(util::iso_s),
-        "merged_by": if p.merged { user_json(shared) } else { Value::Null },
+        "merged_by": if p.merged { user_json(shared, BOT_LOGIN) } else { Value::Null },
         "merge_commit_sha": p.merge_commit_sha,
         "merge_base": base_sha,
         "base": branch_info(shared, st, &p.base, &base_sha),
@@ -868,9 +904,10 @@ async fn create_pull(
     Path((owner, repo)): Path<(String, String)>,
     body: Result<Json<CreatePullRequestOption>, JsonRejection>,
 ) -> Response {
-    if let Err(r) = check(&shared, &headers, &owner, &repo) {
-        return r;
-    }
+    let author = match check(&shared, &headers, &owner, &repo) {
+        Ok(login) => login,
+        Err(r) => return r,
+    };
     let body = match body {
         Ok(Json(b)) => b,
         Err(e) => return rejected(&e),
@@ -933,6 +970,7 @@ async fn create_pull(
         closed_ms: None,
         merged_ms: None,
         labels: Vec::new(),
+        author: author.into(),
     };
     let out = pull_json(&shared, &st.forgejo, &pull);
     st.forgejo.pulls.push(pull);
@@ -1032,6 +1070,8 @@ struct EditPullRequestOption {
     title: Option<String>,
     body: Option<String>,
     state: Option<String>,
+    /// A new base branch (retargets the PR).
+    base: Option<String>,
 }
 
 async fn edit_pull(
@@ -1066,6 +1106,26 @@ async fn edit_pull(
     }
     let head_now = st.forgejo.pull_head(&st.forgejo.pulls[i]);
     let p = st.forgejo.pulls[i].clone();
+    // Forgejo retargets only open PRs, onto an existing branch other than the head, with no open PR there yet.
+    if let Some(base) = body.base.as_ref().filter(|b| **b != p.base) {
+        if !p.open {
+            return unprocessable("cannot change the base of a closed pull request");
+        }
+        if *base == p.head || !st.forgejo.repo.branches.contains_key(base) {
+            return not_found();
+        }
+        if st
+            .forgejo
+            .pulls
+            .iter()
+            .any(|o| o.open && o.head == p.head && o.base == *base)
+        {
+            return api_error(
+                StatusCode::CONFLICT,
+                "pull request already exists for these targets",
+            );
+        }
+    }
     match body.state.as_deref() {
         None => {}
         Some("closed") if p.open => {
@@ -1109,6 +1169,9 @@ async fn edit_pull(
     }
     if let Some(b) = body.body {
         pull.body = b;
+    }
+    if let Some(base) = body.base {
+        pull.base = base;
     }
     pull.updated_ms = now;
     if let Err(r) = persist_or_500(&shared, &st) {
@@ -1299,7 +1362,7 @@ async fn combined_status(
                 "description": description,
                 "url": format!("{api}/statuses/{}", s.sha),
                 "context": s.context,
-                "creator": user_json(&shared),
+                "creator": user_json(&shared, BOT_LOGIN),
                 "created_at": util::iso_s(s.created_ms),
                 "updated_at": util::iso_s(s.created_ms.max(s.settle_ms.min(now))),
             })
@@ -1387,8 +1450,8 @@ async fn get_commit(
                 Value::Null
             },
         },
-        "author": user_json(&shared),
-        "committer": user_json(&shared),
+        "author": user_json(&shared, BOT_LOGIN),
+        "committer": user_json(&shared, BOT_LOGIN),
         "parents": parents,
         "files": if on("files") {
             json!(stats.iter().map(|f| json!({"filename": f.path, "status": f.status})).collect::<Vec<_>>())

@@ -23,7 +23,9 @@ mod zulip;
 
 pub use ci::{CiCheck, CiRule};
 pub use control::{Counts, ForgejoCounts, GlitchtipCounts, PlaneCounts, ZulipCounts};
-pub use fault::{ArmedFault, Effect, Fault, MAX_DELAY_MS, MAX_TIMES, Phase};
+pub use fault::{
+    ArmedFault, Effect, Fault, MAX_DELAY_MS, MAX_FIELD_BYTES, MAX_RULES, MAX_TIMES, Phase,
+};
 pub use glitchtip::ProducingMode;
 pub use record::Exchange;
 
@@ -73,6 +75,8 @@ pub struct Tokens {
     pub zulip_api_key: String,
     pub plane_api_key: String,
     pub forgejo_token: String,
+    /// A second Forgejo account (`maintainer`), for tests about pull requests the agent did not open.
+    pub forgejo_maintainer_token: String,
     pub glitchtip_token: String,
     pub openpanel_client_id: String,
     pub openpanel_client_secret: String,
@@ -85,6 +89,7 @@ impl Default for Tokens {
             zulip_api_key: "sandbox-zulip-key".into(),
             plane_api_key: "plane_api_sandbox".into(),
             forgejo_token: "sandbox-forgejo-token".into(),
+            forgejo_maintainer_token: "sandbox-forgejo-maintainer-token".into(),
             glitchtip_token: "sandbox-glitchtip-token".into(),
             openpanel_client_id: "0b5a7c1e-4f2d-4c8b-9a6e-1d3f5b7c9e21".into(),
             openpanel_client_secret: "sec_sandbox".into(),
@@ -245,12 +250,17 @@ impl SandboxConfig {
             &t.zulip_api_key,
             &t.plane_api_key,
             &t.forgejo_token,
+            &t.forgejo_maintainer_token,
             &t.glitchtip_token,
             &t.openpanel_client_id,
             &t.openpanel_client_secret,
         ];
         if secrets.iter().any(|s| s.is_empty()) {
             return bad("tokens must not be empty");
+        }
+        // The token names the account; one token for both would make every request the bot's.
+        if t.forgejo_token == t.forgejo_maintainer_token {
+            return bad("tokens.forgejo_token and tokens.forgejo_maintainer_token must differ");
         }
         Ok(())
     }
@@ -470,7 +480,8 @@ impl SandboxHandle {
         self.shared.requests.snapshot()
     }
 
-    /// Arms a fault rule (see [`Fault`]); rules apply in the order they were added.
+    /// Arms a fault rule (see [`Fault`]); rules apply in the order they were added. An error for a rule out of
+    /// bounds, or when [`MAX_RULES`] rules are armed and none is used up.
     pub fn inject(&self, fault: Fault) -> Result<()> {
         self.shared.faults.add(fault).map_err(SandboxError::Config)
     }

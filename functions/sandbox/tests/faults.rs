@@ -1,8 +1,8 @@
 //! Fault injection over the control endpoint, as a test in another process would arm it.
 
 use loams_sandbox::{
-    ArmedFault, Counts, Effect, Fault, MAX_DELAY_MS, MAX_TIMES, Sandbox, SandboxConfig,
-    SandboxHandle,
+    ArmedFault, Counts, Effect, Fault, MAX_DELAY_MS, MAX_FIELD_BYTES, MAX_RULES, MAX_TIMES,
+    Sandbox, SandboxConfig, SandboxHandle,
 };
 use serde_json::json;
 use std::time::{Duration, Instant};
@@ -121,6 +121,7 @@ async fn status_faults_match_method_and_path_and_are_counted() {
 #[tokio::test]
 async fn bad_rules_are_refused() {
     let sb = start().await;
+    let long_path = format!("/{}", "a".repeat(MAX_FIELD_BYTES));
     for body in [
         json!({"app": "jira", "times": 1, "effect": {"kind": "drop"}}),
         json!({"app": "plane", "times": 0, "effect": {"kind": "drop"}}),
@@ -131,6 +132,10 @@ async fn bad_rules_are_refused() {
         json!({"app": "plane", "times": 1, "effect": {"kind": "delay", "ms": u64::MAX}}),
         json!({"app": "plane", "times": MAX_TIMES + 1, "effect": {"kind": "drop"}}),
         json!({"app": "plane", "times": u32::MAX, "effect": {"kind": "drop"}}),
+        // Strings past the cap, in each field that takes one.
+        json!({"app": "plane", "times": 1, "method": "G".repeat(MAX_FIELD_BYTES + 1), "effect": {"kind": "drop"}}),
+        json!({"app": "plane", "times": 1, "path_prefix": long_path, "effect": {"kind": "drop"}}),
+        json!({"app": "plane", "times": 1, "effect": {"kind": "status", "status": 429, "retry_after": long_path}}),
     ] {
         let resp = reqwest::Client::new()
             .post(format!("{}/_sandbox/faults", sb.urls().plane))
@@ -145,6 +150,10 @@ async fn bad_rules_are_refused() {
         sb.inject(Fault::delay("zulip", 1, Duration::from_secs(3600)))
             .is_err()
     );
+    assert!(
+        sb.inject(Fault::status("zulip", 1, 500).path_prefix(&long_path))
+            .is_err()
+    );
     assert!(sb.faults().is_empty());
     // The bounds themselves are allowed.
     sb.inject(Fault::delay(
@@ -154,6 +163,50 @@ async fn bad_rules_are_refused() {
     ))
     .unwrap();
     assert_eq!(sb.faults().len(), 1);
+    sb.inject(Fault::status("zulip", 1, 500).path_prefix(&long_path[1..]))
+        .unwrap();
+    sb.shutdown().await;
+}
+
+#[tokio::test]
+async fn armed_rules_are_capped_and_used_up_ones_make_room() {
+    let sb = start().await;
+    // One rule that a request uses up, then live ones up to the cap.
+    sb.inject(Fault::status("zulip", 1, 503)).unwrap();
+    for _ in 1..MAX_RULES {
+        sb.inject(Fault::status("zulip", 1, 500).path_prefix("/never"))
+            .unwrap();
+    }
+    let over = json!({"app": "plane", "times": 1, "effect": {"kind": "drop"}});
+    let post = || {
+        reqwest::Client::new()
+            .post(format!("{}/_sandbox/faults", sb.urls().plane))
+            .json(&over)
+            .send()
+    };
+    // Full with a rule still live: one more is refused, over HTTP and in process, and nothing is dropped.
+    let resp = post().await.unwrap();
+    assert_eq!(resp.status(), 400);
+    let text = resp.text().await.unwrap();
+    assert!(text.contains("256 rules are armed"), "{text}");
+    assert!(
+        sb.inject(Fault::drop_connection("plane", 1))
+            .unwrap_err()
+            .to_string()
+            .contains("none is used up")
+    );
+    assert_eq!(armed(&sb).await.len(), MAX_RULES);
+    // Using up the first rule frees its place: the next rule takes it, the live ones stay in order.
+    assert_eq!(zulip_post(&sb, "x").await.unwrap().status(), 503);
+    assert_eq!(post().await.unwrap().status(), 204);
+    let rules = armed(&sb).await;
+    assert_eq!(rules.len(), MAX_RULES);
+    assert!(
+        rules[..MAX_RULES - 1]
+            .iter()
+            .all(|r| r.fired == 0 && r.fault.path_prefix.is_some())
+    );
+    assert_eq!(rules[MAX_RULES - 1].fault.app, "plane");
     sb.shutdown().await;
 }
 
