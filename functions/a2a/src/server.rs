@@ -65,8 +65,9 @@ const MAX_QUERY_BYTES: usize = 4096;
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
     /// How long a claimed message id stays "in progress" if the process dies mid-skill; after that a
-    /// repeat runs the skill again (skills are create-if-absent, so a second run is safe) and the
-    /// task may be canceled. A skill is cut off at four fifths of it, so store writes after the
+    /// repeat runs the skill again (the skills look up what a lost call may have made before making it
+    /// again, where the app allows; a chat message can still be posted twice) and the task may be
+    /// canceled. A skill is cut off at four fifths of it, so store writes after the
     /// skill still fit in the lease.
     pub claim_lease: Duration,
     /// How often a subscription re-reads its task from the store.

@@ -566,8 +566,9 @@ async fn run(
             };
         }
         Err(e) => {
-            // The effect may have happened but is not recorded: let the next repeat run the skill
-            // again (skills are create-if-absent) rather than wait out the lease.
+            // The effect may have happened but is not recorded. The store failing here is rare and the
+            // caller hears an error either way; freeing the id lets its repeat run the skill again now
+            // (most skills look up what they may have made) rather than after the lease.
             agent.release(&key).await;
             return Err(store_failure(e));
         }

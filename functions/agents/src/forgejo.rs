@@ -969,6 +969,14 @@ impl ForgejoAgent {
     async fn merge(&self, a: MergeArgs) -> Result<Value, AgentError> {
         check_sha("head_sha", &a.head_sha)?;
         let pr = self.client.get_pr(a.number).await?;
+        // A PR can be retargeted after it was opened and approved; merging it would then change another branch.
+        // Checked before the already-merged answer too: a PR merged elsewhere is not this merge done.
+        if pr.base.name != self.base_branch {
+            return Err(AgentError::Refused(format!(
+                "forgejo: PR #{} is into `{}`, not the configured base `{}`; not merging it",
+                a.number, pr.base.name, self.base_branch
+            )));
+        }
         if let Some(sha) = merged_sha(&pr) {
             return Ok(json!({"merge_sha": sha}));
         }
@@ -976,13 +984,6 @@ impl ForgejoAgent {
             return Err(AgentError::Refused(format!(
                 "forgejo: PR #{} is closed without merge",
                 a.number
-            )));
-        }
-        // A PR can be retargeted after it was opened and approved; merging it would then change another branch.
-        if pr.base.name != self.base_branch {
-            return Err(AgentError::Refused(format!(
-                "forgejo: PR #{} is into `{}`, not the configured base `{}`; not merging it",
-                a.number, pr.base.name, self.base_branch
             )));
         }
         if pr.head.sha != a.head_sha {

@@ -1018,19 +1018,25 @@ async fn an_organisation_over_its_monthly_budget_opens_runs_that_pay_for_no_mode
 async fn a_spend_that_cannot_be_counted_keeps_the_paid_answer_and_pays_nothing_twice() {
     let h = Harness::new(FakeAgents::default(), 2);
     // Every shard of this month's spend is unreadable, so every count fails.
+    let (year, month, _) = loams_platform::calendar::civil_from_days(
+        h.clock
+            .now_ms()
+            .div_euclid(loams_platform::calendar::DAY_MS),
+    );
+    let month = format!("model:{year:04}-{month:02}");
+    let mut broken = Vec::new();
     for shard in 0..8 {
-        let month =
-            loams_platform::calendar::civil_from_days(h.clock.now_ms().div_euclid(86_400_000));
-        let broken = Item {
+        let item = Item {
             org: ORG.into(),
             kind: "spend".into(),
-            id: format!("model:{:04}-{:02}:{shard}", month.0, month.1),
+            id: format!("{month}:{shard}"),
             version: 0,
-            index: Some(format!("model:{:04}-{:02}", month.0, month.1)),
+            index: Some(month.clone()),
             body: b"not json".to_vec(),
             expires_ms: None,
         };
-        h.db.put_item(&broken, Cond::Any).await.unwrap();
+        h.db.put_item(&item, Cond::Any).await.unwrap();
+        broken.push(item.id);
     }
     let id = h
         .worker
@@ -1044,4 +1050,9 @@ async fn a_spend_that_cannot_be_counted_keeps_the_paid_answer_and_pays_nothing_t
         *h.model.paid.lock().unwrap(),
         ["fix", "lead_review", "security_audit"]
     );
+    // And the counting really failed: the shards it would have written are untouched.
+    for id in broken {
+        let item = h.db.get_item(ORG, "spend", &id).await.unwrap().unwrap();
+        assert_eq!(item.body, b"not json", "{id}");
+    }
 }

@@ -394,10 +394,6 @@ mod tests {
     use super::*;
     use crate::{ManualClock, Store};
 
-    fn db_error(e: rusqlite::Error) -> StoreError {
-        StoreError::Backend(e.to_string())
-    }
-
     fn file_db(dir: &tempfile::TempDir) -> Sqlite {
         Sqlite::open(
             dir.path().join("loams.db"),
@@ -474,7 +470,7 @@ mod tests {
         let ending = db.clone();
         let ends = tokio::spawn(async move {
             ending
-                .with_conn(|conn, _| conn.execute_batch("ROLLBACK").map_err(db_error))
+                .with_conn(|conn, _| conn.execute_batch("ROLLBACK").map_err(super::db))
                 .await
         });
         let later = db.clone();
