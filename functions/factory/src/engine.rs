@@ -1,5 +1,7 @@
 //! `open` and `decide`: the pure decisions of the loop, and the guards that run before every step.
 
+use std::borrow::Cow;
+
 use serde_json::Value;
 
 use crate::approval::APPROVAL_TTL_MS;
@@ -798,9 +800,11 @@ fn ci_result(run: &Run, v: &Value) -> Result<Vec<Event>, String> {
 
 /// Applies the input's events to a scratch copy, then checks the guards until the run has something safe to do.
 fn guard(run: &Run, mut events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
-    let mut next = run.clone();
+    // Copied only once there is an event to fold in: the common input (a continue before a step the guards let
+    // through) decides nothing, and a run carries its files and attempts, so a copy per decision is not free.
+    let mut next = Cow::Borrowed(run);
     for e in &events {
-        next.apply(e);
+        next.to_mut().apply(e);
     }
     // Each guard event moves the run on (an ending, a gate, a timer, a skipped step); a run has at most a handful of
     // finishing steps, so the bound is never reached in practice.
@@ -808,7 +812,7 @@ fn guard(run: &Run, mut events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
         let Some(e) = guard_once(&next, ctx) else {
             break;
         };
-        next.apply(&e);
+        next.to_mut().apply(&e);
         events.push(e);
     }
     events
@@ -881,16 +885,16 @@ fn guard_once(run: &Run, ctx: &Ctx) -> Option<Event> {
                 run.budget.limit_micros
             ),
         )),
-        Effect::Model { .. } if ctx.org_spend.exhausted() => Some(abandon(
+        Effect::Model { .. } if ctx.org_spend.exhausted(&ctx.config) => Some(abandon(
             RunState::Failed,
             Reason::Budget,
             format!(
                 "the organisation's model budget for this month is spent: {} micro-dollars (limit {}), {} tokens \
                  (limit {})",
                 ctx.org_spend.spent_micros,
-                limit_text(ctx.org_spend.limit_micros),
+                limit_text(ctx.config.org_budget_micros),
                 ctx.org_spend.spent_tokens,
-                limit_text(ctx.org_spend.limit_tokens)
+                limit_text(ctx.config.org_budget_tokens)
             ),
         )),
         Effect::Call { agent, skill, .. } => {

@@ -163,22 +163,23 @@ impl Prices {
     }
 }
 
-/// The organisation's model spend this month against its limits, read by the worker before a decision.
+/// The organisation's model spend this month, read by the worker before a decision when the configuration sets a
+/// monthly limit (`Config::org_budget_micros`, `org_budget_tokens`, which the limits are read from).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[serde(default)]
 pub struct OrgSpend {
-    pub limit_micros: Option<u64>,
-    pub limit_tokens: Option<u64>,
     pub spent_micros: u64,
     pub spent_tokens: u64,
 }
 
 impl OrgSpend {
-    pub fn exhausted(&self) -> bool {
-        self.limit_micros
+    /// Whether either of `config`'s monthly limits is reached.
+    pub fn exhausted(&self, config: &Config) -> bool {
+        config
+            .org_budget_micros
             .is_some_and(|limit| self.spent_micros >= limit)
-            || self
-                .limit_tokens
+            || config
+                .org_budget_tokens
                 .is_some_and(|limit| self.spent_tokens >= limit)
     }
 }

@@ -9,6 +9,15 @@ use loams_factory::{
 };
 use serde_json::json;
 
+/// The last calls of a run that ends with its PR open: close_pr is destructive, so it is itself gated; then the
+/// issue and the thread are told.
+const CLOSING_CALLS: [&str; 4] = [
+    "approval.close_pr",
+    "forgejo.close_pr",
+    "plane.comment",
+    "zulip.post",
+];
+
 fn ci_hook(f: impl Fn(u32) -> &'static str + 'static) -> impl Fn(&Effect) -> Option<Outcome> {
     move |e| match e {
         Effect::Call { skill, step, .. } if skill == "ci_status" => Some(Outcome::Agent(
@@ -215,16 +224,7 @@ fn denied_merge_compensates() {
     assert_eq!(ended(&w), (RunState::Failed, Some(Reason::ApprovalDenied)));
     let t = calls(&world);
     assert!(!t.contains(&"forgejo.merge".to_string()));
-    // close_pr is destructive, so it is itself gated; then the issue and the thread are told.
-    assert_eq!(
-        &t[t.len() - 4..],
-        [
-            "approval.close_pr",
-            "forgejo.close_pr",
-            "plane.comment",
-            "zulip.post"
-        ]
-    );
+    assert_eq!(&t[t.len() - 4..], CLOSING_CALLS);
     assert!(run.links.deploy_ref.is_none());
 }
 
@@ -247,15 +247,7 @@ fn kill_input_before_merge_compensates_and_ends_killed() {
     assert_eq!(ended(&w), (RunState::Killed, Some(Reason::Killed)));
     assert_eq!(run.state, RunState::Killed);
     let t = calls(&world);
-    assert_eq!(
-        &t[t.len() - 4..],
-        [
-            "approval.close_pr",
-            "forgejo.close_pr",
-            "plane.comment",
-            "zulip.post"
-        ]
-    );
+    assert_eq!(&t[t.len() - 4..], CLOSING_CALLS);
     assert!(!t.contains(&"model.lead_review".to_string()));
     // A second kill is a no-op.
     assert_eq!(
@@ -365,19 +357,25 @@ fn budget_stops_before_the_next_model_call() {
 #[test]
 fn an_organisation_over_its_monthly_budget_pays_for_no_model_call() {
     let over = [
-        loams_factory::OrgSpend {
-            limit_micros: Some(5_000_000),
-            spent_micros: 5_000_000,
-            ..Default::default()
-        },
-        loams_factory::OrgSpend {
-            limit_tokens: Some(1_000_000),
-            spent_tokens: 1_000_000,
-            ..Default::default()
-        },
+        (
+            (Some(5_000_000), None),
+            loams_factory::OrgSpend {
+                spent_micros: 5_000_000,
+                ..Default::default()
+            },
+        ),
+        (
+            (None, Some(1_000_000)),
+            loams_factory::OrgSpend {
+                spent_tokens: 1_000_000,
+                ..Default::default()
+            },
+        ),
     ];
-    for spend in over {
+    for ((limit_micros, limit_tokens), spend) in over {
         let mut c = ctx();
+        c.config.org_budget_micros = limit_micros;
+        c.config.org_budget_tokens = limit_tokens;
         c.org_spend = spend;
         let mut world = World::new();
         let (w, _) = drive(&mut world, c);
@@ -401,9 +399,9 @@ fn an_organisation_over_its_monthly_budget_pays_for_no_model_call() {
 
     // Under both limits the same run is paid for as usual.
     let mut c = ctx();
+    c.config.org_budget_micros = Some(5_000_000);
+    c.config.org_budget_tokens = Some(1_000_000);
     c.org_spend = loams_factory::OrgSpend {
-        limit_micros: Some(5_000_000),
-        limit_tokens: Some(1_000_000),
         spent_micros: 4_999_999,
         spent_tokens: 999_999,
     };
@@ -1068,7 +1066,12 @@ fn a_patch_outside_the_target_files_fails_the_attempt_and_never_reaches_forgejo(
         _ => None,
     });
     let (w, _) = drive(&mut world, ctx());
-    assert!(w.log.iter().any(|e| matches!(e, Event::AttemptFailed { reason, .. } if reason.contains("not one of the configured target files"))));
+    let outside = "not one of the configured target files";
+    assert!(
+        w.log
+            .iter()
+            .any(|e| matches!(e, Event::AttemptFailed { reason, .. } if reason.contains(outside)))
+    );
     assert!(!trace(&world).contains(&"forgejo.commit_patch".to_string()));
 }
 
@@ -1272,15 +1275,7 @@ fn another_stop_after_a_lost_merge_records_the_deploy_and_leaves_it() {
     let (w, run) = drive(&mut world, ctx());
     assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
     let t = calls(&world);
-    assert_eq!(
-        &t[t.len() - 4..],
-        [
-            "approval.close_pr",
-            "forgejo.close_pr",
-            "plane.comment",
-            "zulip.post"
-        ]
-    );
+    assert_eq!(&t[t.len() - 4..], CLOSING_CALLS);
     assert_eq!(run.links.deploy_ref.as_deref(), Some("m3rge"));
     assert!(
         !w.log
@@ -1351,15 +1346,7 @@ fn a_pr_head_other_than_the_factory_commit_fails_the_attempt_and_nothing_runs_on
     }
     // The PR is recorded so the ending closes it (and deletes the branch).
     assert_eq!(run.links.pr_number, Some(7));
-    assert_eq!(
-        &t[t.len() - 4..],
-        [
-            "approval.close_pr",
-            "forgejo.close_pr",
-            "plane.comment",
-            "zulip.post"
-        ]
-    );
+    assert_eq!(&t[t.len() - 4..], CLOSING_CALLS);
 
     // A PR into another base than the one asked for is refused the same way: no CI, no merge.
     let mut world = World::with(|e| match e {
@@ -1406,15 +1393,7 @@ fn commits_are_pinned_and_a_refused_commit_stops_the_run() {
     );
     let t = calls(&world);
     assert!(!t.iter().any(|s| s == "forgejo.merge"), "{t:?}");
-    assert_eq!(
-        &t[t.len() - 4..],
-        [
-            "approval.close_pr",
-            "forgejo.close_pr",
-            "plane.comment",
-            "zulip.post"
-        ]
-    );
+    assert_eq!(&t[t.len() - 4..], CLOSING_CALLS);
 }
 
 #[test]

@@ -215,10 +215,13 @@ impl Worker {
         async {
             let (org, run_id) = (envelope.org.as_str(), envelope.run.as_str());
             let mut current = self.load(org, run_id).await?;
+            let mut ctx = self.ctx(org, self.deps.clock.now_ms()).await?;
             // Before the message's own input: the approval's deadline timer must not expire a decision that is
             // stored but whose message was lost.
             if let Some(settled) = self.stored_settlement(&current.run).await? {
-                current = self.record(org, run_id, &settled, current).await?;
+                current = self
+                    .record(org, run_id, &settled, current, &mut ctx)
+                    .await?;
             }
             // An approval is settled only by its stored decision (read above), which the API writes after checking
             // the device signature: a queue message that says so is a nudge, not proof, so whoever can send to
@@ -237,8 +240,12 @@ impl Worker {
                 {
                     break;
                 }
-                // The guards (kill switches, budget) see the latest world before every effect.
-                current = self.record(org, run_id, &input, current).await?;
+                // The guards (kill switches, budget) see the latest world before every effect: read afresh for
+                // each step after the first (the first uses the read made for this message a moment ago).
+                if taken > 0 {
+                    ctx = self.ctx(org, self.deps.clock.now_ms()).await?;
+                }
+                current = self.record(org, run_id, &input, current, &mut ctx).await?;
                 self.open_follow_up(org, &current.run).await?;
                 let Some(effect) = current.run.next_effect() else {
                     return Ok(());
@@ -246,16 +253,15 @@ impl Worker {
                 let outcome = self.perform(&current.run, &effect).await?;
                 let step = effect.step().to_string();
                 self.cross(Boundary::AfterEffect, &step);
+                // Recorded against the world read before the effect rather than a second read per step: whatever
+                // changed meanwhile (a kill switch, the org's spend) is seen by the guards of the next step before
+                // its effect, in this message or the next.
+                let completed = Input::Completed {
+                    step: step.clone(),
+                    outcome,
+                };
                 current = self
-                    .record(
-                        org,
-                        run_id,
-                        &Input::Completed {
-                            step: step.clone(),
-                            outcome,
-                        },
-                        current,
-                    )
+                    .record(org, run_id, &completed, current, &mut ctx)
                     .await?;
                 self.open_follow_up(org, &current.run).await?;
                 self.cross(Boundary::AfterRecord, &step);
@@ -511,23 +517,26 @@ impl Worker {
         })
     }
 
-    /// Feeds `input` to the engine and appends what it decides to `current` (the run as this worker last recorded
-    /// or read it), reading the run again after a concurrent append. Returns the run as recorded.
+    /// Feeds `input` to the engine in `ctx` (the world as read for this step, at the clock's time now) and appends
+    /// what it decides to `current` (the run as this worker last recorded or read it). After a concurrent append it
+    /// reads the run and the world again, and leaves the fresh world in `ctx`. Returns the run as recorded.
     async fn record(
         &self,
         org: &str,
         run_id: &str,
         input: &Input,
         mut current: Current,
+        ctx: &mut Ctx,
     ) -> Result<Current, WorkerError> {
         let d = &self.deps;
         for attempt in 0..MAX_CONFLICTS {
+            let now = d.clock.now_ms();
             if attempt > 0 {
                 current = self.load(org, run_id).await?;
+                *ctx = self.ctx(org, now).await?;
             }
-            let now = d.clock.now_ms();
-            let ctx = self.ctx(org, now).await?;
-            let events = loams_factory::decide(&current.run, input, &ctx)
+            ctx.now_ms = now;
+            let events = loams_factory::decide(&current.run, input, ctx)
                 .map_err(|e| WorkerError::Corrupt(e.to_string()))?;
             if events.is_empty() {
                 return Ok(current);
@@ -635,7 +644,12 @@ impl Worker {
                 args,
                 approval_id,
             } => {
-                let span = info_span!("invoke_agent", gen_ai.agent.name = %agent, gen_ai.tool.name = %skill, step = %step);
+                let span = info_span!(
+                    "invoke_agent",
+                    gen_ai.agent.name = %agent,
+                    gen_ai.tool.name = %skill,
+                    step = %step
+                );
                 let reply = d
                     .agents
                     .call(agent, step, skill, args.clone(), approval_id.as_deref())
@@ -778,12 +792,10 @@ impl Worker {
         ctx.prices = d.prices;
         ctx.owner = d.owner.clone();
         ctx.kill = self.kill_switches(org).await?;
-        let (limit_micros, limit_tokens) = (d.config.org_budget_micros, d.config.org_budget_tokens);
-        if limit_micros.is_some() || limit_tokens.is_some() {
+        // Without a monthly limit the spend decides nothing: it is not read.
+        if d.config.org_budget_micros.is_some() || d.config.org_budget_tokens.is_some() {
             let spent = spend::this_month(d.store.as_ref(), org, now_ms).await?;
             ctx.org_spend = OrgSpend {
-                limit_micros,
-                limit_tokens,
                 spent_micros: spent.micros,
                 spent_tokens: spent.tokens,
             };

@@ -218,9 +218,8 @@ impl Harness {
 
     async fn send(&self, run: &str, input: Option<Input>) {
         let envelope = Envelope {
-            org: ORG.into(),
-            run: run.into(),
             input,
+            ..continuation(run)
         };
         self.db
             .send(&serde_json::to_vec(&envelope).unwrap(), 0)
@@ -357,11 +356,7 @@ async fn two_workers_on_the_same_message_record_the_step_once_under_one_message_
     };
     let second = Harness::worker(&h.clock, &h.db, &h.agents, &h.model, config);
     let id = h.worker.open(ORG, signal("fp-2")).await.unwrap().run_id;
-    let envelope = Envelope {
-        org: ORG.into(),
-        run: id.clone(),
-        input: None,
-    };
+    let envelope = continuation(&id);
     let before = h.version(&id).await;
 
     // One step each: further along, one worker may find the other holding the fix's model call (`InProgress`),
@@ -402,6 +397,15 @@ async fn two_workers_on_the_same_message_record_the_step_once_under_one_message_
     );
 }
 
+/// The message that carries run `run` on from where it is, as the worker itself sends it.
+fn continuation(run: &str) -> Envelope {
+    Envelope {
+        org: ORG.into(),
+        run: run.into(),
+        input: None,
+    }
+}
+
 /// Drives run `id` until its next effect is the fix model call; returns that call's step id.
 async fn until_fix(h: &Harness, id: &str) -> String {
     for _ in 0..50 {
@@ -410,15 +414,7 @@ async fn until_fix(h: &Harness, id: &str) -> String {
             return step;
         }
         h.worker
-            .handle_steps(
-                &Envelope {
-                    org: ORG.into(),
-                    run: id.into(),
-                    input: None,
-                },
-                1,
-                None,
-            )
+            .handle_steps(&continuation(id), 1, None)
             .await
             .unwrap();
     }
@@ -444,11 +440,7 @@ async fn a_model_call_claimed_elsewhere_is_retried_later_and_a_finished_one_reus
         Claim::New
     );
     h.send(&id, None).await;
-    let envelope = Envelope {
-        org: ORG.into(),
-        run: id.clone(),
-        input: None,
-    };
+    let envelope = continuation(&id);
     assert!(matches!(
         h.worker.handle(&envelope).await,
         Err(WorkerError::InProgress { .. })
@@ -589,15 +581,7 @@ async fn a_follow_up_lost_in_a_crash_is_opened_by_the_next_message_of_the_ended_
 
     // The redelivered message of the ended run opens it; another one changes nothing more.
     for _ in 0..2 {
-        crashed
-            .worker
-            .handle(&Envelope {
-                org: ORG.into(),
-                run: id.clone(),
-                input: None,
-            })
-            .await
-            .unwrap();
+        crashed.worker.handle(&continuation(&id)).await.unwrap();
     }
     let all = crashed
         .db
@@ -688,15 +672,7 @@ async fn a_step_performed_again_after_a_crash_reuses_its_message_id() {
     assert!(matches!(agent_reply, AgentReply::Done(_)));
     // The message comes back after the crash.
     h.worker
-        .handle_received(
-            &Envelope {
-                org: ORG.into(),
-                run: id.clone(),
-                input: None,
-            },
-            2,
-            None,
-        )
+        .handle_received(&continuation(&id), 2, None)
         .await
         .unwrap();
     assert_eq!(
@@ -811,11 +787,7 @@ async fn a_first_delivery_carries_the_run_through_several_steps_a_redelivered_on
     for d in h.db.receive(10, 1_000).await.unwrap() {
         h.db.ack(&d.receipt).await.unwrap();
     }
-    let envelope = Envelope {
-        org: ORG.into(),
-        run: id.clone(),
-        input: None,
-    };
+    let envelope = continuation(&id);
     let total = |h: &Harness| h.agents.calls.lock().unwrap().values().sum::<u32>();
 
     // Came back after a crash: one step, then a fresh message (receive count 1) for the rest.
@@ -915,14 +887,7 @@ async fn a_kill_switch_turned_on_during_a_step_stops_the_run_before_the_same_mes
         h.db.ack(&d.receipt).await.unwrap();
     }
     // One message, which would otherwise carry the run on to the issue and the fix.
-    h.worker
-        .handle(&Envelope {
-            org: ORG.into(),
-            run: id.clone(),
-            input: None,
-        })
-        .await
-        .unwrap();
+    h.worker.handle(&continuation(&id)).await.unwrap();
     let done = performed(&h);
     assert!(done.contains(&"zulip.open_thread".to_string()), "{done:?}");
     assert!(
@@ -941,15 +906,7 @@ async fn a_message_that_used_up_its_steps_hands_the_run_to_a_fresh_message() {
         h.db.ack(&d.receipt).await.unwrap();
     }
     h.worker
-        .handle_steps(
-            &Envelope {
-                org: ORG.into(),
-                run: id.clone(),
-                input: None,
-            },
-            2,
-            None,
-        )
+        .handle_steps(&continuation(&id), 2, None)
         .await
         .unwrap();
     assert_eq!(performed(&h).len(), 2);

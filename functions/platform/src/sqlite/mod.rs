@@ -402,6 +402,44 @@ mod tests {
         .expect("open a temp file")
     }
 
+    /// The writer connection held by a call that returns only when released, as during a slow commit.
+    struct HeldWriter {
+        release: std::sync::mpsc::Sender<()>,
+        holder: tokio::task::JoinHandle<Result<()>>,
+    }
+
+    impl HeldWriter {
+        /// Returns once the call holds the writer.
+        async fn take(db: &Sqlite) -> HeldWriter {
+            let (held_tx, held_rx) = std::sync::mpsc::channel();
+            let (release, release_rx) = std::sync::mpsc::channel::<()>();
+            let writer = db.clone();
+            let holder = tokio::spawn(async move {
+                writer
+                    .with_conn(move |_, _| {
+                        held_tx
+                            .send(())
+                            .map_err(|e| StoreError::Backend(e.to_string()))?;
+                        // Returns when the test sends or drops its end.
+                        let _ = release_rx.recv();
+                        Ok(())
+                    })
+                    .await
+            });
+            tokio::task::spawn_blocking(move || held_rx.recv())
+                .await
+                .expect("join")
+                .expect("writer taken");
+            HeldWriter { release, holder }
+        }
+
+        /// Lets the call return; its result.
+        async fn release(self) -> Result<()> {
+            drop(self.release);
+            self.holder.await.expect("holder task")
+        }
+    }
+
     #[tokio::test]
     async fn reads_of_a_file_do_not_wait_for_the_writer() {
         let dir = tempfile::TempDir::new().expect("temp dir");
@@ -413,28 +451,9 @@ mod tests {
                 .expect("create")
         );
         // With the writer held (as during a slow commit), a read still answers, and sees the committed run.
-        let (held_tx, held_rx) = std::sync::mpsc::channel();
-        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
-        let writer = db.clone();
-        let holder = tokio::spawn(async move {
-            writer
-                .with_conn(move |_, _| {
-                    held_tx
-                        .send(())
-                        .map_err(|e| StoreError::Backend(e.to_string()))?;
-                    // Returns when the test sends or drops its end.
-                    let _ = release_rx.recv();
-                    Ok(())
-                })
-                .await
-        });
-        tokio::task::spawn_blocking(move || held_rx.recv())
-            .await
-            .expect("join")
-            .expect("writer taken");
+        let held = HeldWriter::take(&db).await;
         let read = tokio::time::timeout(Duration::from_secs(5), db.get_run("o", "r")).await;
-        drop(release_tx);
-        holder.await.expect("holder task").expect("holder call");
+        held.release().await.expect("holder call");
         let row = read
             .expect("the read waited for the writer")
             .expect("get_run")
@@ -448,24 +467,7 @@ mod tests {
         let dir = tempfile::TempDir::new().expect("temp dir");
         let db = file_db(&dir);
         // Hold the writer (a group of its own) so that the two calls below queue up and run in the next group.
-        let (held_tx, held_rx) = std::sync::mpsc::channel();
-        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
-        let writer = db.clone();
-        let holder = tokio::spawn(async move {
-            writer
-                .with_conn(move |_, _| {
-                    held_tx
-                        .send(())
-                        .map_err(|e| StoreError::Backend(e.to_string()))?;
-                    let _ = release_rx.recv();
-                    Ok(())
-                })
-                .await
-        });
-        tokio::task::spawn_blocking(move || held_rx.recv())
-            .await
-            .expect("join")
-            .expect("writer taken");
+        let held = HeldWriter::take(&db).await;
         // As SQLite does by itself on some errors (a full disk): the group's transaction ends under a call.
         let ending = db.clone();
         let ends = tokio::spawn(async move {
@@ -481,11 +483,7 @@ mod tests {
         });
         // Both calls are queued behind the held writer before it is let go.
         tokio::time::sleep(Duration::from_millis(200)).await;
-        drop(release_tx);
-        holder
-            .await
-            .expect("holder task")
-            .expect("the holder's own group");
+        held.release().await.expect("the holder's own group");
         assert!(ends.await.expect("task").is_err());
         assert!(writes.await.expect("task").is_err());
         assert!(
