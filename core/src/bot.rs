@@ -2,13 +2,14 @@
 //! messages first, then the Watch stream from the stored cursor; ListMessages polling where streaming is not
 //! available). Note: the server in this repository does not serve BotService yet; this follows the proto.
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use loams_proto::bot::v1 as pb;
 use loams_proto::connect::Code;
 
 use crate::cache::messages_stream;
-use crate::client::{Inner, STREAM_BATCH, TaskHandle, check_id, idempotency_key, now_ms};
+use crate::client::{Inner, TaskHandle, check_id, idempotency_key, now_ms};
 use crate::error::{Error, Result};
 use crate::follow::{Follower, Report, Step, follow};
 use crate::types::{Message, Thread};
@@ -161,17 +162,13 @@ impl Follower for ThreadFollower {
                 Err(e) if e.code == Code::Unimplemented => return Ok(Step::Unsupported),
                 Err(e) => return Err(e.into()),
             };
-            report(true, "live".into());
+            report(true, "live");
             if let Some(message) = item.message {
                 // Messages that have already arrived behind this one are stored in the same transaction.
-                let mut messages = vec![message];
-                while messages.len() < STREAM_BATCH
-                    && let Some(pb::WatchResponse {
-                        message: Some(message),
-                    }) = stream.ready(|r| r.message.is_some())
-                {
-                    messages.push(message);
-                }
+                let messages = stream.burst(message, |r| match r.message {
+                    Some(message) => ControlFlow::Continue(message),
+                    None => ControlFlow::Break(r),
+                });
                 let fresh = inner
                     .cache
                     .append_messages(thread_id, &messages, now_ms())?;
@@ -186,7 +183,7 @@ impl Follower for ThreadFollower {
 
     async fn poll_once(&self, inner: &Inner, report: &mut Report<'_>) -> Result<Step> {
         let fresh = poll_once(inner, &self.thread_id).await?;
-        report(true, "polling".into());
+        report(true, "polling");
         if !fresh.is_empty() {
             self.listener
                 .on_update(ThreadUpdate::Messages { messages: fresh });

@@ -1,6 +1,7 @@
 //! The `Client`: one account (server, organisation) with its cache, its token provider and its device signer, and
 //! the sub-clients that share them.
 
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -242,12 +243,12 @@ impl Inner {
 
 /// Most items a watch stores in one transaction: a long burst is split so that readers of the cache (the UI) wait
 /// for no more than one batch.
-pub(crate) const STREAM_BATCH: usize = 1_000;
+const STREAM_BATCH: usize = 1_000;
 
 /// The items of a server stream, as `Inner::server_stream` passes them on.
 pub(crate) struct ItemStream<T> {
     rx: mpsc::Receiver<Result<T, ConnectError>>,
-    /// An item looked at by `ready` but not taken: the next `recv` returns it.
+    /// An item looked at by `burst` but not taken: the next `recv` returns it.
     held: Option<Result<T, ConnectError>>,
 }
 
@@ -260,20 +261,32 @@ impl<T> ItemStream<T> {
         }
     }
 
-    /// The next item if it has already arrived and `wanted` accepts it; a refused item is returned by the next
-    /// `recv`. A watch stores a burst of items in one transaction this way, without waiting for more.
-    pub(crate) fn ready(&mut self, wanted: impl FnOnce(&T) -> bool) -> Option<T> {
-        let item = match self.held.take() {
-            Some(item) => item,
-            None => self.rx.try_recv().ok()?,
-        };
-        match item {
-            Ok(item) if wanted(&item) => Some(item),
-            other => {
-                self.held = Some(other);
-                None
+    /// `first` and the items behind it that have already arrived and that `take` goes on with (it breaks off with
+    /// the item it refuses), at most [`STREAM_BATCH`] in all: a watch stores a burst in one transaction without
+    /// waiting for more. The refused item, or an error, is returned by the next `recv`.
+    pub(crate) fn burst<U>(
+        &mut self,
+        first: U,
+        mut take: impl FnMut(T) -> ControlFlow<T, U>,
+    ) -> Vec<U> {
+        let mut batch = vec![first];
+        while batch.len() < STREAM_BATCH {
+            let Some(item) = self.held.take().or_else(|| self.rx.try_recv().ok()) else {
+                break;
+            };
+            match item.map(&mut take) {
+                Ok(ControlFlow::Continue(taken)) => batch.push(taken),
+                Ok(ControlFlow::Break(refused)) => {
+                    self.held = Some(Ok(refused));
+                    break;
+                }
+                Err(e) => {
+                    self.held = Some(Err(e));
+                    break;
+                }
             }
         }
+        batch
     }
 }
 
@@ -385,26 +398,47 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn ready_takes_only_arrived_items_that_it_accepts_and_keeps_the_rest_in_order() {
+    async fn burst_takes_only_arrived_items_that_it_accepts_and_keeps_the_rest_in_order() {
         let (tx, rx) = mpsc::channel(8);
         let mut stream = ItemStream { rx, held: None };
-        let even = |n: &u32| n.is_multiple_of(2);
+        let even = |n: u32| {
+            if n.is_multiple_of(2) {
+                ControlFlow::Continue(n)
+            } else {
+                ControlFlow::Break(n)
+            }
+        };
         for n in [2, 4, 5] {
             tx.send(Ok(n)).await.unwrap();
         }
         tx.send(Err(ConnectError::unavailable("cut")))
             .await
             .unwrap();
-        assert_eq!(stream.ready(even), Some(2));
-        assert_eq!(stream.ready(even), Some(4));
-        assert_eq!(stream.ready(even), None, "5 is refused");
-        assert_eq!(stream.ready(even), None, "and stays refused");
+        assert_eq!(stream.burst(0, even), [0, 2, 4], "5 is refused");
+        assert_eq!(stream.burst(0, even), [0], "and stays refused");
         assert_eq!(stream.recv().await.unwrap().unwrap(), 5, "then received");
-        assert_eq!(stream.ready(even), None, "an error is never taken");
+        assert_eq!(stream.burst(0, even), [0], "an error is never taken");
         assert!(stream.recv().await.unwrap().is_err());
-        assert_eq!(stream.ready(even), None, "nothing has arrived");
+        assert_eq!(stream.burst(0, even), [0], "nothing has arrived");
         drop(tx);
         assert!(stream.recv().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_burst_stops_at_the_batch_size() {
+        let (tx, rx) = mpsc::channel(STREAM_BATCH);
+        let mut stream = ItemStream { rx, held: None };
+        for n in 1..=STREAM_BATCH {
+            tx.send(Ok(n)).await.unwrap();
+        }
+        let batch = stream.burst(0, ControlFlow::Continue);
+        assert_eq!(batch.len(), STREAM_BATCH);
+        assert_eq!(batch.last(), Some(&(STREAM_BATCH - 1)));
+        assert_eq!(
+            stream.recv().await.unwrap().unwrap(),
+            STREAM_BATCH,
+            "the rest waits"
+        );
     }
 
     #[test]

@@ -17,8 +17,9 @@ pub(crate) enum Step {
     Unsupported,
 }
 
-/// Tells the listener the connection state; the loop passes on only transitions.
-pub(crate) type Report<'a> = dyn FnMut(bool, String) + Send + 'a;
+/// Tells the listener the connection state; the loop passes on only transitions. The detail is borrowed because a
+/// stream reports on every item and only a transition needs it as an owned string.
+pub(crate) type Report<'a> = dyn FnMut(bool, &str) + Send + 'a;
 
 /// What one kind of watch does; `follow` runs it.
 pub(crate) trait Follower: Send + Sync {
@@ -45,15 +46,15 @@ pub(crate) async fn follow(inner: Arc<Inner>, follower: impl Follower) {
     let mut mode = inner.config.sync_mode;
     // Only transitions are reported, so a flapping network does not flood the UI.
     let mut connected: Option<bool> = None;
-    let mut report = |ok: bool, detail: String| {
+    let mut report = |ok: bool, detail: &str| {
         if connected != Some(ok) {
             connected = Some(ok);
-            follower.connection(ok, detail);
+            follower.connection(ok, detail.to_owned());
         }
     };
     loop {
         if !inner.network_available() {
-            report(false, "no network connection".into());
+            report(false, "no network connection");
             tokio::time::sleep(inner.config.reconnect_delay).await;
             continue;
         }
@@ -73,17 +74,17 @@ pub(crate) async fn follow(inner: Arc<Inner>, follower: impl Follower) {
             Ok(Step::Again) => tokio::time::sleep(inner.config.reconnect_delay).await,
             Ok(Step::Unsupported) => {
                 mode = SyncMode::Poll;
-                report(true, "streaming unavailable; polling".into());
+                report(true, "streaming unavailable; polling");
             }
             Err(
                 e @ (Error::NotFound(_) | Error::PermissionDenied(_) | Error::Unauthenticated(_)),
             ) => {
                 // Retrying cannot help; the screen shows the cache and the reason.
-                report(false, e.to_string());
+                report(false, &e.to_string());
                 return;
             }
             Err(e) => {
-                report(false, e.to_string());
+                report(false, &e.to_string());
                 tokio::time::sleep(inner.config.reconnect_delay).await;
             }
         }

@@ -1,6 +1,7 @@
 //! Runs and their timelines: list and read (cached), kill, and watch (snapshot from the cache, then the server's
 //! changes from the stored cursor, over the WatchRun stream or by polling).
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -9,7 +10,7 @@ use loams_proto::factory::v1 as pf;
 use pf::watch_run_response::Item as WatchItem;
 
 use crate::cache::timeline_stream;
-use crate::client::{Inner, STREAM_BATCH, TaskHandle, check_id, idempotency_key, now_ms};
+use crate::client::{Inner, TaskHandle, check_id, idempotency_key, now_ms};
 use crate::error::{Error, Result};
 use crate::follow::{Follower, Report, Step, follow};
 use crate::types::{Run, TimelineEvent, is_terminal};
@@ -194,7 +195,7 @@ impl Follower for RunFollower {
                 Err(e) if e.code == Code::Unimplemented => return Ok(Step::Unsupported),
                 Err(e) => return Err(e.into()),
             };
-            report(true, "live".into());
+            report(true, "live");
             match item.item {
                 Some(WatchItem::Snapshot(run)) => {
                     finished_at_start = is_terminal(&run.state);
@@ -205,14 +206,10 @@ impl Follower for RunFollower {
                 Some(WatchItem::Event(event)) => {
                     // The events that have already arrived behind this one are stored in the same transaction: a
                     // long timeline replayed from the cursor arrives as one burst.
-                    let mut events = vec![event];
-                    while events.len() < STREAM_BATCH
-                        && let Some(pf::WatchRunResponse {
-                            item: Some(WatchItem::Event(event)),
-                        }) = stream.ready(|r| matches!(r.item, Some(WatchItem::Event(_))))
-                    {
-                        events.push(event);
-                    }
+                    let events = stream.burst(event, |r| match r.item {
+                        Some(WatchItem::Event(event)) => ControlFlow::Continue(event),
+                        item => ControlFlow::Break(pf::WatchRunResponse { item }),
+                    });
                     let fresh = inner.cache.append_events(run_id, &events, now_ms())?;
                     if !fresh.is_empty() {
                         listener.on_update(RunUpdate::Events { events: fresh });
@@ -246,7 +243,7 @@ impl Follower for RunFollower {
 
     async fn poll_once(&self, inner: &Inner, report: &mut Report<'_>) -> Result<Step> {
         let (run, events, finished) = poll_once(inner, &self.run_id).await?;
-        report(true, "polling".into());
+        report(true, "polling");
         self.listener.on_update(RunUpdate::Run { run });
         if !events.is_empty() {
             self.listener.on_update(RunUpdate::Events { events });

@@ -110,14 +110,7 @@ pub fn parse_glitchtip(body: &[u8], origin: &str) -> Result<Signal, ApiError> {
         }
     }
     // The title is untrusted text: kept as data, cut to the engine's limit.
-    let mut title: String = first.title.chars().filter(|c| !c.is_control()).collect();
-    if title.len() > loams_factory::MAX_TITLE {
-        let mut cut = loams_factory::MAX_TITLE;
-        while !title.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        title.truncate(cut);
-    }
+    let title = super::clean(&first.title, loams_factory::MAX_TITLE, false);
     Ok(Signal {
         source: "glitchtip".into(),
         fingerprint: format!("glitchtip:{issue_id}"),
