@@ -19,7 +19,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
-use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy, create_or_find, find_lost};
+use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy, create_or_find};
 use crate::{AGENT_VERSION, AgentError, args, require, skill};
 
 const MAX_FILES: usize = 100;
@@ -513,19 +513,13 @@ impl ForgejoClient {
                 .http
                 .request(Method::POST, self.repo_url(&["labels"]))
                 .json(&json!({"name": name, "color": LABEL_COLOR}));
-            let id = match self.http.json::<Label>(rb).await {
-                Ok(created) => created.id,
-                // The answer was lost: the label may exist now, and creating it again would make a second one.
-                Err(lost @ AgentError::Uncertain { .. }) => {
-                    find_lost(lost, || async {
-                        Ok(self.labels().await?.into_iter().find(|l| &l.name == name))
-                    })
-                    .await?
-                    .id
-                }
-                Err(e) => return Err(e),
-            };
-            ids.push(id);
+            // Forgejo does not refuse a second label of the same name, so a lost answer is looked up, not resent.
+            let created = create_or_find(
+                || self.http.json::<Label>(rb),
+                || async { Ok(self.labels().await?.into_iter().find(|l| &l.name == name)) },
+            )
+            .await?;
+            ids.push(created.id);
         }
         Ok(ids)
     }

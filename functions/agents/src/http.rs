@@ -11,6 +11,7 @@
 //! method. All attempts and waits of a call fit in [`RetryPolicy::max_elapsed`].
 
 use std::hash::{BuildHasher, Hasher};
+use std::sync::LazyLock;
 use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
@@ -85,7 +86,10 @@ enum Repeat {
 
 pub(crate) struct AppHttp {
     app: &'static str,
+    /// The process-wide client (see [`shared_client`]).
     client: reqwest::Client,
+    /// This app's credentials, added to each request; marked sensitive.
+    auth: HeaderMap,
     base: Url,
     /// Values scrubbed from error texts (apps sometimes echo credentials back), longest first so a secret that
     /// contains another is replaced whole.
@@ -103,6 +107,23 @@ pub(crate) struct Reply {
     /// `METHOD /path` of the call, for error messages (no query: it may carry caller data).
     call: String,
     attempts: u32,
+}
+
+/// Longest wait for a connection to open; an attempt with less time left is cut off sooner by its own timeout.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One client for every app client in the process. Building a client loads and parses the system's root
+/// certificates, which each of the five apps would otherwise do again at start-up; one client also pools
+/// connections across them. Per-app settings travel with each request instead: the credentials (see
+/// [`AppHttp::request`]) and the per-attempt timeout (set in the retry loop).
+fn shared_client() -> Result<reqwest::Client, String> {
+    static CLIENT: LazyLock<Result<reqwest::Client, String>> = LazyLock::new(|| {
+        reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .build()
+            .map_err(|e| e.to_string())
+    });
+    CLIENT.clone()
 }
 
 /// Why one attempt got no complete answer.
@@ -154,17 +175,14 @@ impl AppHttp {
             v.set_sensitive(true);
             headers.insert(HeaderName::from_static(name), v);
         }
-        let client = reqwest::Client::builder()
-            .default_headers(headers)
-            .timeout(timeout)
-            .connect_timeout(timeout.min(Duration::from_secs(10)))
-            .build()
+        let client = shared_client()
             .map_err(|e| AgentError::Config(format!("{app}: cannot build HTTP client: {e}")))?;
         let mut secrets: Vec<String> = secrets.into_iter().filter(|s| !s.is_empty()).collect();
         secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
         Ok(Self {
             app,
             client,
+            auth: headers,
             base,
             secrets,
             timeout,
@@ -198,7 +216,7 @@ impl AppHttp {
     }
 
     pub fn request(&self, method: Method, url: Url) -> RequestBuilder {
-        self.client.request(method, url)
+        self.client.request(method, url).headers(self.auth.clone())
     }
 
     /// Sends (with retries, see the module docs) and reads the whole body (bounded). Transport problems, 429s
@@ -341,7 +359,13 @@ impl AppHttp {
                     backoff
                 }
             };
-            tracing::warn!(app = self.app, call = %call, attempt, wait_ms = wait.as_millis() as u64, "retrying app call");
+            tracing::warn!(
+                app = self.app,
+                call = %call,
+                attempt,
+                wait_ms = wait.as_millis() as u64,
+                "retrying app call"
+            );
             tokio::time::sleep(wait).await;
             attempt += 1;
         }
@@ -416,30 +440,14 @@ impl AppHttp {
     }
 }
 
-/// What became of a call whose answer was lost (`lost`, an [`AgentError::Uncertain`]), found by `find`: the effect
-/// if it is there, else `lost` itself. A lookup that fails leaves the outcome unknown (see
-/// [`AgentError::unresolved`]).
-pub(crate) async fn find_lost<T, Found>(
-    lost: AgentError,
-    find: impl FnOnce() -> Found,
-) -> Result<T, AgentError>
-where
-    Found: Future<Output = Result<Option<T>, AgentError>>,
-{
-    match find().await {
-        Ok(Some(found)) => Ok(found),
-        Ok(None) => Err(lost),
-        Err(e) => Err(lost.unresolved(&e)),
-    }
-}
-
-/// A create the app dedupes by a key, but not atomically (it checks for the key, then saves): a repeat could pass
-/// the check while the first request is still on its way to the save, and make a second object. So `create` is sent
-/// as a non-idempotent call, which the retry layer repeats only when nothing was processed (the connection was
-/// refused, or a 429). When its answer is lost (timeout, dropped connection, 5xx) the object is looked up with
-/// `find`, and `create` is never sent again within the call: if the lookup does not find it, the app may still be
-/// working on the first request, and the call fails with [`AgentError::Uncertain`] (not retryable; the caller
-/// looks again later before repeating it).
+/// A create that must not be made twice: the app has no dedupe key, or checks one before saving but not atomically
+/// (a repeat could pass the check while the first request is still on its way to the save, and make a second
+/// object). So `create` is sent as a non-idempotent call, which the retry layer repeats only when nothing was
+/// processed (the connection was refused, or a 429). When its answer is lost (timeout, dropped connection, 5xx) the
+/// object is looked up with `find`, and `create` is never sent again within the call: if the lookup does not find
+/// it, the app may still be working on the first request, and the call fails with [`AgentError::Uncertain`] (not
+/// retryable; the caller looks again later before repeating it). A lookup that fails leaves the outcome unknown
+/// too (see [`AgentError::unresolved`]).
 // Plain closures returning futures rather than async closures: the futures of async closures cannot yet be shown
 // to be `Send`, which the agents' `invoke` needs.
 pub(crate) async fn create_or_find<T, Made, Found>(

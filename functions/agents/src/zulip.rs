@@ -10,7 +10,7 @@ use reqwest::Method;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy, find_lost};
+use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy, create_or_find};
 use crate::{AGENT_VERSION, AgentError, args, require, skill};
 
 /// Zulip's own limits (server defaults `max_topic_length`, `max_message_length`, channel names).
@@ -129,24 +129,22 @@ impl ZulipClient {
     /// stands.
     pub async fn send(&self, channel: &str, topic: &str, content: &str) -> Result<u64, AgentError> {
         let started = crate::time::now_ms() / 1000;
-        match self.post_message(channel, topic, content).await {
-            Err(lost @ AgentError::Uncertain { .. }) => {
-                find_lost(lost, || async {
-                    let newest = self.read(channel, topic, LOOKUP_LIMIT).await?;
-                    Ok(newest
-                        .iter()
-                        .rev()
-                        .find(|m| {
-                            m.sender_email.eq_ignore_ascii_case(&self.email)
-                                && m.content.trim() == content.trim()
-                                && m.timestamp >= started - CLOCK_SKEW_SECS
-                        })
-                        .map(|m| m.id))
-                })
-                .await
-            }
-            other => other,
-        }
+        create_or_find(
+            || self.post_message(channel, topic, content),
+            || async {
+                let newest = self.read(channel, topic, LOOKUP_LIMIT).await?;
+                Ok(newest
+                    .iter()
+                    .rev()
+                    .find(|m| {
+                        m.sender_email.eq_ignore_ascii_case(&self.email)
+                            && m.content.trim() == content.trim()
+                            && m.timestamp >= started - CLOCK_SKEW_SECS
+                    })
+                    .map(|m| m.id))
+            },
+        )
+        .await
     }
 
     async fn post_message(

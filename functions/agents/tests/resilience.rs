@@ -8,6 +8,11 @@ use loams_agents::*;
 use loams_sandbox::{Fault, Sandbox, SandboxConfig, SandboxHandle, SandboxInfo};
 use serde_json::{Value, json};
 
+mod common;
+use common::{
+    analytics_config, forgejo_config, glitchtip_config, ok, plane_config, recording_sandbox,
+};
+
 /// Short enough to keep the tests fast, long enough for a loaded CI machine to answer a healthy request.
 const TIMEOUT: Duration = Duration::from_millis(1500);
 
@@ -27,17 +32,6 @@ async fn sandbox() -> (SandboxHandle, SandboxInfo) {
     (handle, info)
 }
 
-/// A sandbox that records what the apps were sent, for tests about which requests a client made.
-async fn recording_sandbox() -> (SandboxHandle, SandboxInfo) {
-    let config = SandboxConfig {
-        record_requests: true,
-        ..SandboxConfig::default()
-    };
-    let handle = Sandbox::start(config).await.unwrap();
-    let info = handle.info();
-    (handle, info)
-}
-
 /// The recorded requests to `app` as `METHOD path`, oldest first.
 fn sent(sb: &SandboxHandle, app: &str) -> Vec<String> {
     sb.requests()
@@ -45,13 +39,6 @@ fn sent(sb: &SandboxHandle, app: &str) -> Vec<String> {
         .filter(|e| e.app == app)
         .map(|e| format!("{} {}", e.method, e.path))
         .collect()
-}
-
-async fn ok(agent: &dyn Skills, skill: &str, args: Value) -> Value {
-    match agent.invoke(skill, args.clone()).await {
-        Ok(v) => v,
-        Err(e) => panic!("{skill}({args}) failed: {e:?}"),
-    }
 }
 
 fn two_days_ago() -> i64 {
@@ -67,14 +54,13 @@ fn fired(sb: &SandboxHandle) -> Vec<u32> {
 }
 
 fn zulip_config(info: &SandboxInfo) -> ZulipConfig {
-    let mut cfg = ZulipConfig::new(
-        &info.urls.zulip,
-        &info.tokens.zulip_email,
-        &info.tokens.zulip_api_key,
-    );
-    cfg.timeout = TIMEOUT;
-    cfg
+    ZulipConfig {
+        timeout: TIMEOUT,
+        ..common::zulip_config(info)
+    }
 }
+
+// Each agent with the short per-attempt timeout and fast retries.
 
 fn zulip(info: &SandboxInfo) -> ZulipAgent {
     ZulipAgent::new(&zulip_config(info))
@@ -84,14 +70,10 @@ fn zulip(info: &SandboxInfo) -> ZulipAgent {
 }
 
 fn plane(info: &SandboxInfo) -> PlaneAgent {
-    let mut cfg = PlaneConfig::new(
-        &info.urls.plane,
-        &info.tokens.plane_api_key,
-        &info.plane_workspace,
-        &info.plane_project_id,
-    );
-    cfg.project_identifier = Some("OPS".into());
-    cfg.timeout = TIMEOUT;
+    let cfg = PlaneConfig {
+        timeout: TIMEOUT,
+        ..plane_config(info)
+    };
     PlaneAgent::new(&cfg)
         .unwrap()
         .with_retry(fast_retry())
@@ -99,14 +81,10 @@ fn plane(info: &SandboxInfo) -> PlaneAgent {
 }
 
 fn forgejo(info: &SandboxInfo) -> ForgejoAgent {
-    let mut cfg = ForgejoConfig::new(
-        &info.urls.forgejo,
-        &info.tokens.forgejo_token,
-        &info.forgejo_owner,
-        &info.forgejo_repo,
-    );
-    cfg.base_branch = info.forgejo_base.clone();
-    cfg.timeout = TIMEOUT;
+    let cfg = ForgejoConfig {
+        timeout: TIMEOUT,
+        ..forgejo_config(info)
+    };
     ForgejoAgent::new(&cfg)
         .unwrap()
         .with_retry(fast_retry())
@@ -114,12 +92,10 @@ fn forgejo(info: &SandboxInfo) -> ForgejoAgent {
 }
 
 fn glitchtip(info: &SandboxInfo) -> GlitchTipAgent {
-    let mut cfg = GlitchTipConfig::new(
-        &info.urls.glitchtip,
-        &info.tokens.glitchtip_token,
-        &info.glitchtip_org,
-    );
-    cfg.timeout = TIMEOUT;
+    let cfg = GlitchTipConfig {
+        timeout: TIMEOUT,
+        ..glitchtip_config(info)
+    };
     GlitchTipAgent::new(&cfg)
         .unwrap()
         .with_retry(fast_retry())
@@ -127,17 +103,20 @@ fn glitchtip(info: &SandboxInfo) -> GlitchTipAgent {
 }
 
 fn analytics(info: &SandboxInfo) -> AnalyticsAgent {
-    let mut cfg = AnalyticsConfig::new(
-        &info.urls.openpanel,
-        &info.tokens.openpanel_client_id,
-        &info.tokens.openpanel_client_secret,
-        &info.openpanel_project_id,
-    );
-    cfg.timeout = TIMEOUT;
+    let cfg = AnalyticsConfig {
+        timeout: TIMEOUT,
+        ..analytics_config(info)
+    };
     AnalyticsAgent::new(&cfg)
         .unwrap()
         .with_retry(fast_retry())
         .unwrap()
+}
+
+/// `commit_patch` args writing `content` to `FIX.md` on `branch`.
+fn fix_commit(branch: &str, base: &str, content: &str) -> Value {
+    let files = json!([{"path": "FIX.md", "content": content}]);
+    json!({"branch": branch, "base": base, "message": "Fix", "files": files})
 }
 
 fn plane_items(info: &SandboxInfo) -> String {
@@ -500,12 +479,7 @@ async fn lost_answers_to_forgejo_commits_prs_and_labels_make_no_duplicates() {
         )
         .unwrap();
     }
-    let commit = ok(
-        &agent,
-        "commit_patch",
-        json!({"branch": branch, "base": base, "message": "Fix", "files": [{"path": "FIX.md", "content": "fixed\n"}]}),
-    )
-    .await;
+    let commit = ok(&agent, "commit_patch", fix_commit(branch, &base, "fixed\n")).await;
     let pr = ok(
         &agent,
         "open_pr",
@@ -576,7 +550,7 @@ async fn a_5xx_or_a_failed_lookup_after_a_lost_send_is_uncertain_and_never_retry
     ok(
         &forgejo,
         "commit_patch",
-        json!({"branch": branch, "base": info.forgejo_base, "message": "Fix", "files": [{"path": "FIX.md", "content": "x\n"}]}),
+        fix_commit(branch, &info.forgejo_base, "x\n"),
     )
     .await;
     let labels = forgejo_repo(&info, "labels");
@@ -715,7 +689,7 @@ async fn creates_the_app_dedupes_non_atomically_are_looked_up_never_sent_again()
     ok(
         &forgejo,
         "commit_patch",
-        json!({"branch": branch, "base": info.forgejo_base, "message": "Fix", "files": [{"path": "FIX.md", "content": "x\n"}]}),
+        fix_commit(branch, &info.forgejo_base, "x\n"),
     )
     .await;
     let prs = sb.counts().forgejo.prs;

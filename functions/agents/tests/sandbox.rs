@@ -2,23 +2,17 @@
 
 use loams_a2a::Skills;
 use loams_agents::*;
-use loams_sandbox::{Sandbox, SandboxConfig, SandboxHandle, SandboxInfo};
+use loams_sandbox::SandboxInfo;
 use serde_json::{Value, json};
+
+mod common;
+use common::{
+    analytics_config, forgejo_config, glitchtip_config, ok, plane_config,
+    recording_sandbox as sandbox, zulip_config,
+};
 
 #[path = "../../sandbox/tests/support/spec.rs"]
 mod spec;
-
-/// A sandbox that records every exchange, so each test can hold what the agent sent to the official API
-/// descriptions.
-async fn sandbox() -> (SandboxHandle, SandboxInfo) {
-    let config = SandboxConfig {
-        record_requests: true,
-        ..SandboxConfig::default()
-    };
-    let handle = Sandbox::start(config).await.unwrap();
-    let info = handle.info();
-    (handle, info)
-}
 
 /// Every request the agent sent (path and method to an operation, parameters, body) and every answer it got,
 /// checked against the app's description; read over the control endpoint as another process would.
@@ -34,42 +28,16 @@ async fn conform(info: &SandboxInfo) {
     assert!(checked > 0, "the agent sent nothing to a described app");
 }
 
-async fn ok(agent: &dyn Skills, skill: &str, args: Value) -> Value {
-    match agent.invoke(skill, args.clone()).await {
-        Ok(v) => v,
-        Err(e) => panic!("{skill}({args}) failed: {e:?}"),
-    }
-}
-
 fn zulip(info: &SandboxInfo) -> ZulipAgent {
-    ZulipAgent::new(&ZulipConfig::new(
-        &info.urls.zulip,
-        &info.tokens.zulip_email,
-        &info.tokens.zulip_api_key,
-    ))
-    .unwrap()
+    ZulipAgent::new(&zulip_config(info)).unwrap()
 }
 
 fn plane(info: &SandboxInfo) -> PlaneAgent {
-    let mut cfg = PlaneConfig::new(
-        &info.urls.plane,
-        &info.tokens.plane_api_key,
-        &info.plane_workspace,
-        &info.plane_project_id,
-    );
-    cfg.project_identifier = Some("OPS".into());
-    PlaneAgent::new(&cfg).unwrap()
+    PlaneAgent::new(&plane_config(info)).unwrap()
 }
 
 fn forgejo(info: &SandboxInfo) -> ForgejoAgent {
-    let mut cfg = ForgejoConfig::new(
-        &info.urls.forgejo,
-        &info.tokens.forgejo_token,
-        &info.forgejo_owner,
-        &info.forgejo_repo,
-    );
-    cfg.base_branch = info.forgejo_base.clone();
-    ForgejoAgent::new(&cfg).unwrap()
+    ForgejoAgent::new(&forgejo_config(info)).unwrap()
 }
 
 #[tokio::test]
@@ -138,11 +106,10 @@ async fn zulip_post_and_read_a_topic() {
     assert!(!err.retryable && err.message.contains("content"), "{err:?}");
 
     // Wrong credentials: a permanent error that does not echo the key.
-    let bad = ZulipAgent::new(&ZulipConfig::new(
-        &info.urls.zulip,
-        &info.tokens.zulip_email,
-        "wrong-key-123",
-    ))
+    let bad = ZulipAgent::new(&ZulipConfig {
+        api_key: "wrong-key-123".into(),
+        ..zulip_config(&info)
+    })
     .unwrap();
     let err = bad
         .invoke("read", json!({"channel": channel, "topic": "t"}))
@@ -346,15 +313,18 @@ async fn forgejo_patch_pr_ci_merge_flow() {
     sb.shutdown().await;
 }
 
+/// A Forgejo client for the sandbox's repository acting with `token`.
+fn forgejo_client(info: &SandboxInfo, token: &str) -> ForgejoClient {
+    ForgejoClient::new(&ForgejoConfig {
+        token: token.into(),
+        ..forgejo_config(info)
+    })
+    .unwrap()
+}
+
 /// Someone with push access who is not the factory.
 fn intruder(info: &SandboxInfo) -> ForgejoClient {
-    ForgejoClient::new(&ForgejoConfig::new(
-        &info.urls.forgejo,
-        &info.tokens.forgejo_token,
-        &info.forgejo_owner,
-        &info.forgejo_repo,
-    ))
-    .unwrap()
+    forgejo_client(info, &info.tokens.forgejo_token)
 }
 
 fn change(path: &str, content: &str) -> forgejo::FileChange {
@@ -471,13 +441,7 @@ async fn forgejo_commit_patch_refuses_branches_it_did_not_make() {
 async fn forgejo_adopts_only_its_own_prs_and_merges_only_into_its_base() {
     let (sb, info) = sandbox().await;
     let agent = forgejo(&info);
-    let maintainer = ForgejoClient::new(&ForgejoConfig::new(
-        &info.urls.forgejo,
-        &info.tokens.forgejo_maintainer_token,
-        &info.forgejo_owner,
-        &info.forgejo_repo,
-    ))
-    .unwrap();
+    let maintainer = forgejo_client(&info, &info.tokens.forgejo_maintainer_token);
     let base = info.forgejo_base.clone();
     let commit = |branch: &str| {
         let files = json!([{"path": "NOTES.md", "content": branch}]);
@@ -601,12 +565,7 @@ async fn forgejo_close_pr_deletes_its_branch() {
 #[tokio::test]
 async fn glitchtip_counts_events_and_resolves() {
     let (sb, info) = sandbox().await;
-    let agent = GlitchTipAgent::new(&GlitchTipConfig::new(
-        &info.urls.glitchtip,
-        &info.tokens.glitchtip_token,
-        &info.glitchtip_org,
-    ))
-    .unwrap();
+    let agent = GlitchTipAgent::new(&glitchtip_config(&info)).unwrap();
     let id = info.glitchtip_issue_id.to_string();
     let all = ok(
         &agent,
@@ -643,12 +602,7 @@ async fn glitchtip_counts_events_and_resolves() {
 #[tokio::test]
 async fn analytics_series_counts_days() {
     let (sb, info) = sandbox().await;
-    let cfg = AnalyticsConfig::new(
-        &info.urls.openpanel,
-        &info.tokens.openpanel_client_id,
-        &info.tokens.openpanel_client_secret,
-        &info.openpanel_project_id,
-    );
+    let cfg = analytics_config(&info);
     let agent = AnalyticsAgent::new(&cfg).unwrap();
     let since = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

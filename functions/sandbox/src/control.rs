@@ -104,7 +104,9 @@ async fn loopback_host_only(req: Request, next: Next) -> Response {
     } else {
         (
             StatusCode::FORBIDDEN,
-            Json(serde_json::json!({"error": "the sandbox control endpoints answer only to Host 127.0.0.1 or localhost"})),
+            Json(serde_json::json!({
+                "error": "the sandbox control endpoints answer only to Host 127.0.0.1 or localhost"
+            })),
         )
             .into_response()
     }

@@ -1,13 +1,15 @@
 //! Each fake app exercised over HTTP against a started sandbox.
 
-use loams_sandbox::{
-    CiCheck, CiRule, Counts, ProducingMode, Sandbox, SandboxConfig, SandboxHandle,
-};
+use loams_sandbox::{CiCheck, CiRule, ProducingMode, Sandbox, SandboxConfig, SandboxHandle};
 use serde_json::{Value, json};
 use std::time::Duration;
 
 #[path = "support/spec.rs"]
 mod spec;
+
+#[path = "support/control.rs"]
+mod control;
+use control::{counts, zulip_message};
 
 fn client() -> reqwest::Client {
     reqwest::Client::new()
@@ -23,21 +25,6 @@ async fn start(mut config: SandboxConfig) -> SandboxHandle {
 
 async fn json_of(resp: reqwest::Response) -> Value {
     resp.json().await.unwrap_or(Value::Null)
-}
-
-async fn counts(sb: &SandboxHandle) -> Counts {
-    let resp = client()
-        .get(format!("{}/_sandbox/state", sb.urls().plane))
-        .send()
-        .await;
-    // a shape mismatch must fail the test, not read as all zeros
-    match resp {
-        Ok(r) => r
-            .json()
-            .await
-            .unwrap_or_else(|e| panic!("control endpoint answer: {e}")),
-        Err(e) => panic!("control endpoint: {e}"),
-    }
 }
 
 /// Every answer the sandbox gave in this test, held to the official description of its app.
@@ -856,16 +843,7 @@ async fn state_survives_a_restart_from_the_state_file() {
         delay_ms: 0,
     };
     let sb = start(config.clone()).await;
-    let t = sb.tokens().clone();
-    let r = client()
-        .post(format!("{}/api/v1/messages", sb.urls().zulip))
-        .basic_auth(&t.zulip_email, Some(&t.zulip_api_key))
-        .form(&[
-            ("type", "stream"),
-            ("to", "factory"),
-            ("topic", "t"),
-            ("content", "kept"),
-        ])
+    let r = zulip_message(&sb, "kept")
         .send()
         .await
         .unwrap_or_else(|e| panic!("{e}"));

@@ -1,11 +1,15 @@
 //! Fault injection over the control endpoint, as a test in another process would arm it.
 
 use loams_sandbox::{
-    ArmedFault, Counts, Effect, Fault, MAX_DELAY_MS, MAX_FIELD_BYTES, MAX_RULES, MAX_TIMES,
-    Sandbox, SandboxConfig, SandboxHandle,
+    ArmedFault, Effect, Fault, MAX_DELAY_MS, MAX_FIELD_BYTES, MAX_RULES, MAX_TIMES, Sandbox,
+    SandboxConfig, SandboxHandle,
 };
 use serde_json::json;
 use std::time::{Duration, Instant};
+
+#[path = "support/control.rs"]
+mod control;
+use control::{counts, zulip_message};
 
 async fn start() -> SandboxHandle {
     Sandbox::start(SandboxConfig::default())
@@ -13,27 +17,23 @@ async fn start() -> SandboxHandle {
         .unwrap_or_else(|e| panic!("sandbox did not start: {e}"))
 }
 
-async fn arm(sb: &SandboxHandle, fault: &Fault) {
-    let resp = reqwest::Client::new()
-        .post(format!("{}/_sandbox/faults", sb.urls().forgejo))
-        .json(fault)
+/// `POST /_sandbox/faults` with `rule` (a [`Fault`] or any JSON), to one app's control endpoint.
+async fn post_rule(url: &str, rule: &impl serde::Serialize) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("{url}/_sandbox/faults"))
+        .json(rule)
         .send()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+async fn arm(sb: &SandboxHandle, fault: &Fault) {
+    let resp = post_rule(&sb.urls().forgejo, fault).await;
     assert_eq!(resp.status(), 204, "{:?}", resp.text().await);
 }
 
 async fn armed(sb: &SandboxHandle) -> Vec<ArmedFault> {
     reqwest::get(format!("{}/_sandbox/faults", sb.urls().zulip))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
-async fn counts(sb: &SandboxHandle) -> Counts {
-    reqwest::get(format!("{}/_sandbox/state", sb.urls().plane))
         .await
         .unwrap()
         .json()
@@ -50,18 +50,7 @@ fn plane_states(sb: &SandboxHandle) -> String {
 }
 
 async fn zulip_post(sb: &SandboxHandle, content: &str) -> reqwest::Result<reqwest::Response> {
-    let t = sb.tokens();
-    reqwest::Client::new()
-        .post(format!("{}/api/v1/messages", sb.urls().zulip))
-        .basic_auth(&t.zulip_email, Some(&t.zulip_api_key))
-        .form(&[
-            ("type", "stream"),
-            ("to", "factory"),
-            ("topic", "t"),
-            ("content", content),
-        ])
-        .send()
-        .await
+    zulip_message(sb, content).send().await
 }
 
 #[tokio::test]
@@ -137,12 +126,7 @@ async fn bad_rules_are_refused() {
         json!({"app": "plane", "times": 1, "path_prefix": long_path, "effect": {"kind": "drop"}}),
         json!({"app": "plane", "times": 1, "effect": {"kind": "status", "status": 429, "retry_after": long_path}}),
     ] {
-        let resp = reqwest::Client::new()
-            .post(format!("{}/_sandbox/faults", sb.urls().plane))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let resp = post_rule(&sb.urls().plane, &body).await;
         assert_eq!(resp.status(), 400, "{body}");
     }
     assert!(sb.inject(Fault::status("nope", 1, 500)).is_err());
@@ -178,14 +162,9 @@ async fn armed_rules_are_capped_and_used_up_ones_make_room() {
             .unwrap();
     }
     let over = json!({"app": "plane", "times": 1, "effect": {"kind": "drop"}});
-    let post = || {
-        reqwest::Client::new()
-            .post(format!("{}/_sandbox/faults", sb.urls().plane))
-            .json(&over)
-            .send()
-    };
+    let post = || post_rule(&sb.urls().plane, &over);
     // Full with a rule still live: one more is refused, over HTTP and in process, and nothing is dropped.
-    let resp = post().await.unwrap();
+    let resp = post().await;
     assert_eq!(resp.status(), 400);
     let text = resp.text().await.unwrap();
     assert!(text.contains("256 rules are armed"), "{text}");
@@ -198,7 +177,7 @@ async fn armed_rules_are_capped_and_used_up_ones_make_room() {
     assert_eq!(armed(&sb).await.len(), MAX_RULES);
     // Using up the first rule frees its place: the next rule takes it, the live ones stay in order.
     assert_eq!(zulip_post(&sb, "x").await.unwrap().status(), 503);
-    assert_eq!(post().await.unwrap().status(), 204);
+    assert_eq!(post().await.status(), 204);
     let rules = armed(&sb).await;
     assert_eq!(rules.len(), MAX_RULES);
     assert!(
@@ -249,17 +228,8 @@ async fn delays_hold_the_answer_and_an_abandoned_request_before_the_effect_does_
 
     sb.inject(Fault::delay("zulip", 1, Duration::from_millis(600)))
         .unwrap();
-    let t = sb.tokens();
-    let gave_up = reqwest::Client::new()
-        .post(format!("{}/api/v1/messages", sb.urls().zulip))
-        .basic_auth(&t.zulip_email, Some(&t.zulip_api_key))
+    let gave_up = zulip_message(&sb, "x")
         .timeout(Duration::from_millis(100))
-        .form(&[
-            ("type", "stream"),
-            ("to", "factory"),
-            ("topic", "t"),
-            ("content", "x"),
-        ])
         .send()
         .await
         .unwrap_err();
