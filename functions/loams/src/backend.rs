@@ -10,31 +10,31 @@ impl Backend {
     /// The backend the configuration names. With `backend.aws_endpoint` (moto), the table and the queue are
     /// created when absent; on AWS they must exist (the SAM template makes them).
     pub async fn from_config(config: &Config) -> anyhow::Result<Backend> {
-        Backend::open(config, true).await
-    }
-
-    /// As [`Backend::from_config`]; with `provision_locally` false nothing is ever created, not even on an
-    /// emulator (the Lambda functions: their table and queue come from the template, and a cold start must not
-    /// pay for checking them).
-    pub async fn open(config: &Config, provision_locally: bool) -> anyhow::Result<Backend> {
         let b = &config.backend;
         if !b.uses_aws() {
             return Backend::sqlite(&config.data_dir);
         }
-        // Timers live with the store; the embedded file serves whatever part AWS does not.
-        let embedded = match (b.store, b.queue) {
-            (StoreKind::Sqlite, _) | (_, QueueKind::Sqlite) => {
-                Some(Backend::sqlite(&config.data_dir)?)
-            }
-            _ => None,
-        };
-        aws_backend(
-            config,
-            embedded,
-            provision_locally && b.aws_endpoint.is_some(),
-        )
-        .await
+        aws_backend(config, embedded(config)?, b.aws_endpoint.is_some()).await
     }
+
+    /// As [`Backend::from_config`] on an SDK configuration the caller built, and creating nothing, not even on an
+    /// emulator: the Lambda functions, whose table and queue come from the template (a cold start must not pay
+    /// for checking them), and whose agents read their secret with the same configuration.
+    #[cfg(feature = "aws")]
+    pub async fn open_on(config: &Config, sdk: &aws_config::SdkConfig) -> anyhow::Result<Backend> {
+        if !config.backend.uses_aws() {
+            return Backend::sqlite(&config.data_dir);
+        }
+        aws_backend_on(config, embedded(config)?, false, sdk).await
+    }
+}
+
+/// The embedded store, when some part of the backend (timers live with the store) is not on AWS.
+fn embedded(config: &Config) -> anyhow::Result<Option<Backend>> {
+    Ok(match (config.backend.store, config.backend.queue) {
+        (StoreKind::Sqlite, _) | (_, QueueKind::Sqlite) => Some(Backend::sqlite(&config.data_dir)?),
+        _ => None,
+    })
 }
 
 #[cfg(not(feature = "aws"))]
@@ -53,6 +53,17 @@ async fn aws_backend(
     embedded: Option<Backend>,
     provision: bool,
 ) -> anyhow::Result<Backend> {
+    let sdk = sdk_config(config.backend.aws_endpoint.as_deref()).await;
+    aws_backend_on(config, embedded, provision, &sdk).await
+}
+
+#[cfg(feature = "aws")]
+async fn aws_backend_on(
+    config: &Config,
+    embedded: Option<Backend>,
+    provision: bool,
+    sdk: &aws_config::SdkConfig,
+) -> anyhow::Result<Backend> {
     use std::sync::Arc;
 
     use anyhow::Context;
@@ -61,10 +72,9 @@ async fn aws_backend(
 
     let b = &config.backend;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let sdk = sdk_config(b.aws_endpoint.as_deref()).await;
     let (store, timers): (Arc<dyn Store>, Arc<dyn Timers>) = match (b.store, &embedded) {
         (StoreKind::Dynamodb, _) => {
-            let ddb = aws_sdk_dynamodb::Client::new(&sdk);
+            let ddb = aws_sdk_dynamodb::Client::new(sdk);
             if provision {
                 aws::provision_table(&ddb, &b.table)
                     .await
@@ -82,7 +92,7 @@ async fn aws_backend(
     };
     let queue: Arc<dyn Queue> = match (b.queue, &embedded) {
         (QueueKind::Sqs, _) => {
-            let sqs = aws_sdk_sqs::Client::new(&sdk);
+            let sqs = aws_sdk_sqs::Client::new(sdk);
             let urls = match (&b.queue_url, &b.dead_letter_url) {
                 (Some(queue_url), Some(dead_letter_url)) => QueueUrls {
                     queue_url: queue_url.clone(),

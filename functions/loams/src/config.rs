@@ -12,6 +12,11 @@ use serde::Deserialize;
 const MAX_CONFIG_BYTES: u64 = 256 * 1024;
 /// Shortest webhook token accepted: the URL is the only secret of an unsigned webhook.
 pub const MIN_WEBHOOK_TOKEN: usize = 24;
+/// Whether `url` is one the HTTP clients can call: every URL setting is checked with this at start.
+pub(crate) fn is_http_url(url: &str) -> bool {
+    url.starts_with("https://") || url.starts_with("http://")
+}
+
 /// The five agents, by the names policy rules, agent URLs and functions use.
 pub const AGENTS: [&str; 5] = ["zulip", "plane", "forgejo", "glitchtip", "analytics"];
 
@@ -227,7 +232,7 @@ impl BackendSettings {
     fn validate_settings(&self) -> Result<(), ConfigError> {
         let invalid = |setting, message: String| Err(ConfigError::Invalid { setting, message });
         if let Some(url) = &self.aws_endpoint
-            && !(url.starts_with("http://") || url.starts_with("https://"))
+            && !is_http_url(url)
         {
             return invalid(
                 "backend.aws_endpoint",
@@ -274,7 +279,7 @@ impl BackendSettings {
                     ("backend.queue_url", queue),
                     ("backend.dead_letter_url", dlq),
                 ] {
-                    if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    if !is_http_url(url) {
                         return invalid(setting, format!("must be an http(s) URL, not {url:?}"));
                     }
                 }
@@ -435,7 +440,7 @@ impl App {
             other => return Err(format!("no app named {other}")),
         }
         .map_err(|e| e.to_string())?;
-        if !app.url().starts_with("https://") && !app.url().starts_with("http://") {
+        if !is_http_url(app.url()) {
             return Err("`url` must be an http(s) URL".into());
         }
         Ok(app)
@@ -558,14 +563,8 @@ impl Config {
                 message: message.into(),
             })
         };
-        let org_ok = !self.org.is_empty()
-            && self.org.len() <= 63
-            && self
-                .org
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !self.org.starts_with('-');
-        if !org_ok {
+        // The stores' own rule: an org they would refuse fails here, at start.
+        if loams_platform::limits::org(&self.org).is_err() {
             return invalid(
                 "org",
                 "must be 1-63 characters of a-z, 0-9 and '-', not starting with '-'",
@@ -618,9 +617,7 @@ impl Config {
             return invalid("factory.channel", "must not be empty");
         }
         if self.model.cassette.is_none() {
-            if !self.model.base_url.starts_with("https://")
-                && !self.model.base_url.starts_with("http://")
-            {
+            if !is_http_url(&self.model.base_url) {
                 return invalid("model.base_url", "must be an http(s) URL");
             }
             if self.model.model.is_empty() {
@@ -635,7 +632,7 @@ impl Config {
                 ("apps.glitchtip.url", &apps.glitchtip.url),
                 ("apps.analytics.url", &apps.analytics.url),
             ] {
-                if !url.starts_with("https://") && !url.starts_with("http://") {
+                if !is_http_url(url) {
                     return invalid(setting, "must be an http(s) URL");
                 }
             }

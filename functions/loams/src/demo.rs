@@ -11,7 +11,7 @@ use anyhow::{Context, anyhow, bail};
 use loams_model::Replay;
 use loams_proto::connect::ConnectClient;
 use loams_proto::factory::v1 as factory;
-use loams_sandbox::{Sandbox, SandboxConfig};
+use loams_sandbox::{ProducingMode, Sandbox, SandboxConfig, SandboxHandle};
 
 use crate::config::Config;
 use crate::phone::Phone;
@@ -44,7 +44,7 @@ pub struct Scenario {
     /// Kill the first run (through the API) once it reaches this stage.
     pub kill_at_stage: Option<String>,
     /// Force the sandbox GlitchTip to keep (`on`) or stop (`off`) producing events whatever production runs.
-    pub glitchtip_mode: Option<&'static str>,
+    pub glitchtip_mode: Option<ProducingMode>,
     /// Give up after this long.
     pub deadline: Duration,
     /// The on-call engineer's triage decision (through the API) for runs that wait for one (no auto-triage).
@@ -113,32 +113,8 @@ pub async fn run(data_dir: Option<PathBuf>) -> anyhow::Result<()> {
 /// Plays a scenario, printing the runs live to `out`; returns once every run has ended.
 pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Report> {
     let started = Instant::now();
-    let sandbox = Sandbox::start(scenario.sandbox.clone())
-        .await
-        .context("starting the sandbox apps")?;
-    if let Some(mode) = scenario.glitchtip_mode {
-        let url = format!(
-            "{}/_sandbox/glitchtip/producing",
-            sandbox.info().urls.glitchtip
-        );
-        reqwest::Client::new()
-            .post(&url)
-            .json(&serde_json::json!({ "mode": mode }))
-            .send()
-            .await?
-            .error_for_status()
-            .context("switching GlitchTip production")?;
-    }
-    let model =
-        Arc::new(Replay::from_json_str(&scenario.cassette).context("reading the cassette")?);
+    let (sandbox, stack) = start(&scenario).await?;
     let config = &scenario.config;
-    let stack = Stack::start(
-        config,
-        &sandbox_apps(&sandbox.info()),
-        model,
-        Backend::from_config(config).await?,
-    )
-    .await?;
     writeln!(
         out,
         "loams demo: API {}  store {}",
@@ -166,28 +142,11 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
         format!("Bearer {}", stack.token(&config.owner, &config.org)?),
     )?;
 
-    let alert = sandbox.alert_payload();
-    let hook = format!(
-        "{}/webhooks/glitchtip/{}",
-        stack.api_url,
-        crate::stack::webhook_token(config)?
-    );
-    let response = reqwest::Client::new()
-        .post(&hook)
-        .json(&alert)
-        .send()
-        .await
-        .context("posting the alert")?;
-    let status = response.status();
-    let body: serde_json::Value = response.json().await.unwrap_or_default();
-    let first_run = body["run"]
-        .as_str()
-        .ok_or_else(|| anyhow!("webhook answered {status}: {body}"))?
-        .to_string();
+    let first_run = post_alert(&stack, &sandbox, config).await?;
     writeln!(
         out,
         "GlitchTip alert posted: {}  ->  run {first_run}\n",
-        alert["attachments"][0]["title"]
+        sandbox.alert_payload()["attachments"][0]["title"]
     )?;
 
     let mut seen: Vec<(String, u64)> = Vec::new();
@@ -358,15 +317,11 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
         let took = Duration::from_millis((run.updated_at_ms - run.started_at_ms).max(0) as u64);
         writeln!(
             out,
-            "run {} (generation {}): {} {} after {} events in {:.1}s",
+            "run {} (generation {}): {}{} after {} events in {:.1}s",
             run.id,
             run.generation,
             run.state,
-            if run.verdict.is_empty() {
-                String::new()
-            } else {
-                format!("[{}]", run.verdict)
-            },
+            verdict(&run.verdict),
             timeline.len(),
             took.as_secs_f64()
         )?;
@@ -391,6 +346,52 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
         sandbox_state,
         approvals_decided: decided.len(),
     })
+}
+
+/// A scenario's world: the sandbox apps (GlitchTip producing as the scenario says) and the whole stack of
+/// `loams dev` on them, the model replaying the scenario's cassette. `play` runs it; tests that drive the stack
+/// themselves (the `loams phone` commands) start it the same way.
+pub async fn start(scenario: &Scenario) -> anyhow::Result<(SandboxHandle, Stack)> {
+    let sandbox = Sandbox::start(scenario.sandbox.clone())
+        .await
+        .context("starting the sandbox apps")?;
+    if let Some(mode) = scenario.glitchtip_mode {
+        sandbox
+            .set_producing(mode)
+            .context("switching GlitchTip production")?;
+    }
+    let model =
+        Arc::new(Replay::from_json_str(&scenario.cassette).context("reading the cassette")?);
+    let config = &scenario.config;
+    let apps = sandbox_apps(&sandbox.info());
+    let stack = Stack::start(config, &apps, model, Backend::from_config(config).await?).await?;
+    Ok((sandbox, stack))
+}
+
+/// Posts the alert the sandbox's GlitchTip sends for the seeded bug to the stack's webhook, as GlitchTip would;
+/// returns the id of the run it opened.
+pub async fn post_alert(
+    stack: &Stack,
+    sandbox: &SandboxHandle,
+    config: &Config,
+) -> anyhow::Result<String> {
+    let hook = format!(
+        "{}/webhooks/glitchtip/{}",
+        stack.api_url,
+        crate::stack::webhook_token(config)?
+    );
+    let response = reqwest::Client::new()
+        .post(&hook)
+        .json(&sandbox.alert_payload())
+        .send()
+        .await
+        .context("posting the alert")?;
+    let status = response.status();
+    let body: serde_json::Value = response.json().await.unwrap_or_default();
+    body["run"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| anyhow!("webhook answered {status}: {body}"))
 }
 
 fn is_ended(state: &str) -> bool {
@@ -422,6 +423,15 @@ pub(crate) fn timeline_line(
         kind,
         summary
     )
+}
+
+/// A run's verdict after its state, as ` [resolved]`; nothing without one.
+pub(crate) fn verdict(verdict: &str) -> String {
+    if verdict.is_empty() {
+        String::new()
+    } else {
+        format!(" [{verdict}]")
+    }
 }
 
 fn or_none(s: &str) -> &str {

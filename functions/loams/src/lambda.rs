@@ -13,7 +13,7 @@
 //! | `LOAMS_ORG`, `LOAMS_ENV` | all | the tenant and the environment runs are opened in (override `LOAMS_CONFIG`) |
 //! | `LOAMS_TABLE`, `LOAMS_QUEUE_URL`, `LOAMS_DEAD_LETTER_URL` | all | the DynamoDB table and the SQS queues |
 //! | `LOAMS_AWS_ENDPOINT` | optional | a local emulator (moto) instead of AWS (nothing is created there either) |
-//! | `LOAMS_BASE_BRANCH`, `LOAMS_ANALYTICS_PROJECT` | api, worker | what a run starts with: the repository's base branch and the analytics project |
+//! | `LOAMS_BASE_BRANCH`, `LOAMS_ANALYTICS_PROJECT` | api, worker; forgejo, analytics agent | what runs start with |
 //! | `LOAMS_ISSUER_PUBLIC_KEY` | api | base64 SPKI DER of the people's token issuer (`loams token`'s key); its private key is in no function |
 //! | `LOAMS_AGENT_TOKEN_KEY` | worker | base64 PKCS#8 P-256 key the worker signs its agent tokens with |
 //! | `LOAMS_AGENT_TOKEN_PUBLIC_KEY` | agents | base64 SPKI DER of that key: the agents accept tokens it signed, and no others |
@@ -38,21 +38,21 @@ use jsonwebtoken::jwk::JwkSet;
 use loams_a2a::{A2aClient, CardSigner, Guards, Jwk, Jwks};
 use loams_api::{AgentAuth, AgentTokens, ApiState, ApprovalBroker, Issuer, Verifier};
 use loams_factory::Envelope;
-use loams_model::{ChatModel, Replay};
+use loams_model::Replay;
 use loams_platform::aws::{
     BODY_ENCODING_ATTRIBUTE, BatchOutcome, batch_item_failures, decode_body,
 };
 use loams_worker::{
-    A2aAgents, AgentCaller, AgentReply, Scheduler, Settlement, Worker, WorkerDeps, WorkerError,
+    A2aAgents, AgentCaller, AgentReply, Scheduler, Settlement, Worker, WorkerError,
 };
 use serde_json::Value;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
-use crate::config::{AGENTS, App, Config, ConfigError, QueueKind, Secret, StoreKind};
+use crate::config::{AGENTS, App, Config, ConfigError, QueueKind, Secret, StoreKind, is_http_url};
 use crate::stack::{
-    AGENT_TOKEN_ISSUER, Backend, DEV_AUDIENCE, DEV_ISSUER, WorkerOpener, agent, api_config, model,
-    worker_deps,
+    AGENT_TOKEN_ISSUER, Backend, DEV_AUDIENCE, DEV_ISSUER, RunStart, WorkerOpener, agent,
+    api_config, model, worker_deps,
 };
 
 /// Largest value accepted from one environment variable (Lambda allows 4 KiB for all of them together).
@@ -139,7 +139,8 @@ pub struct Settings {
     agent_token_public_key: Option<String>,
     card_public_key: Option<String>,
     app_secret_arn: Option<String>,
-    /// What a run starts with (API and worker): the repository's base branch and the analytics project.
+    /// What a run starts with (API and worker): the repository's base branch and the analytics project. The
+    /// forgejo agent and the analytics agent get theirs to check their secret against.
     base_branch: Option<String>,
     analytics_project: Option<String>,
     agent_urls: HashMap<&'static str, String>,
@@ -238,9 +239,12 @@ impl Settings {
             }
             Function::Scheduler => {}
         }
-        // Both open runs (the API from webhooks), which start with these.
-        if matches!(function, Function::Api | Function::Worker) {
+        // Both open runs (the API from webhooks), which start with these; the agent of each app checks it.
+        let opens_runs = matches!(function, Function::Api | Function::Worker);
+        if opens_runs || function == Function::Agent("forgejo") {
             settings.base_branch = Some(need("LOAMS_BASE_BRANCH")?);
+        }
+        if opens_runs || function == Function::Agent("analytics") {
             settings.analytics_project = Some(need("LOAMS_ANALYTICS_PROJECT")?);
         }
         settings.config.validate()?;
@@ -253,6 +257,14 @@ impl Settings {
             check_url(var, settings.agent_urls.get(agent).map(String::as_str))?;
         }
         Ok(settings)
+    }
+
+    /// What the runs this function opens start with (API and worker).
+    fn run_start(&self) -> Option<RunStart<'_>> {
+        Some(RunStart {
+            base_branch: self.base_branch.as_deref()?,
+            analytics_project: self.analytics_project.as_deref()?,
+        })
     }
 
     /// The process environment.
@@ -271,12 +283,10 @@ const AGENT_URL_VARS: [&str; 5] = [
 
 fn check_url(setting: &'static str, url: Option<&str>) -> Result<(), ConfigError> {
     match url {
-        Some(u) if !(u.starts_with("https://") || u.starts_with("http://")) => {
-            Err(ConfigError::Invalid {
-                setting,
-                message: format!("must be an http(s) URL, not {u:?}"),
-            })
-        }
+        Some(u) if !is_http_url(u) => Err(ConfigError::Invalid {
+            setting,
+            message: format!("must be an http(s) URL, not {u:?}"),
+        }),
         _ => Ok(()),
     }
 }
@@ -412,13 +422,16 @@ fn card_signer(settings: &Settings) -> anyhow::Result<CardSigner> {
 
 /// The agent's app settings, from its own secret. Read once, at cold start: a missing or unreadable secret, or one
 /// that is not this app's settings, stops the function with a message naming the secret.
-async fn app_from_secret(settings: &Settings, name: &str) -> anyhow::Result<App> {
+async fn app_from_secret(
+    settings: &Settings,
+    sdk: &aws_config::SdkConfig,
+    name: &str,
+) -> anyhow::Result<App> {
     let arn = settings
         .app_secret_arn
         .as_deref()
         .ok_or_else(|| anyhow!("setting `LOAMS_APP_SECRET_ARN`: is not set"))?;
-    let sdk = crate::backend::sdk_config(settings.config.backend.aws_endpoint.as_deref()).await;
-    let read = aws_sdk_secretsmanager::Client::new(&sdk)
+    let read = aws_sdk_secretsmanager::Client::new(sdk)
         .get_secret_value()
         .secret_id(arn)
         .send()
@@ -429,7 +442,36 @@ async fn app_from_secret(settings: &Settings, name: &str) -> anyhow::Result<App>
                 secret_read_error(&e)
             )
         })?;
-    Ok(app_from_secret_string(name, arn, read.secret_string())?)
+    let app = app_from_secret_string(name, arn, read.secret_string())?;
+    agrees_with_runs(settings, arn, &app)?;
+    Ok(app)
+}
+
+/// Two settings say one thing: the base branch and the analytics project runs start with (the worker's
+/// LOAMS_BASE_BRANCH and LOAMS_ANALYTICS_PROJECT) and those the app's agent works on (its secret's `base` and
+/// `project_id`; the forgejo agent merges only into its base). The worker cannot read the secret, so the agent
+/// compares them at start: a difference stops it, naming both settings, instead of failing every run later.
+fn agrees_with_runs(settings: &Settings, arn: &str, app: &App) -> Result<(), ConfigError> {
+    let (setting, field, runs, agent) = match app {
+        App::Forgejo(f) => ("LOAMS_BASE_BRANCH", "base", &settings.base_branch, &f.base),
+        App::Analytics(a) => (
+            "LOAMS_ANALYTICS_PROJECT",
+            "project_id",
+            &settings.analytics_project,
+            &a.project_id,
+        ),
+        _ => return Ok(()),
+    };
+    if runs.as_deref() == Some(agent.as_str()) {
+        return Ok(());
+    }
+    Err(ConfigError::Invalid {
+        setting,
+        message: format!(
+            "is {runs:?}, but the secret {arn} says `{field}` = {agent:?}: runs would start with one and the agent \
+             work on the other"
+        ),
+    })
 }
 
 /// Why a secret could not be read, without the raw response the SDK's own error context would show: for an
@@ -464,40 +506,25 @@ fn app_from_secret_string(name: &str, arn: &str, text: Option<&str>) -> Result<A
     })
 }
 
-/// A worker's dependencies on this function's settings: runs start with the configured base branch and
-/// analytics project (the app credentials stay with the agents).
-fn run_deps(
-    settings: &Settings,
-    backend: &Backend,
-    agents: Arc<dyn AgentCaller>,
-    model: Arc<dyn ChatModel>,
-) -> WorkerDeps {
-    let mut deps = worker_deps(&settings.config, None, backend, agents, model);
-    if let Some(base) = &settings.base_branch {
-        deps.config.base_branch = base.clone();
-    }
-    if let Some(project) = &settings.analytics_project {
-        deps.config.analytics_project_id = project.clone();
-    }
-    deps
-}
-
 /// Runs the function the settings name until the Lambda runtime stops it.
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
-    let backend = Backend::open(&settings.config, false).await?;
+    // One SDK configuration for all this function reads of AWS: the store, the queue, an agent's secret.
+    let sdk = crate::backend::sdk_config(settings.config.backend.aws_endpoint.as_deref()).await;
+    let backend = Backend::open_on(&settings.config, &sdk).await?;
     let result = match settings.function {
         Function::Api => {
             let router = api_router(&settings, backend)?;
             lambda_http::run_with_streaming_response(router).await
         }
         Function::Agent(name) => {
-            let app = app_from_secret(&settings, name).await?;
+            let app = app_from_secret(&settings, &sdk, name).await?;
             let service = agent_service(&settings, &app, backend)?;
             lambda_http::run_with_streaming_response(service).await
         }
         Function::Worker => {
-            let worker = Arc::new(Worker::new(run_deps(
-                &settings,
+            let worker = Arc::new(Worker::new(worker_deps(
+                &settings.config,
+                settings.run_start(),
                 &backend,
                 Arc::new(lazy_agents(&settings)?),
                 model(&settings.config)?,
@@ -539,8 +566,9 @@ fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Rou
         Replay::from_json_str(r#"{"completions": []}"#).context("the API's empty model")?;
     // The API opens runs: the factory settings (cooldown, ...) come from the same LOAMS_CONFIG as the worker
     // function's, the base branch and analytics project a run starts with from the same variables.
-    let worker = Worker::new(run_deps(
-        settings,
+    let worker = Worker::new(worker_deps(
+        config,
+        settings.run_start(),
         &backend,
         Arc::new(A2aAgents::new(HashMap::new())),
         Arc::new(no_model),
@@ -942,6 +970,9 @@ mod tests {
             ],
         };
         pairs.extend_from_slice(own);
+        if function == "agent:forgejo" {
+            pairs.push(("LOAMS_BASE_BRANCH", "main"));
+        }
         pairs
     }
 
@@ -999,6 +1030,26 @@ mod tests {
             panic!("not the forgejo settings");
         };
         assert_eq!(read.token.expose(), "forgejo-secret-1");
+        // The forgejo agent needs the base branch runs start with, and its secret must name the same.
+        let mut with_base = environment("agent:forgejo");
+        let without: Vec<_> = with_base
+            .iter()
+            .copied()
+            .filter(|(k, _)| *k != "LOAMS_BASE_BRANCH")
+            .collect();
+        assert!(error(&without).contains("LOAMS_BASE_BRANCH"));
+        let agent = Settings::read(vars(&with_base)).unwrap();
+        agrees_with_runs(&agent, SECRET_ARN, &App::Forgejo(read.clone())).unwrap();
+        with_base.retain(|(k, _)| *k != "LOAMS_BASE_BRANCH");
+        with_base.push(("LOAMS_BASE_BRANCH", "develop"));
+        let agent = Settings::read(vars(&with_base)).unwrap();
+        let err = agrees_with_runs(&agent, SECRET_ARN, &App::Forgejo(read.clone()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("LOAMS_BASE_BRANCH") && err.contains("`base` = \"main\""),
+            "{err}"
+        );
         // A binary secret, or another app's: refused, naming the variable and the secret, quoting no value.
         for (name, text) in [("forgejo", None), ("zulip", Some(forgejo))] {
             let err = app_from_secret_string(name, SECRET_ARN, text)
@@ -1196,13 +1247,11 @@ mod tests {
             parent_run: None,
         };
         let run = worker.open("acme", signal).await.unwrap().run_id;
-        let before = backend
-            .store
-            .get_run("acme", &run)
-            .await
-            .unwrap()
-            .unwrap()
-            .version;
+        let version = async || {
+            let stored = backend.store.get_run("acme", &run).await.unwrap();
+            stored.unwrap().version
+        };
+        let before = version().await;
 
         let step = json!({ "org": "acme", "run": run, "input": null }).to_string();
         let unknown =
@@ -1214,17 +1263,10 @@ mod tests {
             record("m-bad-encoding", "@@@", None, Some("base64")),
         ]}))
         .unwrap();
-        let event = lambda_runtime::LambdaEvent::new(event, lambda_runtime::Context::default());
-        let response = handle_sqs(&worker, event.payload, far()).await;
+        let response = handle_sqs(&worker, event, far()).await;
         // A run that is not (yet) there may appear: delivered again. Bodies that never parse are dropped.
         assert_eq!(failures(&response), ["m-unknown-run"]);
-        let after = backend
-            .store
-            .get_run("acme", &run)
-            .await
-            .unwrap()
-            .unwrap()
-            .version;
+        let after = version().await;
         assert!(
             after > before,
             "the base64 record moved the run: version {before} -> {after}"

@@ -24,7 +24,8 @@ const KEY_SERVICE: &str = "loams-phone";
 /// One account (server, organisation) of a phone: its core client, cache and device key.
 pub struct Phone {
     client: Client,
-    /// A throwaway phone keeps its cache and key in a temporary directory that goes with it.
+    /// Never read, only held: a throwaway phone's cache and key live in this temporary directory, which is
+    /// removed when the phone is dropped.
     _scratch: Option<tempfile::TempDir>,
 }
 
@@ -70,8 +71,11 @@ impl Phone {
         let org = token_org(token)
             .ok_or_else(|| anyhow!("the token names no organisation (no `org` claim)"))?;
         let scratch = tempfile::tempdir().context("creating the phone's directory")?;
-        let mut phone = Phone::open(api_url, &org, token.to_string(), scratch.path())?;
-        phone._scratch = Some(scratch);
+        let opened = Phone::open(api_url, &org, token.to_string(), scratch.path())?;
+        let phone = Phone {
+            _scratch: Some(scratch),
+            ..opened
+        };
         phone.register_device(name).await?;
         Ok(phone)
     }

@@ -132,7 +132,7 @@ impl Stack {
 
         let worker = Arc::new(Worker::new(worker_deps(
             config,
-            Some(apps),
+            Some(RunStart::of(apps)),
             &backend,
             Arc::new(A2aAgents::new(directory)),
             model,
@@ -223,10 +223,27 @@ pub(crate) fn api_config(
     }
 }
 
+/// What a run starts with: the repository's base branch and the analytics project it observes.
+#[derive(Clone, Copy)]
+pub(crate) struct RunStart<'a> {
+    pub base_branch: &'a str,
+    pub analytics_project: &'a str,
+}
+
+impl<'a> RunStart<'a> {
+    /// `loams dev`'s: the apps' own settings, so the forgejo agent merges into the base runs start from.
+    pub fn of(apps: &'a AppSettings) -> RunStart<'a> {
+        RunStart {
+            base_branch: &apps.forgejo.base,
+            analytics_project: &apps.analytics.project_id,
+        }
+    }
+}
+
 /// What a worker needs, from the configuration and the backend; shared by `loams dev` and the Lambda functions.
 pub(crate) fn worker_deps(
     config: &Config,
-    apps: Option<&AppSettings>,
+    run_start: Option<RunStart<'_>>,
     backend: &Backend,
     agents: Arc<dyn AgentCaller>,
     model: Arc<dyn ChatModel>,
@@ -244,10 +261,10 @@ pub(crate) fn worker_deps(
     factory.cooldown_ms = f.cooldown_ms;
     factory.target_files = f.target_files.clone();
     factory.channel = f.channel.clone();
-    // Without apps these keep their defaults; a process that opens runs must have them (runs start with them).
-    if let Some(apps) = apps {
-        factory.base_branch = apps.forgejo.base.clone();
-        factory.analytics_project_id = apps.analytics.project_id.clone();
+    // Without them these keep their defaults; a process that opens runs must have them (runs start with them).
+    if let Some(start) = run_start {
+        factory.base_branch = start.base_branch.to_string();
+        factory.analytics_project_id = start.analytics_project.to_string();
     }
     WorkerDeps {
         store: backend.store.clone(),

@@ -12,7 +12,7 @@ use clap::{Args, Subcommand};
 use loams_core::{Approval, ApprovalState, Decision, Error, Risk, Run, RunListener, RunUpdate};
 use tokio::sync::mpsc;
 
-use crate::demo::{short, timeline_line};
+use crate::demo::{short, timeline_line, verdict};
 use crate::phone::{Phone, token_org};
 
 #[derive(Args)]
@@ -196,9 +196,9 @@ async fn decide(
     out: &mut dyn Write,
 ) -> anyhow::Result<()> {
     // Before anything is read or asked: without a device key nothing can be signed.
-    if phone.device()?.is_none_or(|d| d.revoked_at_ms != 0) {
+    let Some(device) = phone.device()?.filter(|d| d.revoked_at_ms == 0) else {
         bail!("this phone has no registered device key: run `loams phone register` first");
-    }
+    };
     let approval = phone
         .approval(approval_id)
         .await
@@ -226,10 +226,9 @@ async fn decide(
         .decide_typed(approval_id, decision, typed)
         .await
         .with_context(|| format!("deciding approval {approval_id}"))?;
-    let device = phone.device()?.map(|d| d.device_id).unwrap_or_default();
     writeln!(
         out,
-        "{} {} ({}.{}), signed by device {device}",
+        "{} {} ({}.{}), signed by device {}",
         match decided.decision {
             Some(Decision::Approve) => "approved",
             Some(Decision::Deny) => "denied",
@@ -237,7 +236,8 @@ async fn decide(
         },
         decided.id,
         decided.agent,
-        decided.skill
+        decided.skill,
+        device.device_id
     )?;
     Ok(())
 }
@@ -319,11 +319,7 @@ async fn watch(phone: &Phone, run_id: &str, out: &mut dyn Write) -> anyhow::Resu
                     "run {} ended {}{}",
                     run.id,
                     run.state,
-                    if run.verdict.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" [{}]", run.verdict)
-                    }
+                    verdict(&run.verdict)
                 )?;
                 return Ok(());
             }

@@ -5,13 +5,11 @@
 
 use std::path::Path;
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use loams::demo::{Scenario, sandbox_counts};
-use loams::stack::{Backend, Stack, sandbox_apps, webhook_token};
-use loams_model::Replay;
-use loams_sandbox::{Sandbox, SandboxHandle};
+use loams::demo::{self, Scenario, post_alert};
+use loams::stack::Stack;
+use loams_sandbox::SandboxHandle;
 
 const BIN: &str = env!("CARGO_BIN_EXE_loams");
 /// Every setting `loams phone` reads from the environment: a test sets exactly the ones it means to.
@@ -35,39 +33,14 @@ impl Server {
     /// The demo's stack, with one run opened by the sandbox's GlitchTip alert.
     async fn start(data_dir: &Path) -> Server {
         let scenario = Scenario::demo(data_dir.to_path_buf());
-        let sandbox = Sandbox::start(scenario.sandbox.clone()).await.unwrap();
-        let model = Arc::new(Replay::from_json_str(&scenario.cassette).unwrap());
-        let config = &scenario.config;
-        let stack = Stack::start(
-            config,
-            &sandbox_apps(&sandbox.info()),
-            model,
-            Backend::sqlite(&config.data_dir).unwrap(),
-        )
-        .await
-        .unwrap();
-        let hook = format!(
-            "{}/webhooks/glitchtip/{}",
-            stack.api_url,
-            webhook_token(config).unwrap()
-        );
-        let body: serde_json::Value = reqwest::Client::new()
-            .post(&hook)
-            .json(&sandbox.alert_payload())
-            .send()
-            .await
-            .unwrap()
-            .json()
+        let (sandbox, stack) = demo::start(&scenario).await.unwrap();
+        let run_id = post_alert(&stack, &sandbox, &scenario.config)
             .await
             .unwrap();
-        let run_id = body["run"]
-            .as_str()
-            .unwrap_or_else(|| panic!("no run opened: {body}"))
-            .to_string();
         Server {
             stack,
             sandbox,
-            org: config.org.clone(),
+            org: scenario.config.org,
             run_id,
         }
     }
@@ -76,11 +49,17 @@ impl Server {
         self.stack.token(user, &self.org).unwrap()
     }
 
-    async fn merges(&self) -> u64 {
-        let state = sandbox_counts(&self.sandbox.info().urls.forgejo)
-            .await
-            .unwrap();
-        state["forgejo"]["merges"].as_u64().unwrap()
+    fn merges(&self) -> u64 {
+        self.sandbox.counts().forgejo.merges
+    }
+
+    /// The settings of a `loams phone` of `token` keeping its key and cache in `dir`, as environment variables.
+    fn env<'a>(&'a self, token: &'a str, dir: &'a Path) -> [(&'static str, &'a str); 3] {
+        [
+            ("LOAMS_SERVER", self.stack.api_url.as_str()),
+            ("LOAMS_TOKEN", token),
+            ("LOAMS_PHONE_DIR", dir.to_str().unwrap()),
+        ]
     }
 
     async fn stop(self) {
@@ -170,11 +149,7 @@ async fn a_device_registers_lists_the_merge_approves_it_with_the_phrase_and_watc
     let server = Server::start(&dir.path().join("server")).await;
     let token = server.token("alice");
     let phone_dir = dir.path().join("phone");
-    let env = [
-        ("LOAMS_SERVER", server.stack.api_url.as_str()),
-        ("LOAMS_TOKEN", token.as_str()),
-        ("LOAMS_PHONE_DIR", phone_dir.to_str().unwrap()),
-    ];
+    let env = server.env(&token, &phone_dir);
 
     let registered = phone(&env, &["register", "--name", "alice-laptop"]).await;
     assert!(registered.ok, "{registered}");
@@ -216,7 +191,7 @@ async fn a_device_registers_lists_the_merge_approves_it_with_the_phrase_and_watc
             .contains("the typed confirmation does not match the phrase \"merge #1\""),
         "{mistyped}"
     );
-    assert_eq!(server.merges().await, 0);
+    assert_eq!(server.merges(), 0);
 
     let approved = phone(&env, &["approve", &approval, "--confirm", "merge #1"]).await;
     assert!(approved.ok, "{approved}");
@@ -238,7 +213,7 @@ async fn a_device_registers_lists_the_merge_approves_it_with_the_phrase_and_watc
     ] {
         assert!(watched.stdout.contains(line), "{line:?} in {watched}");
     }
-    assert_eq!(server.merges().await, 1);
+    assert_eq!(server.merges(), 1);
 
     let after = phone(&env, &["approvals"]).await;
     assert!(after.stdout.contains("no pending approvals"), "{after}");
@@ -280,11 +255,7 @@ async fn a_denied_merge_ends_the_run_without_merging() {
 
     let registered = phone(&[], &with(&flags, &["register"])).await;
     assert!(registered.ok, "{registered}");
-    let env = [
-        ("LOAMS_SERVER", server.stack.api_url.as_str()),
-        ("LOAMS_TOKEN", token.as_str()),
-        ("LOAMS_PHONE_DIR", phone_dir.to_str().unwrap()),
-    ];
+    let env = server.env(&token, &phone_dir);
     let (approval, _) = wait_for_approval(&env).await;
 
     let denied = phone(&[], &with(&flags, &["deny", &approval])).await;
@@ -320,7 +291,7 @@ async fn a_denied_merge_ends_the_run_without_merging() {
         assert!(watched.stdout.contains(line), "{line:?} in {watched}");
     }
     assert!(!watched.stdout.contains(" merged "), "{watched}");
-    assert_eq!(server.merges().await, 0);
+    assert_eq!(server.merges(), 0);
     server.stop().await;
 }
 

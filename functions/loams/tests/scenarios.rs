@@ -170,7 +170,7 @@ async fn fail_safe_hands_off_after_the_last_attempt() {
 async fn regression_reverts_and_opens_generation_two() {
     let dir = tempfile::tempdir().unwrap();
     let mut scenario = Scenario::demo(dir.path().to_path_buf());
-    scenario.glitchtip_mode = Some("on");
+    scenario.glitchtip_mode = Some(loams_sandbox::ProducingMode::On);
     // Two generations, each fixing in two attempts and passing both reviews.
     let mut cassette: Value = serde_json::from_str(DEMO_CASSETTE).unwrap();
     let once = cassette["completions"].as_array().unwrap().clone();
