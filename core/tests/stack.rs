@@ -8,13 +8,12 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use loams::demo::Scenario;
-use loams::stack::{Backend, Stack, sandbox_apps, webhook_token};
+use loams::stack::Stack;
 use loams_core::{
     ApprovalListener, ApprovalUpdate, Client, ClientConfig, Decision, Error, RunListener,
     RunUpdate, SoftwareSigner, SyncMode, TokenProvider,
 };
-use loams_model::Replay;
-use loams_sandbox::{Sandbox, SandboxHandle};
+use loams_sandbox::SandboxHandle;
 use tokio::sync::mpsc;
 
 struct StaticToken(String);
@@ -77,39 +76,14 @@ struct Server {
 /// The demo's stack, with one run opened by the sandbox's GlitchTip alert.
 async fn start(data_dir: std::path::PathBuf) -> Server {
     let scenario = Scenario::demo(data_dir);
-    let sandbox = Sandbox::start(scenario.sandbox.clone()).await.unwrap();
-    let model = Arc::new(Replay::from_json_str(&scenario.cassette).unwrap());
-    let config = &scenario.config;
-    let stack = Stack::start(
-        config,
-        &sandbox_apps(&sandbox.info()),
-        model,
-        Backend::sqlite(&config.data_dir).unwrap(),
-    )
-    .await
-    .unwrap();
-    let hook = format!(
-        "{}/webhooks/glitchtip/{}",
-        stack.api_url,
-        webhook_token(config).unwrap()
-    );
-    let body: serde_json::Value = reqwest::Client::new()
-        .post(&hook)
-        .json(&sandbox.alert_payload())
-        .send()
-        .await
-        .unwrap()
-        .json()
+    let (sandbox, stack) = loams::demo::start(&scenario).await.unwrap();
+    let run_id = loams::demo::post_alert(&stack, &sandbox, &scenario.config)
         .await
         .unwrap();
-    let run_id = body["run"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no run opened: {body}"))
-        .to_string();
     Server {
         stack,
         sandbox,
-        org: config.org.clone(),
+        org: scenario.config.org.clone(),
         run_id,
     }
 }
