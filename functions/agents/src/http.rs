@@ -10,7 +10,6 @@
 //! connection that could not be opened, and a 429 (the app did not process the request), are retried for every
 //! method. All attempts and waits of a call fit in [`RetryPolicy::max_elapsed`].
 
-use std::hash::{BuildHasher, Hasher};
 use std::sync::LazyLock;
 use std::time::{Duration, SystemTime};
 
@@ -67,11 +66,7 @@ impl RetryPolicy {
         let doubled = self
             .initial_backoff
             .saturating_mul(2u32.saturating_pow(failed.saturating_sub(1)));
-        let step = doubled.min(self.max_backoff);
-        let half = step / 2;
-        let jitter_nanos = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX);
-        let random = std::hash::RandomState::new().build_hasher().finish();
-        half + Duration::from_nanos(random % jitter_nanos.saturating_add(1))
+        loams_platform::backoff::jittered(doubled.min(self.max_backoff))
     }
 }
 

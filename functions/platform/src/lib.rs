@@ -10,6 +10,7 @@
 
 #[cfg(feature = "aws")]
 pub mod aws;
+pub mod backoff;
 pub mod calendar;
 pub mod clock;
 pub mod conformance;

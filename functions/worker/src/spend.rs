@@ -5,6 +5,7 @@
 //! added to one of them at random: with one record, a hundred runs answering at once lost most of their
 //! conditional writes to each other (20 conflicts per run in the engine benchmark). Reading sums them in one query.
 
+use loams_platform::backoff::{jittered, random_u64};
 use loams_platform::calendar::{DAY_MS, civil_from_days};
 use loams_platform::{Cond, Item, Page, Store, StoreError};
 use serde::{Deserialize, Serialize};
@@ -58,7 +59,7 @@ pub(crate) async fn add(
         if attempt > 0 {
             pause(attempt).await;
         }
-        let id = format!("{month}:{}", random_byte() % SHARDS);
+        let id = format!("{month}:{}", random_u64() % u64::from(SHARDS));
         let (spent, version) = match store.get_item(org, KIND, &id).await? {
             None => (Spent::default(), None),
             Some(item) => (decode(&item)?, Some(item.version)),
@@ -88,20 +89,10 @@ pub(crate) async fn add(
     Err(WorkerError::Contended(MAX_TRIES))
 }
 
-/// Up to 2^min(attempt, 5) ms, at random, so that racing writers spread out instead of colliding again.
+/// About 2^min(attempt, 5) ms, jittered, so that racing writers spread out instead of colliding again.
 async fn pause(attempt: u32) {
-    let most_us = 1_000u64 << attempt.min(5);
-    let fraction = u64::from(random_byte());
-    tokio::time::sleep(std::time::Duration::from_micros(most_us * fraction / 255)).await;
-}
-
-/// A random byte; without randomness, the largest (the longest pause, the last shard).
-fn random_byte() -> u8 {
-    let mut byte = [0u8; 1];
-    match aws_lc_rs::rand::fill(&mut byte) {
-        Ok(()) => byte[0],
-        Err(_) => u8::MAX,
-    }
+    let step = std::time::Duration::from_millis(1 << attempt.min(5));
+    tokio::time::sleep(jittered(step)).await;
 }
 
 fn decode(item: &Item) -> Result<Spent, WorkerError> {
