@@ -701,10 +701,7 @@ impl AgentCaller for LazyAgents {
         approval_id: Option<&str>,
     ) -> AgentReply {
         let Some((url, cell)) = self.clients.get(agent) else {
-            return AgentReply::Failed {
-                error: format!("no agent named {agent} is configured"),
-                retryable: false,
-            };
+            return AgentReply::unknown_agent(agent);
         };
         let connected = cell
             .get_or_try_init(|| async {

@@ -19,6 +19,14 @@ pub enum AgentReply {
 }
 
 impl AgentReply {
+    /// A call to an agent this deployment does not have: no retry can change that.
+    pub fn unknown_agent(agent: &str) -> AgentReply {
+        AgentReply::Failed {
+            error: format!("no agent named {agent} is configured"),
+            retryable: false,
+        }
+    }
+
     /// What an A2A call's result means for the step.
     pub fn from_call(result: Result<Value, CallError>) -> AgentReply {
         match result {
@@ -72,10 +80,7 @@ impl AgentCaller for A2aAgents {
         approval_id: Option<&str>,
     ) -> AgentReply {
         let Some(client) = self.clients.get(agent) else {
-            return AgentReply::Failed {
-                error: format!("no agent named {agent} is configured"),
-                retryable: false,
-            };
+            return AgentReply::unknown_agent(agent);
         };
         AgentReply::from_call(client.call(step, skill, args, approval_id).await)
     }
