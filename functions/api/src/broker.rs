@@ -9,7 +9,8 @@
 //! - [`ApprovalBroker`] admits a destructive call only under a settled, approved, unexpired
 //!   approval whose action hash is the hash of exactly this call.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use aws_lc_rs::constant_time;
@@ -35,27 +36,37 @@ const AGENT_SCOPE: &str = "a2a";
 /// Item kind of approval records (docs/contracts.md).
 const APPROVAL_KIND: &str = "approval";
 
-/// Mints the bearer token for one agent call: `sub` = [`AGENT_SUBJECT`], `org`, `aud` = the agent's
-/// URL, valid for five minutes. A fresh token per call costs one ECDSA signature and leaves no
-/// cache of live credentials to guard.
+/// Mints the bearer tokens for agent calls: `sub` = [`AGENT_SUBJECT`], `org`, `aud` = the agent's URL, valid for
+/// five minutes. A token is reused for calls to the same agent until it has less than [`REUSE_MARGIN_S`] left:
+/// an ECDSA signature per call was a measurable part of a run's CPU, and the cache holds nothing the issuer's
+/// key beside it does not already grant.
 pub struct AgentTokens {
     issuer: Issuer,
     org: String,
+    minted: Mutex<HashMap<String, Minted>>,
 }
+
+struct Minted {
+    token: String,
+    exp: u64,
+}
+
+/// Least lifetime a reused token still has when sent: the agent checks it on arrival, and a call reaches the
+/// agent well within this.
+const REUSE_MARGIN_S: u64 = 60;
+/// Most audiences whose tokens are kept; a deployment has a handful of agents.
+const MAX_CACHED_TOKENS: usize = 64;
 
 impl AgentTokens {
     pub fn new(issuer: Issuer, org: impl Into<String>) -> Self {
         Self {
             issuer,
             org: org.into(),
+            minted: Mutex::default(),
         }
     }
-}
 
-#[async_trait]
-impl TokenSource for AgentTokens {
-    async fn token(&self, audience: &str) -> Result<String, TokenError> {
-        let now = jsonwebtoken::get_current_timestamp();
+    fn mint(&self, audience: &str, now: u64) -> Result<String, TokenError> {
         self.issuer
             .issue_for(
                 audience,
@@ -72,22 +83,58 @@ impl TokenSource for AgentTokens {
     }
 }
 
-/// Verifies agent tokens at an agent against the issuer's keys, with the agent's URL as audience.
+#[async_trait]
+impl TokenSource for AgentTokens {
+    async fn token(&self, audience: &str) -> Result<String, TokenError> {
+        let now = jsonwebtoken::get_current_timestamp();
+        if let Some(minted) = lock(&self.minted).get(audience)
+            && minted.exp >= now + REUSE_MARGIN_S
+        {
+            return Ok(minted.token.clone());
+        }
+        let token = self.mint(audience, now)?;
+        let mut minted = lock(&self.minted);
+        if minted.len() >= MAX_CACHED_TOKENS {
+            minted.clear();
+        }
+        minted.insert(
+            audience.to_string(),
+            Minted {
+                token: token.clone(),
+                exp: now + AGENT_TOKEN_TTL_S,
+            },
+        );
+        Ok(token)
+    }
+}
+
+/// Verifies agent tokens at an agent against the issuer's keys, with the agent's URL as audience. A token that
+/// passed is remembered, with its audience, until it expires: the worker reuses its tokens, and an ECDSA
+/// verification per call was as costly as the signature. Only the exact token string verified for the same
+/// audience is taken from memory, and its expiry is checked again on every use.
 pub struct AgentAuth {
     verifier: Verifier,
+    verified: Mutex<HashMap<(String, String), Verified>>,
 }
+
+struct Verified {
+    principal: Principal,
+    exp: u64,
+}
+
+/// Most verified tokens kept; past it the memory starts over (forged tokens never enter it).
+const MAX_VERIFIED_TOKENS: usize = 256;
 
 impl AgentAuth {
     /// `verifier` carries the trusted keys and issuer; its audience is replaced per agent.
     pub fn new(verifier: Verifier) -> Self {
-        Self { verifier }
+        Self {
+            verifier,
+            verified: Mutex::default(),
+        }
     }
-}
 
-#[async_trait]
-impl CallerAuth for AgentAuth {
-    async fn verify(&self, bearer: Option<&str>, audience: &str) -> Result<Principal, AuthError> {
-        let token = bearer.ok_or(AuthError::Missing)?;
+    async fn check(&self, token: &str, audience: &str) -> Result<Verified, AuthError> {
         let claims = self
             .verifier
             .for_audience(audience)
@@ -107,11 +154,42 @@ impl CallerAuth for AgentAuth {
         if claims.sub != AGENT_SUBJECT {
             return Err(AuthError::Invalid);
         }
-        Ok(Principal {
-            subject: claims.sub,
-            org: claims.org,
+        Ok(Verified {
+            principal: Principal {
+                subject: claims.sub,
+                org: claims.org,
+            },
+            exp: claims.exp,
         })
     }
+}
+
+#[async_trait]
+impl CallerAuth for AgentAuth {
+    async fn verify(&self, bearer: Option<&str>, audience: &str) -> Result<Principal, AuthError> {
+        let token = bearer.ok_or(AuthError::Missing)?;
+        let key = (audience.to_string(), token.to_string());
+        let now = jsonwebtoken::get_current_timestamp();
+        if let Some(known) = lock(&self.verified).get(&key)
+            && known.exp > now
+        {
+            return Ok(known.principal.clone());
+        }
+        let verified = self.check(token, audience).await?;
+        let principal = verified.principal.clone();
+        let mut memory = lock(&self.verified);
+        memory.retain(|_, v| v.exp > now);
+        if memory.len() >= MAX_VERIFIED_TOKENS {
+            memory.clear();
+        }
+        memory.insert(key, verified);
+        Ok(principal)
+    }
+}
+
+/// The caches above hold plain data that no panic can leave half-written, so a poisoned lock is still usable.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Checks destructive calls against the factory's approval records in the store.

@@ -111,6 +111,33 @@ async fn agent_tokens_verify_for_their_agent_only() {
     );
 }
 
+#[tokio::test]
+async fn agent_tokens_are_reused_per_agent_and_remembered_only_verbatim() {
+    let issuer = issuer();
+    let tokens = AgentTokens::new(issuer.clone(), "acme");
+    let first = tokens.token(AGENT_URL).await.unwrap();
+    assert_eq!(tokens.token(AGENT_URL).await.unwrap(), first);
+    let other_agent = "http://127.0.0.1:4712";
+    assert_ne!(tokens.token(other_agent).await.unwrap(), first);
+
+    let auth = AgentAuth::new(issuer.verifier());
+    assert!(auth.verify(Some(&first), AGENT_URL).await.is_ok());
+    assert!(auth.verify(Some(&first), AGENT_URL).await.is_ok());
+    // Remembered for its own agent only, and only as the exact string that was verified.
+    assert_eq!(
+        auth.verify(Some(&first), other_agent).await,
+        Err(AuthError::Invalid)
+    );
+    // A character inside the signature (the last one carries padding bits only).
+    let at = first.len() - 10;
+    let flipped = if &first[at..=at] == "A" { "B" } else { "A" };
+    let tampered = format!("{}{flipped}{}", &first[..at], &first[at + 1..]);
+    assert_eq!(
+        auth.verify(Some(&tampered), AGENT_URL).await,
+        Err(AuthError::Invalid)
+    );
+}
+
 fn merge_args() -> Value {
     json!({"number": 7, "head_sha": "abc123"})
 }
