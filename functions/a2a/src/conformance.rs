@@ -181,6 +181,9 @@ pub(crate) async fn begin(
         task,
         call: format!("conformance:{script:?}"),
         caller: caller.subject.clone(),
+        // Nothing runs a scripted task: it is cancelable at once.
+        lease_until_ms: 0,
+        repeatable: false,
     };
     let body = tasks::storable(&mut record)?;
     let version = agent

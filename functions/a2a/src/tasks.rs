@@ -1,7 +1,7 @@
 //! The binding-independent A2A operations over tasks kept in the platform `Store`.
 //!
 //! Everything a later request needs (the task, its binding to the call and caller, the claim on its
-//! message id) is in the store, so any process over the same store (a restarted one, another
+//! message id) is in one stored item per task, so any process over the same store (a restarted one, another
 //! Lambda) can read, cancel or follow a task another process started. The only thing held in
 //! memory is the skill run itself, which no other process could continue anyway.
 
@@ -16,7 +16,7 @@ use a2a::{
 };
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
-use loams_platform::{Claim, Cond, Item, Page, Store, StoreError, limits};
+use loams_platform::{Cond, Item, Page, Store, StoreError, limits};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -162,11 +162,28 @@ pub(crate) struct StoredTask {
     pub(crate) call: String,
     /// Subject of the caller that created the task.
     pub(crate) caller: String,
+    /// While WORKING: until when the request that stored it runs the skill (its lease). Past it the
+    /// process is taken as dead: the task may be canceled, or run again by a repeat of the call.
+    #[serde(default)]
+    pub(crate) lease_until_ms: i64,
+    /// A failure that happened before anything reached the app: a repeat of the call runs it again.
+    #[serde(default)]
+    pub(crate) repeatable: bool,
 }
 
 impl StoredTask {
     fn bound_to(&self, call: &str, caller: &Principal) -> bool {
         self.call == call && self.caller == caller.subject
+    }
+
+    /// Whether a request is running the skill right now.
+    fn running(&self, now_ms: i64) -> bool {
+        !settled(&self.task.status.state) && now_ms < self.lease_until_ms
+    }
+
+    /// Whether a new request may take the task over and run the call (again).
+    fn reclaimable(&self, now_ms: i64) -> bool {
+        self.repeatable || (!settled(&self.task.status.state) && !self.running(now_ms))
     }
 }
 
@@ -189,10 +206,6 @@ impl Agent {
     /// deterministic key for this call, and GetTask can then find the stored item without an index.
     fn item_id(&self, task_id: &str) -> String {
         format!("{}:{task_id}", self.name)
-    }
-
-    fn claim_key(&self, task_id: &str) -> String {
-        format!("{TASK_KIND}:{}", self.item_id(task_id))
     }
 
     /// The store index of a caller's tasks on this agent (ListTasks reads it). The subject is hashed
@@ -254,12 +267,68 @@ impl Agent {
         self.store.put_item(&item, cond).await
     }
 
-    async fn release(&self, key: &str) {
-        if let Err(e) = self.store.release(&self.org, key).await {
-            tracing::warn!(error = %e, "releasing the a2a claim");
+    /// Takes back a WORKING task this request stored when it cannot go on before the skill starts, so a
+    /// repeat of the call can run at once instead of after the lease.
+    async fn withdraw(&self, task_id: &str) {
+        if let Err(e) = self
+            .store
+            .delete_item(&self.org, TASK_KIND, &self.item_id(task_id))
+            .await
+        {
+            tracing::warn!(error = %e, "withdrawing an a2a task");
         }
     }
 }
+
+/// What storing a new WORKING task found for its message id.
+enum Claimed {
+    /// This request stored it, at this version, and runs the skill.
+    Ours(u64),
+    /// The same call, finished: its recorded task.
+    Finished(Task),
+    /// The same call, being run by another request: the task as stored.
+    Running(Task),
+}
+
+/// Stores `record` (WORKING, with this request's lease) as the claim on its message id: the task item is its own
+/// claim, so starting a call is one conditional write. A task left by a process that died (lease over), or a
+/// failure that may be repeated, is taken over at its version; of two requests racing for it, one wins.
+async fn claim(
+    agent: &Agent,
+    record: &mut StoredTask,
+    caller: &Principal,
+) -> Result<Claimed, A2AError> {
+    let body = storable(record)?;
+    let mut cond = Cond::Absent;
+    for _ in 0..CLAIM_ATTEMPTS {
+        match agent.put(record, body.clone(), cond).await {
+            Ok(version) => return Ok(Claimed::Ours(version)),
+            Err(StoreError::Conflict) => {}
+            Err(e) => return Err(store_failure(e)),
+        }
+        let Some((stored, version)) = agent.load(&record.task.id).await? else {
+            cond = Cond::Absent;
+            continue;
+        };
+        if !stored.bound_to(&record.call, caller) {
+            return Err(reused(&record.task.id));
+        }
+        let now = now_ms();
+        if stored.reclaimable(now) {
+            cond = Cond::Version(version);
+        } else if stored.running(now) {
+            return Ok(Claimed::Running(stored.task));
+        } else {
+            return Ok(Claimed::Finished(stored.task));
+        }
+    }
+    Err(A2AError::internal(
+        "the task kept changing while being started; send the message again",
+    ))
+}
+
+/// Tries at storing a new task before giving up: each lost one means another request changed it meanwhile.
+const CLAIM_ATTEMPTS: usize = 3;
 
 fn decode_task(bytes: &[u8]) -> Result<StoredTask, A2AError> {
     serde_json::from_slice(bytes).map_err(|e| {
@@ -396,8 +465,8 @@ pub(crate) async fn begin(
         .context_id
         .clone()
         .unwrap_or_else(|| task_id.clone());
-    let key = agent.claim_key(&task_id);
     let started = now_ms();
+    let lease_ms = i64::try_from(agent.options.claim_lease.as_millis()).unwrap_or(i64::MAX);
     let mut record = StoredTask {
         task: Task {
             id: task_id.clone(),
@@ -413,69 +482,38 @@ pub(crate) async fn begin(
         },
         call,
         caller: caller.subject.clone(),
+        lease_until_ms: started.saturating_add(lease_ms),
+        repeatable: false,
     };
 
-    let lease_ms = u64::try_from(agent.options.claim_lease.as_millis()).unwrap_or(u64::MAX);
-    match agent
-        .store
-        .claim(&agent.org, &key, started, lease_ms)
+    // The gate is asked before the claim: if it cannot answer, nothing is stored and the same call can be
+    // decided again at once.
+    let admitted = gate(agent, &skill, &args, approval_id.as_deref())
         .await
-        .map_err(store_failure)?
-    {
-        Claim::Done(bytes) => {
-            let stored = decode_task(&bytes)?;
-            return if stored.bound_to(&record.call, caller) {
-                // A finished task sends no more updates: a webhook given now has nothing to get.
-                Ok(Begun::Stored(stored.task))
-            } else {
-                Err(reused(&task_id))
-            };
-        }
-        Claim::InProgress => {
-            // The running call stores its WORKING task right after claiming; until then there is
-            // nothing to compare with, and echoing the caller's own message reveals nothing.
-            return match agent.load(&task_id).await? {
-                Some((stored, _)) if !stored.bound_to(&record.call, caller) => {
-                    Err(reused(&task_id))
-                }
-                Some((stored, _)) => {
-                    if let Some(config) = push {
-                        crate::push::create_config(agent, &task_id, config).await?;
-                    }
-                    Ok(Begun::Elsewhere(stored.task))
-                }
-                None => Ok(Begun::Elsewhere(record.task)),
-            };
-        }
-        Claim::New => {}
-    }
-
-    let admitted = match gate(agent, &skill, &args, approval_id.as_deref()).await {
-        Ok(admitted) => admitted,
-        Err(e) => {
-            // Nothing ran: give the message id back so the same call can be decided again.
+        .map_err(|e| {
             tracing::error!(error = %e, "a2a approval gate");
-            agent.release(&key).await;
-            return Err(A2AError::internal("the approval check is unavailable"));
+            A2AError::internal("the approval check is unavailable")
+        })?;
+    // The WORKING task is stored before anyone is told about it: with returnImmediately the caller's next
+    // request may reach another process.
+    let version = match claim(agent, &mut record, caller).await? {
+        Claimed::Ours(version) => version,
+        // A finished task sends no more updates: a webhook given now has nothing to get.
+        Claimed::Finished(task) => return Ok(Begun::Stored(task)),
+        Claimed::Running(task) => {
+            if let Some(config) = push {
+                crate::push::create_config(agent, &task_id, config).await?;
+            }
+            return Ok(Begun::Elsewhere(task));
         }
     };
     let with_push = push.is_some();
     if let Some(config) = push
         && let Err(e) = crate::push::create_config(agent, &task_id, config).await
     {
-        agent.release(&key).await;
+        agent.withdraw(&task_id).await;
         return Err(e);
     }
-    // The WORKING task must be stored before anyone is told about it: with returnImmediately the
-    // caller's next request may reach another process.
-    let working = storable(&mut record)?;
-    let version = match agent.put(&record, working, Cond::Any).await {
-        Ok(v) => v,
-        Err(e) => {
-            agent.release(&key).await;
-            return Err(store_failure(e));
-        }
-    };
     let shown = record.task.clone();
     // Only a config given with this message can exist yet: CreateTaskPushNotificationConfig needs
     // the stored task, which was written a moment ago. A config registered from now on gets the
@@ -484,22 +522,13 @@ pub(crate) async fn begin(
     if with_push {
         crate::push::notify(agent, &task_id, vec![StreamResponse::Task(shown.clone())]).await;
     }
-    let run = tokio::spawn(run(
-        agent.clone(),
-        key,
-        record,
-        version,
-        skill,
-        args,
-        admitted,
-    ));
+    let run = tokio::spawn(run(agent.clone(), record, version, skill, args, admitted));
     Ok(Begun::Started(shown, run))
 }
 
 /// Runs an admitted call (or records its refusal), stores the finished task and settles the claim.
 async fn run(
     agent: Arc<Agent>,
-    key: String,
     mut record: StoredTask,
     working_version: u64,
     skill: String,
@@ -522,7 +551,9 @@ async fn run(
     };
     let finished = now_ms();
     let working = record.task.clone();
-    let retryable_failure = matches!(&outcome, Err(e) if e.retryable);
+    // Nothing happened on the app's side, so a repeat of the same message id may try again at once.
+    record.repeatable = matches!(&outcome, Err(e) if e.retryable);
+    record.lease_until_ms = 0;
     let task_id = record.task.id.clone();
     let context_id = record.task.context_id.clone();
     let task = &mut record.task;
@@ -548,13 +579,14 @@ async fn run(
         let why = format!("skill output exceeds {} bytes", limits::MAX_BODY);
         record.task.artifacts = None;
         record.task.status = failed_status(&task_id, &context_id, &why, false, finished);
+        record.repeatable = false;
         body = storable(&mut record)?;
     }
 
     // Conditional on the WORKING version: if the task changed meanwhile, another process took it
     // over after this run's lease ran out (and, say, canceled it); its record stands.
     match agent
-        .put(&record, body.clone(), Cond::Version(working_version))
+        .put(&record, body, Cond::Version(working_version))
         .await
     {
         Ok(_) => {}
@@ -566,26 +598,11 @@ async fn run(
             };
         }
         Err(e) => {
-            // The effect may have happened but is not recorded. The store failing here is rare and the
-            // caller hears an error either way; freeing the id lets its repeat run the skill again now
-            // (most skills look up what they may have made) rather than after the lease.
-            agent.release(&key).await;
+            // The effect may have happened but is not recorded. The store failing here is rare and the caller
+            // hears an error either way; a repeat of the call runs the skill again once the lease is over (most
+            // skills look up what they may have made).
             return Err(store_failure(e));
         }
-    }
-    if retryable_failure {
-        // Nothing happened on the app's side, so the same message id may try again at once.
-        agent
-            .store
-            .release(&agent.org, &key)
-            .await
-            .map_err(store_failure)?;
-    } else {
-        agent
-            .store
-            .finish(&agent.org, &key, &body, finished)
-            .await
-            .map_err(store_failure)?;
     }
     crate::push::notify(&agent, &task_id, changes(&working, &record.task)).await;
     Ok(record.task)
@@ -649,74 +666,51 @@ pub(crate) async fn get_task(
 }
 
 /// CancelTask. A running skill cannot be withdrawn (its effect on the app may already have
-/// happened), so a task is cancelable only while nobody runs it: its claim's lease ran out, as
-/// after the process that started it died. Taking the claim settles the message id as canceled, so
-/// a repeat of the call returns the canceled task instead of running the skill.
+/// happened), so a task is cancelable only while nobody runs it: its lease ran out, as after the
+/// process that started it died. The canceled task is written at the version read, so a run that
+/// finished meanwhile keeps its outcome, and a repeat of the call returns the canceled task instead
+/// of running the skill.
 pub(crate) async fn cancel_task(
     agent: &Arc<Agent>,
     caller: &Principal,
     task_id: &str,
 ) -> Result<Task, A2AError> {
-    let (before, _) = agent.own(caller, task_id).await?;
     let not_cancelable = |why: &str| {
         A2AError::new(
             error_code::TASK_NOT_CANCELABLE,
             format!("task {task_id} {why}"),
         )
     };
-    if before.status.state.is_terminal() {
-        return Err(not_cancelable("is in a terminal state"));
-    }
-    let key = agent.claim_key(task_id);
-    let now = now_ms();
-    let lease_ms = u64::try_from(agent.options.claim_lease.as_millis()).unwrap_or(u64::MAX);
-    match agent
-        .store
-        .claim(&agent.org, &key, now, lease_ms)
-        .await
-        .map_err(store_failure)?
-    {
-        Claim::Done(_) => return Err(not_cancelable("is in a terminal state")),
-        Claim::InProgress => {
-            return Err(not_cancelable(
-                "is running a skill that cannot be interrupted",
-            ));
-        }
-        Claim::New => {}
-    }
-    // Re-read under the claim: the run may have finished between the first read and the claim.
-    let Some((mut record, version)) = agent.load(task_id).await? else {
-        agent.release(&key).await;
-        return Err(A2AError::task_not_found(task_id));
+    let (mut record, version) = match agent.load(task_id).await? {
+        Some((record, version)) if record.caller == caller.subject => (record, version),
+        _ => return Err(A2AError::task_not_found(task_id)),
     };
     if record.task.status.state.is_terminal() {
-        agent.release(&key).await;
         return Err(not_cancelable("is in a terminal state"));
     }
-    let context_id = record.task.context_id.clone();
+    let now = now_ms();
+    if record.running(now) {
+        return Err(not_cancelable(
+            "is running a skill that cannot be interrupted",
+        ));
+    }
+    let before = record.task.clone();
     let message = agent_message(
         task_id,
-        &context_id,
+        &record.task.context_id,
         "canceled",
         vec![a2a::Part::text("canceled by the caller")],
     );
     record.task.status = status(TaskState::Canceled, Some(message), now);
+    record.lease_until_ms = 0;
     let body = storable(&mut record)?;
-    if let Err(e) = agent
-        .put(&record, body.clone(), Cond::Version(version))
+    agent
+        .put(&record, body, Cond::Version(version))
         .await
-    {
-        agent.release(&key).await;
-        return Err(match e {
+        .map_err(|e| match e {
             StoreError::Conflict => not_cancelable("changed while being canceled"),
             other => store_failure(other),
-        });
-    }
-    agent
-        .store
-        .finish(&agent.org, &key, &body, now)
-        .await
-        .map_err(store_failure)?;
+        })?;
     crate::push::notify(agent, task_id, changes(&before, &record.task)).await;
     Ok(record.task)
 }

@@ -1485,31 +1485,9 @@ async fn tasks_survive_a_restart() {
         ..fast_polling()
     };
 
-    // The first process runs in its own runtime so that it can be killed, skill run and all.
-    let first = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let std_listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    std_listener.set_nonblocking(true).unwrap();
-    let base = format!("http://{}", std_listener.local_addr().unwrap());
-    let (app, old) = app(store.clone(), options.clone(), &base);
-    first.spawn(async move {
-        let listener = tokio::net::TcpListener::from_std(std_listener).unwrap();
-        axum::serve(listener, app).await.unwrap()
-    });
     let mut send = rest_send("rs-1", "slow", json!({}));
     send["configuration"] = json!({"returnImmediately": true});
-    let (status, _, body) = old
-        .rest(Method::POST, "/message:send", Some(send.clone()))
-        .await;
-    assert_eq!(
-        (status, &body["task"]["status"]["state"]),
-        (200, &json!("TASK_STATE_WORKING"))
-    );
-    old.skills.slow_started.notified().await;
-    first.shutdown_background();
+    left_by_a_dead_process(&store, &options, &send).await;
 
     let agent = start_with(store, options).await;
     let (_, _, task) = agent.rest(Method::GET, "/tasks/rs-1", None).await;
@@ -1542,6 +1520,80 @@ async fn tasks_survive_a_restart() {
     assert_eq!(agent.calls(), 0);
     let again = agent.rest(Method::POST, "/tasks/rs-1:cancel", None).await;
     assert_rest_error(&again, 409, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
+}
+
+/// Starts `send` (a `slow` call with returnImmediately) on a process over `store` and kills that process, runtime
+/// and skill run and all, once the skill has started.
+async fn left_by_a_dead_process(store: &Arc<dyn Store>, options: &ServerOptions, send: &Value) {
+    // The first process runs in its own runtime so that it can be killed, skill run and all.
+    let first = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let std_listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    std_listener.set_nonblocking(true).unwrap();
+    let base = format!("http://{}", std_listener.local_addr().unwrap());
+    let (app, old) = app(store.clone(), options.clone(), &base);
+    first.spawn(async move {
+        let listener = tokio::net::TcpListener::from_std(std_listener).unwrap();
+        axum::serve(listener, app).await.unwrap()
+    });
+    let (status, _, body) = old
+        .rest(Method::POST, "/message:send", Some(send.clone()))
+        .await;
+    assert_eq!(
+        (status, &body["task"]["status"]["state"]),
+        (200, &json!("TASK_STATE_WORKING"))
+    );
+    old.skills.slow_started.notified().await;
+    first.shutdown_background();
+}
+
+/// A call whose process died mid-skill runs again when it is repeated after the lease: nobody else can finish it.
+#[tokio::test]
+async fn a_call_left_by_a_dead_process_runs_again_after_its_lease() {
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let options = ServerOptions {
+        claim_lease: Duration::from_millis(600),
+        ..fast_polling()
+    };
+    let mut send = rest_send("rd-1", "slow", json!({}));
+    send["configuration"] = json!({"returnImmediately": true});
+    left_by_a_dead_process(&store, &options, &send).await;
+
+    let agent = start_with(store, options).await;
+    let (_, _, early) = agent
+        .rest(Method::POST, "/message:send", Some(send.clone()))
+        .await;
+    assert_eq!(
+        early["task"]["status"]["state"], "TASK_STATE_WORKING",
+        "{early}"
+    );
+    assert_eq!(
+        agent.calls(),
+        0,
+        "within the lease the repeat only shows the task"
+    );
+
+    tokio::time::sleep(Duration::from_millis(650)).await;
+    let (_, _, taken) = agent.rest(Method::POST, "/message:send", Some(send)).await;
+    assert_eq!(
+        taken["task"]["status"]["state"], "TASK_STATE_WORKING",
+        "{taken}"
+    );
+    agent.skills.slow_started.notified().await;
+    assert_eq!(agent.calls(), 1);
+    agent.skills.slow_release.notify_one();
+    let done = loop {
+        let (_, _, task) = agent.rest(Method::GET, "/tasks/rd-1", None).await;
+        if task["status"]["state"] != "TASK_STATE_WORKING" {
+            break task;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(done["status"]["state"], "TASK_STATE_COMPLETED", "{done}");
+    assert_eq!(agent.calls(), 1);
 }
 
 #[tokio::test]
