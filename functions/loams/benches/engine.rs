@@ -27,6 +27,10 @@ use loams_sandbox::{Sandbox, SandboxConfig};
 use serde_json::Value;
 use tokio::task::JoinSet;
 
+/// The allocator the `loams` binary runs with, so the bench measures what it ships.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// How often the driver looks for pending approvals (on the uncounted store handle).
 const POLL: Duration = Duration::from_millis(10);
 /// How often it counts ended runs: the wall time is known to this much. Counting reads every ended run's
