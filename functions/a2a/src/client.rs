@@ -790,18 +790,10 @@ fn task_outcome(task: Task) -> Result<Value, CallError> {
                 CallError::InvalidResponse("completed task without a data artifact".into())
             })
         }
-        TaskState::Failed | TaskState::Rejected | TaskState::Canceled => {
-            let message = status_text(&task, "the skill failed");
-            let parts = task.status.message.map(|m| m.parts).unwrap_or_default();
-            let retryable = parts.iter().find_map(|p| match &p.content {
-                PartContent::Data(v) => v.get("retryable").and_then(Value::as_bool),
-                _ => None,
-            });
-            Err(CallError::Skill {
-                message,
-                retryable: retryable.unwrap_or(false),
-            })
-        }
+        TaskState::Failed | TaskState::Rejected | TaskState::Canceled => Err(CallError::Skill {
+            message: status_text(&task, "the skill failed"),
+            retryable: crate::tasks::retryable(&task.status),
+        }),
         TaskState::InputRequired | TaskState::AuthRequired => Err(CallError::Interrupted {
             message: status_text(&task, ""),
             needs_auth: task.status.state == TaskState::AuthRequired,

@@ -181,9 +181,8 @@ pub(crate) async fn begin(
         task,
         call: format!("conformance:{script:?}"),
         caller: caller.subject.clone(),
-        // Nothing runs a scripted task: it is cancelable at once.
-        lease_until_ms: 0,
-        repeatable: false,
+        // No skill runs for a scripted task, so it may be canceled at once.
+        lease_until_ms: Some(0),
     };
     let body = tasks::storable(&mut record)?;
     let version = agent

@@ -159,7 +159,7 @@ fn check_url(url: &str, options: &PushOptions) -> Result<(), A2AError> {
     Ok(())
 }
 
-fn check_config(
+pub(crate) fn check_config(
     config: &TaskPushNotificationConfig,
     options: &PushOptions,
 ) -> Result<(), A2AError> {

@@ -164,11 +164,10 @@ pub(crate) struct StoredTask {
     pub(crate) caller: String,
     /// While WORKING: until when the request that stored it runs the skill (its lease). Past it the
     /// process is taken as dead: the task may be canceled, or run again by a repeat of the call.
-    #[serde(default)]
-    pub(crate) lease_until_ms: i64,
-    /// A failure that happened before anything reached the app: a repeat of the call runs it again.
-    #[serde(default)]
-    pub(crate) repeatable: bool,
+    /// `None` (a task stored before leases were recorded) means the WORKING status time plus the
+    /// agent's lease, which is when its claim would have lapsed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) lease_until_ms: Option<i64>,
 }
 
 impl StoredTask {
@@ -177,13 +176,23 @@ impl StoredTask {
     }
 
     /// Whether a request is running the skill right now.
-    fn running(&self, now_ms: i64) -> bool {
-        !settled(&self.task.status.state) && now_ms < self.lease_until_ms
+    fn running(&self, now_ms: i64, lease_ms: i64) -> bool {
+        let until = self.lease_until_ms.unwrap_or_else(|| {
+            let since = self
+                .task
+                .status
+                .timestamp
+                .map_or(0, |t| t.timestamp_millis());
+            since.saturating_add(lease_ms)
+        });
+        !settled(&self.task.status.state) && now_ms < until
     }
 
-    /// Whether a new request may take the task over and run the call (again).
-    fn reclaimable(&self, now_ms: i64) -> bool {
-        self.repeatable || (!settled(&self.task.status.state) && !self.running(now_ms))
+    /// Whether a new request may take the task over and run the call (again): its process died, or it
+    /// failed before anything reached the app.
+    fn reclaimable(&self, now_ms: i64, lease_ms: i64) -> bool {
+        retryable(&self.task.status)
+            || (!settled(&self.task.status.state) && !self.running(now_ms, lease_ms))
     }
 }
 
@@ -267,14 +276,31 @@ impl Agent {
         self.store.put_item(&item, cond).await
     }
 
-    /// Takes back a WORKING task this request stored when it cannot go on before the skill starts, so a
-    /// repeat of the call can run at once instead of after the lease.
-    async fn withdraw(&self, task_id: &str) {
-        if let Err(e) = self
-            .store
-            .delete_item(&self.org, TASK_KIND, &self.item_id(task_id))
-            .await
-        {
+    /// How long a stored WORKING task counts as being run by the request that stored it.
+    fn lease_ms(&self) -> i64 {
+        i64::try_from(self.options.claim_lease.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// Gives up a WORKING task this request stored (at `version`) when it cannot go on before the skill
+    /// starts: the task fails as retryable, so a repeat of the call runs at once instead of after the lease.
+    /// Conditional on the version, so a task someone else has taken over meanwhile is left alone.
+    async fn withdraw(&self, record: &mut StoredTask, version: u64, why: &str) {
+        record.task.status = failed_status(
+            &record.task.id,
+            &record.task.context_id,
+            why,
+            true,
+            now_ms(),
+        );
+        record.lease_until_ms = Some(0);
+        let put = match storable(record) {
+            Ok(body) => self.put(record, body, Cond::Version(version)).await,
+            Err(e) => {
+                tracing::warn!(error = %e, "withdrawing an a2a task");
+                return;
+            }
+        };
+        if let Err(e) = put {
             tracing::warn!(error = %e, "withdrawing an a2a task");
         }
     }
@@ -298,10 +324,12 @@ async fn claim(
     record: &mut StoredTask,
     caller: &Principal,
 ) -> Result<Claimed, A2AError> {
-    let body = storable(record)?;
     let mut cond = Cond::Absent;
     for _ in 0..CLAIM_ATTEMPTS {
-        match agent.put(record, body.clone(), cond).await {
+        // The lease starts with the write that takes it, whatever came before.
+        record.lease_until_ms = Some(now_ms().saturating_add(agent.lease_ms()));
+        let body = storable(record)?;
+        match agent.put(record, body, cond).await {
             Ok(version) => return Ok(Claimed::Ours(version)),
             Err(StoreError::Conflict) => {}
             Err(e) => return Err(store_failure(e)),
@@ -313,10 +341,10 @@ async fn claim(
         if !stored.bound_to(&record.call, caller) {
             return Err(reused(&record.task.id));
         }
-        let now = now_ms();
-        if stored.reclaimable(now) {
+        let (now, lease_ms) = (now_ms(), agent.lease_ms());
+        if stored.reclaimable(now, lease_ms) {
             cond = Cond::Version(version);
-        } else if stored.running(now) {
+        } else if stored.running(now, lease_ms) {
             return Ok(Claimed::Running(stored.task));
         } else {
             return Ok(Claimed::Finished(stored.task));
@@ -409,10 +437,10 @@ pub(crate) enum Begun {
     Reply(Message),
 }
 
-/// SendMessage up to the start of the skill, exactly once per message id: validate, claim the id,
-/// check the approval gate, store the WORKING task, then spawn the run. A repeat of the same call
-/// by the same caller gets the stored task (the WORKING one during the run); the id reused for
-/// another call or by another caller is refused.
+/// SendMessage up to the start of the skill, exactly once per message id: validate, store the
+/// WORKING task (which is the claim on the id, see [`claim`]), ask the approval gate, then spawn
+/// the run. A repeat of the same call by the same caller gets the stored task (the WORKING one
+/// during the run); the id reused for another call or by another caller is refused.
 ///
 /// An approval binds agent, skill and args, not the message id: another message id carrying the
 /// same approved call is admitted and repeats the identical action, which the app treats as a
@@ -466,7 +494,6 @@ pub(crate) async fn begin(
         .clone()
         .unwrap_or_else(|| task_id.clone());
     let started = now_ms();
-    let lease_ms = i64::try_from(agent.options.claim_lease.as_millis()).unwrap_or(i64::MAX);
     let mut record = StoredTask {
         task: Task {
             id: task_id.clone(),
@@ -482,20 +509,15 @@ pub(crate) async fn begin(
         },
         call,
         caller: caller.subject.clone(),
-        lease_until_ms: started.saturating_add(lease_ms),
-        repeatable: false,
+        lease_until_ms: None,
     };
 
-    // The gate is asked before the claim: if it cannot answer, nothing is stored and the same call can be
-    // decided again at once.
-    let admitted = gate(agent, &skill, &args, approval_id.as_deref())
-        .await
-        .map_err(|e| {
-            tracing::error!(error = %e, "a2a approval gate");
-            A2AError::internal("the approval check is unavailable")
-        })?;
+    // A config the caller got wrong is refused before anything is stored.
+    if let Some(config) = &push {
+        crate::push::check_config(config, &agent.options.push)?;
+    }
     // The WORKING task is stored before anyone is told about it: with returnImmediately the caller's next
-    // request may reach another process.
+    // request may reach another process. A repeat of a stored call ends here, without asking the gate.
     let version = match claim(agent, &mut record, caller).await? {
         Claimed::Ours(version) => version,
         // A finished task sends no more updates: a webhook given now has nothing to get.
@@ -507,11 +529,27 @@ pub(crate) async fn begin(
             return Ok(Begun::Elsewhere(task));
         }
     };
+    let admitted = match gate(agent, &skill, &args, approval_id.as_deref()).await {
+        Ok(admitted) => admitted,
+        Err(e) => {
+            // Nothing ran: the same call can be decided again at once.
+            tracing::error!(error = %e, "a2a approval gate");
+            let why = "the approval check is unavailable";
+            agent.withdraw(&mut record, version, why).await;
+            return Err(A2AError::internal(why));
+        }
+    };
     let with_push = push.is_some();
     if let Some(config) = push
         && let Err(e) = crate::push::create_config(agent, &task_id, config).await
     {
-        agent.withdraw(&task_id).await;
+        agent
+            .withdraw(
+                &mut record,
+                version,
+                "the push notification config could not be stored",
+            )
+            .await;
         return Err(e);
     }
     let shown = record.task.clone();
@@ -551,9 +589,9 @@ async fn run(
     };
     let finished = now_ms();
     let working = record.task.clone();
-    // Nothing happened on the app's side, so a repeat of the same message id may try again at once.
-    record.repeatable = matches!(&outcome, Err(e) if e.retryable);
-    record.lease_until_ms = 0;
+    // Settled: nobody runs it any more. A retryable failure (nothing happened on the app's side) lets a
+    // repeat of the same message id try again at once (see `reclaimable`).
+    record.lease_until_ms = Some(0);
     let task_id = record.task.id.clone();
     let context_id = record.task.context_id.clone();
     let task = &mut record.task;
@@ -579,7 +617,6 @@ async fn run(
         let why = format!("skill output exceeds {} bytes", limits::MAX_BODY);
         record.task.artifacts = None;
         record.task.status = failed_status(&task_id, &context_id, &why, false, finished);
-        record.repeatable = false;
         body = storable(&mut record)?;
     }
 
@@ -654,6 +691,17 @@ fn failed_status(
     status(TaskState::Failed, Some(message), at_ms)
 }
 
+/// Whether `status` is a failure that [`failed_status`] marked retryable.
+pub(crate) fn retryable(status: &TaskStatus) -> bool {
+    status.state == TaskState::Failed
+        && status.message.as_ref().is_some_and(|m| {
+            m.parts.iter().any(|p| match &p.content {
+                PartContent::Data(v) => v.get("retryable").and_then(Value::as_bool) == Some(true),
+                _ => false,
+            })
+        })
+}
+
 pub(crate) async fn get_task(
     agent: &Agent,
     caller: &Principal,
@@ -689,7 +737,7 @@ pub(crate) async fn cancel_task(
         return Err(not_cancelable("is in a terminal state"));
     }
     let now = now_ms();
-    if record.running(now) {
+    if record.running(now, agent.lease_ms()) {
         return Err(not_cancelable(
             "is running a skill that cannot be interrupted",
         ));
@@ -702,7 +750,7 @@ pub(crate) async fn cancel_task(
         vec![a2a::Part::text("canceled by the caller")],
     );
     record.task.status = status(TaskState::Canceled, Some(message), now);
-    record.lease_until_ms = 0;
+    record.lease_until_ms = Some(0);
     let body = storable(&mut record)?;
     agent
         .put(&record, body, Cond::Version(version))

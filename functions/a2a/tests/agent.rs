@@ -8,8 +8,9 @@ use async_trait::async_trait;
 use loams_a2a::{
     A2aClient, AgentSpec, ApprovalGate, AuthError, Binding, CallError, CallerAuth, CardError,
     CardSigner, ClientOptions, GateError, Guards, Jwks, Principal, Risk, ServerOptions, SkillError,
-    SkillSpec, Skills, TokenError, TokenSource, router_with,
+    SkillSpec, Skills, TASK_KIND, TokenError, TokenSource, router_with,
 };
+use loams_platform::race::RaceBeforeWrite;
 use loams_platform::{Sqlite, Store, SystemClock};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
@@ -1593,6 +1594,64 @@ async fn a_call_left_by_a_dead_process_runs_again_after_its_lease() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     assert_eq!(done["status"]["state"], "TASK_STATE_COMPLETED", "{done}");
+    assert_eq!(agent.calls(), 1);
+}
+
+/// Two repeats taking over the same abandoned call: the one whose write lands second sees the other's WORKING
+/// task and runs nothing.
+#[tokio::test]
+async fn of_two_repeats_taking_over_a_call_only_one_runs_it() {
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let options = ServerOptions {
+        claim_lease: Duration::from_millis(300),
+        ..fast_polling()
+    };
+    let mut send = rest_send("rt-1", "slow", json!({}));
+    send["configuration"] = json!({"returnImmediately": true});
+    left_by_a_dead_process(&store, &options, &send).await;
+    tokio::time::sleep(Duration::from_millis(350)).await;
+
+    // The rival takes the task over with the very record this request is about to write.
+    let racing = Arc::new(RaceBeforeWrite::new(store, TASK_KIND, |_, losing| {
+        losing.clone()
+    }));
+    let agent = start_with(racing.clone(), options).await;
+    let (status, _, lost) = agent.rest(Method::POST, "/message:send", Some(send)).await;
+    assert_eq!(
+        (status, &lost["task"]["status"]["state"]),
+        (200, &json!("TASK_STATE_WORKING")),
+        "{lost}"
+    );
+    assert_eq!(
+        agent.calls(),
+        0,
+        "the request that lost the takeover runs nothing"
+    );
+}
+
+/// A push config the caller got wrong stores nothing: the message id is still free for a corrected send.
+#[tokio::test]
+async fn a_refused_push_config_leaves_the_message_id_free() {
+    let agent = start().await;
+    let mut send = rest_send("pc-1", "count", json!({}));
+    send["configuration"] =
+        json!({"taskPushNotificationConfig": {"url": "ftp://example.invalid/hook"}});
+    let (status, _, refused) = agent.rest(Method::POST, "/message:send", Some(send)).await;
+    assert_eq!(status, 400, "{refused}");
+    let missing = agent.rest(Method::GET, "/tasks/pc-1", None).await;
+    assert_rest_error(&missing, 404, "NOT_FOUND", "TASK_NOT_FOUND");
+
+    let (_, _, done) = agent
+        .rest(
+            Method::POST,
+            "/message:send",
+            Some(rest_send("pc-1", "count", json!({}))),
+        )
+        .await;
+    assert_eq!(
+        done["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{done}"
+    );
     assert_eq!(agent.calls(), 1);
 }
 

@@ -122,6 +122,8 @@ struct Verified {
     exp: u64,
 }
 
+/// Clock difference tolerated between the worker minting a token and the agent checking it.
+const CLOCK_SKEW_S: u64 = 30;
 /// Most verified tokens kept; past it the memory starts over (forged tokens never enter it).
 const MAX_VERIFIED_TOKENS: usize = 256;
 
@@ -145,8 +147,12 @@ impl AgentAuth {
                 _ => AuthError::Invalid,
             })?;
         // A long-lived token stolen once would open the agent for its whole life; refuse any that
-        // was minted for longer than an agent token may live.
-        if claims.exp.saturating_sub(claims.iat) > MAX_AGENT_TOKEN_TTL_S {
+        // was minted for longer than an agent token may live, or dated ahead to stretch that life.
+        let now = jsonwebtoken::get_current_timestamp();
+        if claims.iat > claims.exp
+            || claims.iat > now + CLOCK_SKEW_S
+            || claims.exp - claims.iat > MAX_AGENT_TOKEN_TTL_S
+        {
             return Err(AuthError::Invalid);
         }
         // Only the factory calls agents; a user's token (or any other token of this issuer) that happens to name an
@@ -159,7 +165,8 @@ impl AgentAuth {
                 subject: claims.sub,
                 org: claims.org,
             },
-            exp: claims.exp,
+            // Remembered no longer than an agent token may live from now, whatever it claims.
+            exp: claims.exp.min(now + MAX_AGENT_TOKEN_TTL_S),
         })
     }
 }

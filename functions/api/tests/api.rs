@@ -9,6 +9,7 @@ use futures::StreamExt;
 use loams_api::{ApiConfig, ApiError, ApiState, GlitchtipHook, Issuer, RunOpener, router};
 use loams_factory::approval::{Approval, ApprovalAction, ApprovalState, Challenge};
 use loams_factory::{Envelope, Input, Signal};
+use loams_platform::race::RaceBeforeWrite;
 use loams_platform::{Clock, Cond, Item, ManualClock, Page, Queue, Sqlite, Store};
 use loams_proto::approvals::v1 as pa;
 use loams_proto::connect::{Code, ConnectClient, ConnectError};
@@ -1376,131 +1377,11 @@ async fn each_procedure_needs_its_scope_and_a_refusal_changes_nothing() {
     );
 }
 
-/// A store whose first conditional write of an approval loses to a write that lands just before it (another
-/// instance touching the same record), so the decision's conditional write meets a conflict.
-struct RaceOnApproval {
-    inner: Arc<Sqlite>,
-    armed: std::sync::atomic::AtomicBool,
-}
-
-#[async_trait]
-impl Store for RaceOnApproval {
-    async fn create_run(
-        &self,
-        org: &str,
-        id: &str,
-        state: &str,
-        snapshot: &[u8],
-        first: &[u8],
-        now: i64,
-    ) -> loams_platform::Result<bool> {
-        self.inner
-            .create_run(org, id, state, snapshot, first, now)
-            .await
-    }
-    async fn append(
-        &self,
-        org: &str,
-        id: &str,
-        v: u64,
-        state: &str,
-        snapshot: &[u8],
-        events: &[Vec<u8>],
-        now: i64,
-    ) -> loams_platform::Result<u64> {
-        self.inner
-            .append(org, id, v, state, snapshot, events, now)
-            .await
-    }
-    async fn get_run(
-        &self,
-        org: &str,
-        id: &str,
-    ) -> loams_platform::Result<Option<loams_platform::RunRow>> {
-        self.inner.get_run(org, id).await
-    }
-    async fn list_runs(
-        &self,
-        org: &str,
-        state: Option<&str>,
-        page: Page,
-    ) -> loams_platform::Result<loams_platform::Paged<loams_platform::RunRow>> {
-        self.inner.list_runs(org, state, page).await
-    }
-    async fn events(
-        &self,
-        org: &str,
-        id: &str,
-        after: u64,
-        limit: u32,
-    ) -> loams_platform::Result<Vec<loams_platform::EventRow>> {
-        self.inner.events(org, id, after, limit).await
-    }
-    async fn get_item(
-        &self,
-        org: &str,
-        kind: &str,
-        id: &str,
-    ) -> loams_platform::Result<Option<Item>> {
-        self.inner.get_item(org, kind, id).await
-    }
-    async fn put_item(&self, item: &Item, cond: Cond) -> loams_platform::Result<u64> {
-        if item.kind == "approval"
-            && matches!(cond, Cond::Version(_))
-            && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst)
-        {
-            let current = self
-                .inner
-                .get_item(&item.org, &item.kind, &item.id)
-                .await?
-                .unwrap();
-            self.inner.put_item(&current, Cond::Any).await?;
-        }
-        self.inner.put_item(item, cond).await
-    }
-    async fn delete_item(&self, org: &str, kind: &str, id: &str) -> loams_platform::Result<()> {
-        self.inner.delete_item(org, kind, id).await
-    }
-    async fn list_items(
-        &self,
-        org: &str,
-        kind: &str,
-        index: Option<&str>,
-        page: Page,
-    ) -> loams_platform::Result<loams_platform::Paged<Item>> {
-        self.inner.list_items(org, kind, index, page).await
-    }
-    async fn claim(
-        &self,
-        org: &str,
-        key: &str,
-        now: i64,
-        lease: u64,
-    ) -> loams_platform::Result<loams_platform::Claim> {
-        self.inner.claim(org, key, now, lease).await
-    }
-    async fn finish(
-        &self,
-        org: &str,
-        key: &str,
-        result: &[u8],
-        now: i64,
-    ) -> loams_platform::Result<()> {
-        self.inner.finish(org, key, result, now).await
-    }
-    async fn release(&self, org: &str, key: &str) -> loams_platform::Result<()> {
-        self.inner.release(org, key).await
-    }
-}
-
 #[tokio::test]
 async fn a_decision_that_loses_its_write_changes_nothing_and_can_be_sent_again() {
-    let wrap: WrapStore = |inner| {
-        Arc::new(RaceOnApproval {
-            inner,
-            armed: std::sync::atomic::AtomicBool::new(true),
-        })
-    };
+    // Another instance rewrites the approval just before the decision's conditional write.
+    let wrap: WrapStore =
+        |inner| Arc::new(RaceBeforeWrite::new(inner, "approval", |stored, _| stored));
     let env = start_with(
         ApiConfig {
             watch_poll_ms: 20,

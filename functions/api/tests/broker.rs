@@ -68,6 +68,14 @@ async fn agent_tokens_verify_for_their_agent_only() {
         auth.verify(Some(&forged), AGENT_URL).await,
         Err(AuthError::Invalid)
     );
+    // Dated an hour ahead: within the lifetime limit on paper, alive for an hour longer in fact.
+    let ahead = issuer
+        .issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s() + 3600, 300)
+        .unwrap();
+    assert_eq!(
+        auth.verify(Some(&ahead), AGENT_URL).await,
+        Err(AuthError::Invalid)
+    );
     let expired = issuer
         .issue_for(AGENT_URL, AGENT_SUBJECT, "acme", "a2a", now_s() - 3600, 300)
         .unwrap();

@@ -18,6 +18,7 @@ mod counting;
 mod error;
 pub mod limits;
 mod ports;
+pub mod race;
 mod sqlite;
 mod types;
 
