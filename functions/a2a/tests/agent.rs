@@ -11,7 +11,7 @@ use loams_a2a::{
     SkillSpec, Skills, TASK_KIND, TokenError, TokenSource, router_with,
 };
 use loams_platform::race::RaceBeforeWrite;
-use loams_platform::{Sqlite, Store, SystemClock};
+use loams_platform::{Cond, Sqlite, Store, SystemClock};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 
@@ -956,6 +956,14 @@ async fn destructive_skills_run_only_with_an_admitted_approval() {
         .await
         .unwrap();
     assert_eq!(agent.calls(), 1);
+    // The stored answer does not depend on the gate: a replay is not even asked about.
+    let asked_before = agent.gate.asked.lock().unwrap().len();
+    let replayed = client
+        .call("m-wipe-4", "wipe", target.clone(), Some("ap-down"))
+        .await
+        .unwrap();
+    assert_eq!(replayed, json!({"wiped": {"target": "db"}}));
+    assert_eq!(agent.gate.asked.lock().unwrap().len(), asked_before);
     client
         .call("m-wipe-5", "wipe", target.clone(), Some("ap-ok"))
         .await
@@ -1622,6 +1630,10 @@ async fn of_two_repeats_taking_over_a_call_only_one_runs_it() {
         (200, &json!("TASK_STATE_WORKING")),
         "{lost}"
     );
+    assert!(
+        racing.raced(),
+        "the repeat must have tried to take the task over"
+    );
     assert_eq!(
         agent.calls(),
         0,
@@ -1653,6 +1665,79 @@ async fn a_refused_push_config_leaves_the_message_id_free() {
         "{done}"
     );
     assert_eq!(agent.calls(), 1);
+}
+
+/// Rewrites the stored task `task_id` as the code before leases wrote it (no lease in the record), with `state`.
+async fn as_stored_before_leases(store: &Arc<dyn Store>, task_id: &str, state: &str) {
+    let id = format!("counter:{task_id}");
+    let mut item = store
+        .get_item("acme", TASK_KIND, &id)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut record: Value = serde_json::from_slice(&item.body).unwrap();
+    record.as_object_mut().unwrap().remove("lease_until_ms");
+    record["task"]["status"]["state"] = json!(state);
+    item.body = serde_json::to_vec(&record).unwrap();
+    store.put_item(&item, Cond::Any).await.unwrap();
+}
+
+/// Tasks stored before the lease was kept in the record: a WORKING one counts as run until its status time plus
+/// the lease (when its claim would have lapsed), a retryable failure is run again, a permanent one is not.
+#[tokio::test]
+async fn tasks_stored_before_leases_keep_their_meaning() {
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let options = ServerOptions {
+        claim_lease: Duration::from_millis(400),
+        ..fast_polling()
+    };
+    let agent = start_with(store.clone(), options).await;
+
+    agent.send("old-working", "count", json!({})).await;
+    as_stored_before_leases(&store, "old-working", "TASK_STATE_WORKING").await;
+    let early = agent
+        .rest(Method::POST, "/tasks/old-working:cancel", None)
+        .await;
+    assert_rest_error(&early, 409, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
+    let shown = agent.send("old-working", "count", json!({})).await;
+    assert_eq!(
+        shown["result"]["task"]["status"]["state"], "TASK_STATE_WORKING",
+        "{shown}"
+    );
+    assert_eq!(agent.calls(), 1, "within the lease nothing runs again");
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let taken = agent.send("old-working", "count", json!({})).await;
+    assert_eq!(
+        taken["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{taken}"
+    );
+    assert_eq!(
+        agent.calls(),
+        2,
+        "after the lease a repeat takes the call over"
+    );
+
+    agent
+        .send("old-retry", "fail", json!({"retryable": true}))
+        .await;
+    as_stored_before_leases(&store, "old-retry", "TASK_STATE_FAILED").await;
+    agent
+        .send("old-retry", "fail", json!({"retryable": true}))
+        .await;
+    assert_eq!(agent.calls(), 4, "a retryable failure runs again");
+
+    agent
+        .send("old-final", "fail", json!({"retryable": false}))
+        .await;
+    as_stored_before_leases(&store, "old-final", "TASK_STATE_FAILED").await;
+    agent
+        .send("old-final", "fail", json!({"retryable": false}))
+        .await;
+    assert_eq!(
+        agent.calls(),
+        5,
+        "a permanent failure is the recorded outcome"
+    );
 }
 
 #[tokio::test]
