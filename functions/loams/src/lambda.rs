@@ -975,6 +975,55 @@ mod tests {
 
     const SECRET_ARN: &str =
         "arn:aws:secretsmanager:eu-west-1:1:secret:loams-acme-production/forgejo-AbCdEf";
+    const FORGEJO_SECRET: &str = r#"{"url": "https://git.example.com", "token": "forgejo-secret-1", "owner": "acme", "repo": "shop", "base": "main"}"#;
+
+    /// The read itself, against Secrets Manager on the moto server `tests/run` starts: the forgejo agent gets its
+    /// settings from its own secret, and a secret that does not exist stops it with the setting and the ARN named.
+    #[tokio::test]
+    async fn an_agent_reads_its_apps_secret_from_secrets_manager() {
+        let endpoint = std::env::var("LOAMS_AWS_ENDPOINT").expect(
+            "LOAMS_AWS_ENDPOINT is not set: this test needs a moto server; run `eval \"$(tests/moto/start)\"` first",
+        );
+        let sdk = crate::backend::sdk_config(Some(&endpoint)).await;
+        // A name of its own, so repeated runs against one moto server do not meet an existing secret.
+        let name = format!(
+            "loams-test/forgejo-{}",
+            loams_platform::backoff::random_u64()
+        );
+        let created = aws_sdk_secretsmanager::Client::new(&sdk)
+            .create_secret()
+            .name(&name)
+            .secret_string(FORGEJO_SECRET)
+            .send()
+            .await
+            .expect("creating the secret on moto");
+        let arn = created.arn().expect("moto answers the ARN").to_string();
+
+        let with_arn = |arn: &str| {
+            let mut pairs: Vec<(&str, &str)> = environment("agent:forgejo");
+            pairs.retain(|(k, _)| *k != "LOAMS_APP_SECRET_ARN");
+            pairs.push(("LOAMS_APP_SECRET_ARN", arn));
+            Settings::read(vars(&pairs)).unwrap()
+        };
+        let App::Forgejo(read) = app_from_secret(&with_arn(&arn), &sdk, "forgejo")
+            .await
+            .unwrap()
+        else {
+            panic!("not the forgejo settings");
+        };
+        assert_eq!(read.token.expose(), "forgejo-secret-1");
+        assert_eq!(read.base, "main");
+
+        let missing = format!("{arn}-gone");
+        let err = app_from_secret(&with_arn(&missing), &sdk, "forgejo")
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("LOAMS_APP_SECRET_ARN") && err.contains(&missing),
+            "{err}"
+        );
+    }
 
     #[test]
     fn each_function_refuses_the_keys_and_credentials_of_others() {
@@ -1020,9 +1069,8 @@ mod tests {
         pairs.retain(|(k, _)| *k != "LOAMS_APP_SECRET_ARN");
         assert!(error(&pairs).contains("LOAMS_APP_SECRET_ARN"));
 
-        let forgejo = r#"{"url": "https://git.example.com", "token": "forgejo-secret-1", "owner": "acme", "repo": "shop", "base": "main"}"#;
         let App::Forgejo(read) =
-            app_from_secret_string("forgejo", SECRET_ARN, Some(forgejo)).unwrap()
+            app_from_secret_string("forgejo", SECRET_ARN, Some(FORGEJO_SECRET)).unwrap()
         else {
             panic!("not the forgejo settings");
         };
@@ -1048,7 +1096,7 @@ mod tests {
             "{err}"
         );
         // A binary secret, or another app's: refused, naming the variable and the secret, quoting no value.
-        for (name, text) in [("forgejo", None), ("zulip", Some(forgejo))] {
+        for (name, text) in [("forgejo", None), ("zulip", Some(FORGEJO_SECRET))] {
             let err = app_from_secret_string(name, SECRET_ARN, text)
                 .unwrap_err()
                 .to_string();
