@@ -1488,15 +1488,7 @@ async fn return_immediately_then_subscribe_over_get_post_and_json_rpc() {
 /// the call gets the canceled task instead of a second run.
 #[tokio::test]
 async fn tasks_survive_a_restart() {
-    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
-    let options = ServerOptions {
-        claim_lease: Duration::from_millis(600),
-        ..fast_polling()
-    };
-
-    let mut send = rest_send("rs-1", "slow", json!({}));
-    send["configuration"] = json!({"returnImmediately": true});
-    left_by_a_dead_process(&store, &options, &send).await;
+    let (store, options, send) = abandoned("rs-1", 600).await;
 
     let agent = start_with(store, options).await;
     let (_, _, task) = agent.rest(Method::GET, "/tasks/rs-1", None).await;
@@ -1531,9 +1523,17 @@ async fn tasks_survive_a_restart() {
     assert_rest_error(&again, 409, "FAILED_PRECONDITION", "TASK_NOT_CANCELABLE");
 }
 
-/// Starts `send` (a `slow` call with returnImmediately) on a process over `store` and kills that process, runtime
-/// and skill run and all, once the skill has started.
-async fn left_by_a_dead_process(store: &Arc<dyn Store>, options: &ServerOptions, send: &Value) {
+/// A `slow` call `message_id` (with returnImmediately) left WORKING over a fresh store by a process that was killed,
+/// runtime and skill run and all, once the skill had started; the agents' lease is `lease_ms`. Returns the store, the
+/// options and the send, for a new process over the same store.
+async fn abandoned(message_id: &str, lease_ms: u64) -> (Arc<dyn Store>, ServerOptions, Value) {
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let options = ServerOptions {
+        claim_lease: Duration::from_millis(lease_ms),
+        ..fast_polling()
+    };
+    let mut send = rest_send(message_id, "slow", json!({}));
+    send["configuration"] = json!({"returnImmediately": true});
     // The first process runs in its own runtime so that it can be killed, skill run and all.
     let first = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -1557,19 +1557,13 @@ async fn left_by_a_dead_process(store: &Arc<dyn Store>, options: &ServerOptions,
     );
     old.skills.slow_started.notified().await;
     first.shutdown_background();
+    (store, options, send)
 }
 
 /// A call whose process died mid-skill runs again when it is repeated after the lease: nobody else can finish it.
 #[tokio::test]
 async fn a_call_left_by_a_dead_process_runs_again_after_its_lease() {
-    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
-    let options = ServerOptions {
-        claim_lease: Duration::from_millis(600),
-        ..fast_polling()
-    };
-    let mut send = rest_send("rd-1", "slow", json!({}));
-    send["configuration"] = json!({"returnImmediately": true});
-    left_by_a_dead_process(&store, &options, &send).await;
+    let (store, options, send) = abandoned("rd-1", 600).await;
 
     let agent = start_with(store, options).await;
     let (_, _, early) = agent
@@ -1609,14 +1603,7 @@ async fn a_call_left_by_a_dead_process_runs_again_after_its_lease() {
 /// task and runs nothing.
 #[tokio::test]
 async fn of_two_repeats_taking_over_a_call_only_one_runs_it() {
-    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
-    let options = ServerOptions {
-        claim_lease: Duration::from_millis(300),
-        ..fast_polling()
-    };
-    let mut send = rest_send("rt-1", "slow", json!({}));
-    send["configuration"] = json!({"returnImmediately": true});
-    left_by_a_dead_process(&store, &options, &send).await;
+    let (store, options, send) = abandoned("rt-1", 300).await;
     tokio::time::sleep(Duration::from_millis(350)).await;
 
     // The rival takes the task over with the very record this request is about to write.
