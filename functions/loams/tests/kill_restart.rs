@@ -44,8 +44,10 @@ const PLANS: [&[&str]; 2] = [
         "after_effect:1",
     ],
 ];
-/// Short, so the message of an aborted start comes back soon; the worker extends it while a step runs.
-const VISIBILITY_MS: &str = "300";
+/// Short, so the message of an aborted start comes back soon; the worker extends it while a step runs. Not shorter:
+/// at 300 ms a message handed over late within a start came back while it was being handled, and that extra receive
+/// dead-lettered a message the plan had already received four times.
+const VISIBILITY_MS: &str = "1000";
 const WEBHOOK_TOKEN: &str = "kill-restart-webhook-token-0123456789";
 const MODEL_KEY_ENV: &str = "KILL_RESTART_MODEL_KEY";
 /// SIGABRT: what `std::process::abort` ends the process with.
