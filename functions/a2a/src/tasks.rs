@@ -285,22 +285,17 @@ impl Agent {
     /// starts: the task fails as retryable, so a repeat of the call runs at once instead of after the lease.
     /// Conditional on the version, so a task someone else has taken over meanwhile is left alone.
     async fn withdraw(&self, record: &mut StoredTask, version: u64, why: &str) {
-        record.task.status = failed_status(
-            &record.task.id,
-            &record.task.context_id,
-            why,
-            true,
-            now_ms(),
-        );
-        record.lease_until_ms = Some(0);
-        let put = match storable(record) {
-            Ok(body) => self.put(record, body, Cond::Version(version)).await,
-            Err(e) => {
-                tracing::warn!(error = %e, "withdrawing an a2a task");
-                return;
-            }
+        let (id, context) = (&record.task.id, &record.task.context_id);
+        record.task.status = failed_status(id, context, why, true, now_ms());
+        let withdrawn = match storable(record) {
+            Ok(body) => self
+                .put(record, body, Cond::Version(version))
+                .await
+                .map(drop)
+                .map_err(store_failure),
+            Err(e) => Err(e),
         };
-        if let Err(e) = put {
+        if let Err(e) = withdrawn {
             tracing::warn!(error = %e, "withdrawing an a2a task");
         }
     }
@@ -589,9 +584,8 @@ async fn run(
     };
     let finished = now_ms();
     let working = record.task.clone();
-    // Settled: nobody runs it any more. A retryable failure (nothing happened on the app's side) lets a
-    // repeat of the same message id try again at once (see `reclaimable`).
-    record.lease_until_ms = Some(0);
+    // Once settled the lease no longer counts (see `running`); a retryable failure (nothing happened on the
+    // app's side) lets a repeat of the same message id try again at once (see `reclaimable`).
     let task_id = record.task.id.clone();
     let context_id = record.task.context_id.clone();
     let task = &mut record.task;
@@ -750,7 +744,6 @@ pub(crate) async fn cancel_task(
         vec![a2a::Part::text("canceled by the caller")],
     );
     record.task.status = status(TaskState::Canceled, Some(message), now);
-    record.lease_until_ms = Some(0);
     let body = storable(&mut record)?;
     agent
         .put(&record, body, Cond::Version(version))

@@ -18,8 +18,8 @@ use crate::ApiError;
 pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
 /// Largest JWKS document fetched.
 pub const MAX_JWKS_BYTES: usize = 64 * 1024;
-/// Clock skew tolerated on `exp`.
-const LEEWAY_S: u64 = 30;
+/// Clock skew tolerated on `exp` (and, for agent tokens, on `iat`).
+pub(crate) const LEEWAY_S: u64 = 30;
 /// Unknown `kid`s trigger a refetch of the JWKS (key rotation), but not more often than this.
 const MIN_REFRESH: Duration = Duration::from_secs(60);
 

@@ -23,7 +23,7 @@ use loams_platform::{Clock, Store, StoreError, limits};
 use serde_json::Value;
 
 use crate::ApiError;
-use crate::auth::{Issuer, Verifier};
+use crate::auth::{Issuer, LEEWAY_S, Verifier};
 
 /// The principal the factory's worker calls agents as.
 pub const AGENT_SUBJECT: &str = "agent:loams-factory";
@@ -122,8 +122,6 @@ struct Verified {
     exp: u64,
 }
 
-/// Clock difference tolerated between the worker minting a token and the agent checking it.
-const CLOCK_SKEW_S: u64 = 30;
 /// Most verified tokens kept; past it the memory starts over (forged tokens never enter it).
 const MAX_VERIFIED_TOKENS: usize = 256;
 
@@ -136,7 +134,7 @@ impl AgentAuth {
         }
     }
 
-    async fn check(&self, token: &str, audience: &str) -> Result<Verified, AuthError> {
+    async fn check(&self, token: &str, audience: &str, now: u64) -> Result<Verified, AuthError> {
         let claims = self
             .verifier
             .for_audience(audience)
@@ -148,9 +146,8 @@ impl AgentAuth {
             })?;
         // A long-lived token stolen once would open the agent for its whole life; refuse any that
         // was minted for longer than an agent token may live, or dated ahead to stretch that life.
-        let now = jsonwebtoken::get_current_timestamp();
         if claims.iat > claims.exp
-            || claims.iat > now + CLOCK_SKEW_S
+            || claims.iat > now + LEEWAY_S
             || claims.exp - claims.iat > MAX_AGENT_TOKEN_TTL_S
         {
             return Err(AuthError::Invalid);
@@ -182,7 +179,7 @@ impl CallerAuth for AgentAuth {
         {
             return Ok(known.principal.clone());
         }
-        let verified = self.check(token, audience).await?;
+        let verified = self.check(token, audience, now).await?;
         let principal = verified.principal.clone();
         let mut memory = lock(&self.verified);
         memory.retain(|_, v| v.exp > now);
