@@ -7,7 +7,6 @@ use loams_proto::approvals::v1 as pa;
 
 use crate::client::{Inner, TaskHandle, check_id, idempotency_key, now_ms};
 use crate::error::{Error, Result};
-use crate::signer;
 use crate::types::{Approval, ApprovalState, Decision};
 
 const SERVICE: &str = "/loams.approvals.v1.ApprovalService/";
@@ -17,8 +16,6 @@ const LIST_PAGES: usize = 10;
 /// refresh (they were decided elsewhere or expired).
 const RECHECK: usize = 50;
 const MAX_CONFIRMATION: usize = 256;
-/// The server accepts a challenge of at most this size; a larger one is not the server's.
-const MAX_CHALLENGE: usize = 1024;
 
 /// What a pending-approvals watch delivers: the cached list first, then changes as the server confirms them.
 // Plain owned records cross the FFI as they are; an update is delivered rarely, so its size does not matter.
@@ -215,10 +212,7 @@ impl Approvals {
                 "the confirmation is longer than {MAX_CONFIRMATION} bytes"
             )));
         }
-        let device = self.inner.cache.device()?.ok_or(Error::NotRegistered)?;
-        if device.revoked_at_ms != 0 {
-            return Err(Error::NotRegistered);
-        }
+        let device = self.inner.signing_device()?;
 
         // Signed over what the server holds now, never over a cached copy: the hash names the exact action.
         let approval = self.fetch(approval_id).await?;
@@ -246,9 +240,6 @@ impl Approvals {
             .inner
             .unary(&format!("{SERVICE}GetChallenge"), &req)
             .await?;
-        if challenge.challenge.is_empty() || challenge.challenge.len() > MAX_CHALLENGE {
-            return Err(Error::Server("the server sent no usable challenge".into()));
-        }
         let decided_at_ms = now_ms();
         let bytes = loams_proto::canonical_decision_bytes(
             approval_id,
@@ -258,9 +249,10 @@ impl Approvals {
             &challenge.challenge,
             decided_at_ms,
         );
-        let signature = self.inner.signer.sign(bytes.clone()).await?;
-        // Against the registered key: a platform key that changed since registration is caught here.
-        signer::verify(&device.public_key, &bytes, &signature)?;
+        let signature = self
+            .inner
+            .sign_step(&device, &challenge.challenge, bytes)
+            .await?;
 
         let req = pa::DecideRequest {
             approval_id: approval_id.to_owned(),

@@ -18,7 +18,8 @@ use crate::cache::Cache;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
 use crate::runs::Runs;
-use crate::signer::DeviceSigner;
+use crate::signer::{self, DeviceSigner};
+use crate::types::Device;
 
 /// Longest server URL accepted.
 const MAX_URL: usize = 2048;
@@ -177,7 +178,36 @@ impl Client {
     }
 }
 
+/// The server's challenges are 32 bytes; an empty or much larger one is not the server's.
+const MAX_CHALLENGE: usize = 1024;
+
 impl Inner {
+    /// This installation's registered, unrevoked device: the one that signs decisions and kills (works offline).
+    pub(crate) fn signing_device(&self) -> Result<Device> {
+        let device = self.cache.device()?.ok_or(Error::NotRegistered)?;
+        if device.revoked_at_ms != 0 {
+            return Err(Error::NotRegistered);
+        }
+        Ok(device)
+    }
+
+    /// Signs the canonical bytes of a signed step (a decision, a kill) over `challenge`. The signature is checked
+    /// against the registered key, so a platform key that changed since registration is caught here, not by the
+    /// server.
+    pub(crate) async fn sign_step(
+        &self,
+        device: &Device,
+        challenge: &[u8],
+        bytes: Vec<u8>,
+    ) -> Result<Vec<u8>> {
+        if challenge.is_empty() || challenge.len() > MAX_CHALLENGE {
+            return Err(Error::Server("the server sent no usable challenge".into()));
+        }
+        let signature = self.signer.sign(bytes.clone()).await?;
+        signer::verify(&device.public_key, &bytes, &signature)?;
+        Ok(signature)
+    }
+
     pub(crate) fn network_available(&self) -> bool {
         self.network.load(Ordering::SeqCst)
     }
@@ -377,8 +407,13 @@ mod tests {
         // Port 9 (discard) on localhost: nothing is sent anyway, the empty token stops the call first.
         let client = new(config("http://127.0.0.1:9/", "acme", dir.path())).unwrap();
         assert!(matches!(
-            client.runs().kill("r-1", "").await,
+            client.runs().refresh().await,
             Err(Error::Unauthenticated(_))
+        ));
+        // A kill is signed by the device: without one registered, nothing is sent.
+        assert!(matches!(
+            client.runs().kill("r-1", "").await,
+            Err(Error::NotRegistered)
         ));
         assert!(matches!(
             client.runs().kill("", "").await,

@@ -121,9 +121,10 @@ impl Runs {
         Ok(RunSync { run, new_events })
     }
 
-    /// Stops the run at its next step. The server authorises this with the bearer token's `runs:kill` scope; it
-    /// does not ask for a device signature (KillRunRequest has no challenge or signature field), so no step-up is
-    /// possible from here. Fails at once when offline; the cache changes only with the server's answer.
+    /// Stops the run at its next step, as a signed step-up: gets a single-use kill challenge for this run and this
+    /// device, signs the canonical kill bytes of `loams-proto` with the device key, and sends the kill. Needs a
+    /// registered device and the token's `runs:kill` scope. Fails at once when offline; the cache changes only with
+    /// the server's answer.
     pub async fn kill(&self, run_id: &str, reason: &str) -> Result<Run> {
         check_id("run_id", run_id)?;
         if reason.len() > MAX_REASON {
@@ -131,10 +132,37 @@ impl Runs {
                 "the reason is longer than {MAX_REASON} bytes"
             )));
         }
+        let device = self.inner.signing_device()?;
+        let challenge: pf::GetKillChallengeResponse = self
+            .inner
+            .unary(
+                &format!("{SERVICE}GetKillChallenge"),
+                &pf::GetKillChallengeRequest {
+                    run_id: run_id.to_owned(),
+                    device_id: device.device_id.clone(),
+                },
+            )
+            .await?;
+        let killed_at_ms = now_ms();
+        let bytes = loams_proto::canonical_kill_bytes(
+            run_id,
+            reason,
+            &device.device_id,
+            &challenge.challenge,
+            killed_at_ms,
+        );
+        let signature = self
+            .inner
+            .sign_step(&device, &challenge.challenge, bytes)
+            .await?;
         let req = pf::KillRunRequest {
             run_id: run_id.to_owned(),
             reason: reason.to_owned(),
             idempotency_key: idempotency_key("kill")?,
+            device_id: device.device_id,
+            challenge: challenge.challenge,
+            killed_at_ms,
+            signature,
         };
         let resp: pf::KillRunResponse =
             self.inner.unary(&format!("{SERVICE}KillRun"), &req).await?;

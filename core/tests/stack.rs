@@ -62,6 +62,25 @@ async fn until<T: Clone + std::fmt::Debug>(
     }
 }
 
+/// The next pending approval of `skill` to arrive.
+async fn added(
+    rx: &mut mpsc::UnboundedReceiver<ApprovalUpdate>,
+    seen: &mut Vec<ApprovalUpdate>,
+    skill: &str,
+) -> loams_core::Approval {
+    let update = until(
+        rx,
+        seen,
+        skill,
+        |u| matches!(u, ApprovalUpdate::Added { approval } if approval.skill == skill),
+    )
+    .await;
+    let ApprovalUpdate::Added { approval } = update else {
+        unreachable!()
+    };
+    approval
+}
+
 fn has_event(u: &RunUpdate, kind: &str) -> bool {
     matches!(u, RunUpdate::Events { events } if events.iter().any(|e| e.kind == kind))
 }
@@ -380,4 +399,76 @@ async fn register_watch_approve_and_then_work_offline() {
         ),
         "{offline:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_signed_by_the_device_stops_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path().join("server")).await;
+    let keys: Arc<keyring_core::CredentialStore> = keyring_core::mock::Store::new().unwrap();
+    let phone = client(
+        &server,
+        &dir.path().join("phone.db"),
+        &keys,
+        SyncMode::Stream,
+    );
+
+    // No device, no kill: the step-up needs a key the server knows.
+    assert_eq!(
+        phone.runs().kill(&server.run_id, "wrong fix").await,
+        Err(Error::NotRegistered)
+    );
+    phone.devices().register("alice-phone", None).await.unwrap();
+    let (atx, mut arx) = mpsc::unbounded_channel();
+    let mut approvals_seen = Vec::new();
+    let _approvals = phone
+        .approvals()
+        .watch_pending(Arc::new(Forward(atx)))
+        .await
+        .unwrap();
+    // Killed while its merge waits for approval, so the pull request is open.
+    added(&mut arx, &mut approvals_seen, "merge").await;
+    let killed = phone
+        .runs()
+        .kill(&server.run_id, "wrong fix")
+        .await
+        .unwrap();
+    assert_eq!(killed.id, server.run_id);
+    // Compensation closes the pull request behind an approval of its own.
+    let close = added(&mut arx, &mut approvals_seen, "close_pr").await;
+    phone
+        .approvals()
+        .decide(
+            &close.id,
+            Decision::Approve,
+            close.confirmation_phrase.clone(),
+        )
+        .await
+        .unwrap();
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut seen = Vec::new();
+    let _watch = phone
+        .runs()
+        .watch(&server.run_id, Arc::new(Forward(tx)))
+        .await
+        .unwrap();
+    until(
+        &mut rx,
+        &mut seen,
+        "the run to end killed",
+        |u| matches!(u, RunUpdate::Run { run } if run.state == "killed"),
+    )
+    .await;
+    let timeline = phone
+        .runs()
+        .cached_timeline(&server.run_id, 0, 10_000)
+        .unwrap();
+    assert!(
+        timeline
+            .iter()
+            .any(|e| e.kind == "abandoned" && e.summary == "stopped: killed"),
+        "{timeline:#?}"
+    );
+    assert_eq!(server.sandbox.counts().forgejo.merges, 0);
 }

@@ -598,7 +598,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(handle.is_finished());
         assert!(matches!(
-            client.runs().kill("r-1".into(), String::new()).await,
+            client.runs().sync("r-1".into()).await,
             Err(LoamsError::Offline { .. })
         ));
     }

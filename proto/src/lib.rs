@@ -1,11 +1,11 @@
-//! loams-proto: the Loams client API types (prost + canonical proto3 JSON via pbjson), the canonical bytes of an
-//! approval decision, and a hand-written Connect protocol server (axum) and client (reqwest).
+//! loams-proto: the Loams client API types (prost + canonical proto3 JSON via pbjson), the canonical bytes a
+//! device signs (approval decisions, run kills), and a hand-written Connect protocol server (axum) and client (reqwest).
 
 #[cfg(feature = "connect")]
 pub mod connect;
-mod decision;
+mod signed;
 
-pub use decision::{DECISION_DOMAIN, canonical_decision_bytes};
+pub use signed::{DECISION_DOMAIN, KILL_DOMAIN, canonical_decision_bytes, canonical_kill_bytes};
 
 /// Generated code is not ours to lint.
 macro_rules! generated {

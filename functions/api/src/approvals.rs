@@ -5,41 +5,20 @@
 //! the other changes nothing), its challenge is marked used, and the run is told through the queue. A refusal, or a
 //! decision that loses a race, writes nothing: the challenge stays usable for a corrected retry.
 //!
-//! A device holds at most one challenge per approval (its item id is derived from both): asking again returns the
-//! same one while at least half its lifetime is left, else replaces it.
+//! Challenges are handed out and found by [`crate::challenge`].
 
-use aws_lc_rs::rand::{SecureRandom, SystemRandom};
 use loams_factory::Input;
-use loams_factory::approval::{
-    self, Approval, ApprovalState, Challenge, DecisionRequest, Device, Refusal,
-};
+use loams_factory::approval::{self, Approval, ApprovalState, DecisionRequest, Refusal};
 use loams_platform::{Cond, Item, Page, StoreError};
 use loams_proto::approvals::v1 as pa;
 use loams_proto::connect::{CallContext, Router};
 
+use crate::challenge::{self, callers_device};
 use crate::factory::{enqueue, id_arg, page_size, page_token};
 use crate::{ApiError, ApiState, Caller, convert, idem, scope};
 
 const SERVICE: &str = "/loams.approvals.v1.ApprovalService/";
-/// Bytes of randomness in a challenge.
-const CHALLENGE_BYTES: usize = 32;
-/// A DER P-256 signature is at most 72 bytes; anything much larger is not one.
-const MAX_SIGNATURE: usize = 128;
 const MAX_CONFIRMATION: usize = 256;
-/// Challenge items outlive their expiry by this much, so a late decision is told "expired" rather than "unknown".
-const CHALLENGE_KEEP_MS: i64 = 24 * 60 * 60 * 1000;
-/// Clock difference tolerated between a phone's `decided_at_ms` and the server (phone clocks drift).
-const MAX_CLOCK_SKEW_MS: i64 = 60 * 1000;
-
-/// The id of the one challenge item of `device` for `approval`: a hash, so any approval and device ids fit.
-fn challenge_id(approval_id: &str, device_id: &str) -> String {
-    let mut ctx = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
-    // Length-prefixed, so no two (approval, device) pairs give the same bytes.
-    ctx.update(&(approval_id.len() as u64).to_be_bytes());
-    ctx.update(approval_id.as_bytes());
-    ctx.update(device_id.as_bytes());
-    hex::encode(ctx.finish().as_ref())
-}
 
 pub(crate) fn parse<T: serde::de::DeserializeOwned>(item: &Item) -> Result<T, ApiError> {
     serde_json::from_slice(&item.body).map_err(|e| {
@@ -67,26 +46,6 @@ async fn load_approval(
         .ok_or_else(|| ApiError::NotFound(format!("approval {id} not found")))?;
     let approval: Approval = parse(&item)?;
     Ok((item, approval))
-}
-
-/// The caller's own, unrevoked device; anyone else's device reads as unknown.
-async fn callers_device(
-    state: &ApiState,
-    caller: &Caller,
-    id: &str,
-) -> Result<(Item, Device), ApiError> {
-    id_arg("device_id", id)?;
-    let unknown = || ApiError::from(Refusal::DeviceUnknown);
-    let item = state
-        .store
-        .get_item(&caller.org, "device", id)
-        .await?
-        .ok_or_else(unknown)?;
-    let device: Device = parse(&item)?;
-    if device.user != caller.user {
-        return Err(unknown());
-    }
-    Ok((item, device))
 }
 
 async fn list(
@@ -128,7 +87,7 @@ async fn challenge(
     req: pa::GetChallengeRequest,
 ) -> Result<pa::GetChallengeResponse, ApiError> {
     let (_, approval) = load_approval(state, caller, &req.approval_id).await?;
-    let (_, device) = callers_device(state, caller, &req.device_id).await?;
+    let device = callers_device(state, caller, &req.device_id).await?;
     if device.revoked {
         return Err(Refusal::DeviceRevoked.into());
     }
@@ -139,66 +98,12 @@ async fn challenge(
             approval.effective_state(now).as_str()
         )));
     }
-    let id = challenge_id(&approval.id, &device.id);
-    let existing = state.store.get_item(&caller.org, "challenge", &id).await?;
-    let ttl = state.config.challenge_ttl_ms;
-    let reusable = |item: &Item| -> Result<Option<pa::GetChallengeResponse>, ApiError> {
-        let c: Challenge = parse(item)?;
-        Ok(
-            (!c.used && c.expires_at_ms - now >= ttl / 2).then_some(pa::GetChallengeResponse {
-                challenge: c.value,
-                expires_at_ms: c.expires_at_ms,
-            }),
-        )
-    };
-    if let Some(item) = &existing
-        && let Some(reused) = reusable(item)?
-    {
-        return Ok(reused);
-    }
-
-    let mut value = [0u8; CHALLENGE_BYTES];
-    SystemRandom::new()
-        .fill(&mut value)
-        .map_err(|_| ApiError::Internal("random challenge".into()))?;
-    let expires_at_ms = now + ttl;
-    let record = Challenge {
-        value: value.to_vec(),
-        approval_id: approval.id.clone(),
-        device_id: Some(device.id.clone()),
-        expires_at_ms,
-        used: false,
-    };
-    let item = Item {
-        org: caller.org.clone(),
-        kind: "challenge".into(),
-        id: id.clone(),
-        version: 0,
-        index: None,
-        body: to_body(&record)?,
-        expires_ms: Some(expires_at_ms + CHALLENGE_KEEP_MS),
-    };
-    // Replacing the old one (expired, or soon to be) keeps the count at one.
-    let cond = existing
-        .as_ref()
-        .map_or(Cond::Absent, |old| Cond::Version(old.version));
-    match state.store.put_item(&item, cond).await {
-        Ok(_) => Ok(pa::GetChallengeResponse {
-            challenge: value.to_vec(),
-            expires_at_ms,
-        }),
-        // A concurrent request of the same device wrote one first: that one is fresh, so it is the answer.
-        Err(StoreError::Conflict) => {
-            let raced = state.store.get_item(&caller.org, "challenge", &id).await?;
-            match raced.as_ref().map(reusable).transpose()?.flatten() {
-                Some(theirs) => Ok(theirs),
-                None => Err(ApiError::Aborted(
-                    "a concurrent request replaced the challenge; retry".into(),
-                )),
-            }
-        }
-        Err(e) => Err(e.into()),
-    }
+    let issued =
+        challenge::issue(state, caller, challenge::DECISION, &approval.id, &device).await?;
+    Ok(pa::GetChallengeResponse {
+        challenge: issued.value,
+        expires_at_ms: issued.expires_at_ms,
+    })
 }
 
 fn validate_decide(req: &pa::DecideRequest) -> Result<bool, ApiError> {
@@ -211,16 +116,7 @@ fn validate_decide(req: &pa::DecideRequest) -> Result<bool, ApiError> {
             ));
         }
     };
-    if req.challenge.len() != CHALLENGE_BYTES {
-        return Err(ApiError::InvalidArgument(format!(
-            "challenge must be {CHALLENGE_BYTES} bytes"
-        )));
-    }
-    if req.signature.is_empty() || req.signature.len() > MAX_SIGNATURE {
-        return Err(ApiError::InvalidArgument(format!(
-            "signature must be 1..={MAX_SIGNATURE} bytes"
-        )));
-    }
+    challenge::check_sizes(&req.challenge, &req.signature)?;
     if req.typed_confirmation.len() > MAX_CONFIRMATION {
         return Err(ApiError::InvalidArgument(format!(
             "typed_confirmation is longer than {MAX_CONFIRMATION} bytes"
@@ -260,7 +156,7 @@ async fn decide(
     idem::once(state, caller, "Decide", &req.idempotency_key, || async {
         let now = state.now_ms();
         let (approval_item, approval) = load_approval(state, caller, &req.approval_id).await?;
-        let (_, device) = callers_device(state, caller, &req.device_id).await?;
+        let device = callers_device(state, caller, &req.device_id).await?;
 
         // A decision already recorded from this very request (same device, challenge and signature) means an
         // earlier attempt stopped after settling: wake the run again (it reads the decision once) and answer.
@@ -279,12 +175,8 @@ async fn decide(
             ApprovalState::Expired => return Err(Refusal::Expired.into()),
             ApprovalState::Approved | ApprovalState::Denied => return Err(Refusal::AlreadyDecided.into()),
         }
-        let challenge_item = state
-            .store
-            .get_item(&caller.org, "challenge", &challenge_id(&approval.id, &device.id))
-            .await?
-            .ok_or(ApiError::from(Refusal::ChallengeMismatch))?;
-        let challenge: Challenge = parse(&challenge_item)?;
+        let (challenge_item, challenge) =
+            challenge::load(state, caller, challenge::DECISION, &approval.id, &device.id).await?;
 
         let request = DecisionRequest {
             approval_id: req.approval_id.clone(),
@@ -297,16 +189,7 @@ async fn decide(
         };
         approval::check_decision(&approval, &device, &challenge, &request, now)?;
 
-        // The signed time must fall in the challenge's life: a signature cannot predate its challenge, and one dated
-        // well past the server's clock is from a device whose clock is wrong.
-        let issued_at_ms = challenge.expires_at_ms - state.config.challenge_ttl_ms;
-        if req.decided_at_ms < issued_at_ms - MAX_CLOCK_SKEW_MS
-            || req.decided_at_ms > challenge.expires_at_ms.min(now) + MAX_CLOCK_SKEW_MS
-        {
-            return Err(ApiError::FailedPrecondition(
-                "decided_at_ms is outside the challenge's validity window (check the device clock)".into(),
-            ));
-        }
+        challenge::check_signed_at(state, &challenge, req.decided_at_ms, "decided_at_ms")?;
 
         // The approval is written first: its conditional write is what lets exactly one decision through, and a
         // decision that loses it has changed nothing yet.
@@ -320,7 +203,7 @@ async fn decide(
         }
         // The settled approval already refuses every other decision, so a failure here only leaves the record of a
         // challenge that can no longer be used; the decision stands.
-        let used = Item { body: to_body(&Challenge { used: true, ..challenge })?, ..challenge_item.clone() };
+        let used = challenge::used(&challenge_item, &challenge)?;
         if let Err(e) = state.store.put_item(&used, Cond::Version(challenge_item.version)).await {
             tracing::warn!(error = %e, approval = %settled.id, "marking a challenge used failed");
         }

@@ -1,17 +1,23 @@
 //! FactoryService: runs, timelines, the run kill switch and the live watch.
+//!
+//! Killing a run is a signed step-up, like an approval decision: the caller's own registered device signs the
+//! canonical kill bytes over a single-use challenge from GetKillChallenge. The challenge is used up before the switch
+//! is set, so one signature pulls at most one switch.
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
 use futures::Stream;
+use loams_factory::approval::{self, DecisionProof, KillRequest, Refusal};
 use loams_factory::{Cursor, Envelope, Input, ObserveVerdict};
 use loams_platform::Claim;
-use loams_platform::{Cond, Item, Page};
+use loams_platform::{Cond, Item, Page, StoreError};
 use loams_proto::connect::{CallContext, ConnectError, Router};
 use loams_proto::factory::v1 as pf;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use crate::challenge::{self, callers_device};
 use crate::{ApiError, ApiState, Caller, convert, idem, scope};
 
 const SERVICE: &str = "/loams.factory.v1.FactoryService/";
@@ -28,6 +34,9 @@ pub struct KillSwitch {
     pub reason: String,
     pub by: String,
     pub at_ms: i64,
+    /// The signed step-up that pulled it (absent on switches stored before kills were signed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proof: Option<DecisionProof>,
 }
 
 pub(crate) fn page_size(requested: u32) -> u32 {
@@ -132,6 +141,23 @@ async fn timeline(
     })
 }
 
+async fn kill_challenge(
+    state: &ApiState,
+    caller: &Caller,
+    req: pf::GetKillChallengeRequest,
+) -> Result<pf::GetKillChallengeResponse, ApiError> {
+    load_run(state, caller, &req.run_id).await?;
+    let device = callers_device(state, caller, &req.device_id).await?;
+    if device.revoked {
+        return Err(Refusal::DeviceRevoked.into());
+    }
+    let issued = challenge::issue(state, caller, challenge::KILL, &req.run_id, &device).await?;
+    Ok(pf::GetKillChallengeResponse {
+        challenge: issued.value,
+        expires_at_ms: issued.expires_at_ms,
+    })
+}
+
 async fn kill(
     state: &ApiState,
     caller: &Caller,
@@ -143,16 +169,44 @@ async fn kill(
             "reason is longer than {MAX_REASON} bytes"
         )));
     }
+    challenge::check_sizes(&req.challenge, &req.signature)?;
     let reason = if req.reason.trim().is_empty() {
         format!("killed by {}", caller.user)
     } else {
         req.reason.clone()
     };
     idem::once(state, caller, "KillRun", &req.idempotency_key, || async {
+        let device = callers_device(state, caller, &req.device_id).await?;
+        let (challenge_item, challenge) =
+            challenge::load(state, caller, challenge::KILL, &req.run_id, &device.id).await?;
+        let request = KillRequest {
+            run_id: req.run_id.clone(),
+            reason: req.reason.clone(),
+            device_id: req.device_id.clone(),
+            challenge: req.challenge.clone(),
+            killed_at_ms: req.killed_at_ms,
+            signature: req.signature.clone(),
+        };
+        approval::check_kill(&device, &challenge, &request, state.now_ms())?;
+        challenge::check_signed_at(state, &challenge, req.killed_at_ms, "killed_at_ms")?;
+        // Used up before the switch is set: of two kills presenting one challenge, only one gets past here.
+        let used = challenge::used(&challenge_item, &challenge)?;
+        match state.store.put_item(&used, Cond::Version(challenge_item.version)).await {
+            Ok(_) => {}
+            Err(StoreError::Conflict) => return Err(Refusal::ChallengeUsed.into()),
+            Err(e) => return Err(e.into()),
+        }
         let switch = KillSwitch {
             reason: reason.clone(),
             by: caller.user.clone(),
             at_ms: state.now_ms(),
+            proof: Some(DecisionProof {
+                device_id: device.id.clone(),
+                signature: req.signature.clone(),
+                challenge: req.challenge.clone(),
+                decided_at_ms: req.killed_at_ms,
+                decided_by: device.user.clone(),
+            }),
         };
         let item = Item {
             org: caller.org.clone(),
@@ -166,6 +220,7 @@ async fn kill(
         // The switch is what stops the run (the worker reads it before every step); the input only wakes a
         // waiting run so it notices now instead of at its next timer.
         state.store.put_item(&item, Cond::Any).await?;
+        tracing::info!(run = %req.run_id, by = %device.user, device = %device.id, "kill switch set");
         enqueue(
             state,
             &caller.org,
@@ -493,6 +548,17 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
             async move {
                 let caller = s.caller(&ctx, scope::RUNS_READ).await?;
                 Ok(timeline(&s, &caller, req).await?)
+            }
+        },
+    );
+    let s = state.clone();
+    let router = router.unary(
+        &format!("{SERVICE}GetKillChallenge"),
+        move |ctx: CallContext, req: pf::GetKillChallengeRequest| {
+            let s = s.clone();
+            async move {
+                let caller = s.caller(&ctx, scope::RUNS_KILL).await?;
+                Ok(kill_challenge(&s, &caller, req).await?)
             }
         },
     );

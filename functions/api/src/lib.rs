@@ -9,6 +9,7 @@
 mod approvals;
 pub mod auth;
 pub mod broker;
+mod challenge;
 mod convert;
 mod devices;
 mod error;

@@ -352,6 +352,58 @@ async fn decide(
         .await
 }
 
+const KILL_RUN: &str = "/loams.factory.v1.FactoryService/KillRun";
+
+async fn get_kill_challenge(
+    c: &ConnectClient,
+    device: &str,
+) -> Result<pf::GetKillChallengeResponse, ConnectError> {
+    let req = pf::GetKillChallengeRequest {
+        run_id: RUN.into(),
+        device_id: device.into(),
+    };
+    c.unary("/loams.factory.v1.FactoryService/GetKillChallenge", &req)
+        .await
+}
+
+/// A kill of `RUN` signed the way a phone signs it, over a fresh kill challenge.
+async fn signed_kill(
+    c: &ConnectClient,
+    key: &EcdsaKeyPair,
+    device: &str,
+    reason: &str,
+    idem: &str,
+) -> pf::KillRunRequest {
+    let challenge = get_kill_challenge(c, device).await.unwrap().challenge;
+    let mut req = pf::KillRunRequest {
+        run_id: RUN.into(),
+        reason: reason.into(),
+        idempotency_key: idem.into(),
+        device_id: device.into(),
+        challenge,
+        killed_at_ms: wall_ms(),
+        signature: Vec::new(),
+    };
+    sign_kill(key, &mut req);
+    req
+}
+
+/// Signs `req` as it stands, with `key`.
+fn sign_kill(key: &EcdsaKeyPair, req: &mut pf::KillRunRequest) {
+    let bytes = loams_proto::canonical_kill_bytes(
+        &req.run_id,
+        &req.reason,
+        &req.device_id,
+        &req.challenge,
+        req.killed_at_ms,
+    );
+    req.signature = key
+        .sign(&SystemRandom::new(), &bytes)
+        .unwrap()
+        .as_ref()
+        .to_vec();
+}
+
 fn code<T: std::fmt::Debug>(r: Result<T, ConnectError>) -> Code {
     r.expect_err("the call must fail").code
 }
@@ -589,6 +641,7 @@ async fn org_a_cannot_read_kill_or_approve_org_b_things() {
         run_id: RUN.into(),
         reason: "x".into(),
         idempotency_key: "k1".into(),
+        ..Default::default()
     };
     assert_eq!(
         code(
@@ -997,24 +1050,17 @@ async fn refused_decisions_change_nothing() {
 }
 
 #[tokio::test]
-async fn kill_run_sets_the_switch_once() {
+async fn kill_run_sets_the_switch_once_with_its_proof() {
     let env = start().await;
     env.seed_run("acme", "waiting").await;
     let c = env.client("alice", "acme");
-    let kill = pf::KillRunRequest {
-        run_id: RUN.into(),
-        reason: "wrong fix".into(),
-        idempotency_key: "kill-1".into(),
-    };
-    let resp: pf::KillRunResponse = c
-        .unary("/loams.factory.v1.FactoryService/KillRun", &kill)
-        .await
-        .unwrap();
+    let k = key();
+    register(&c, "alice-phone", &k).await.unwrap();
+    let kill = signed_kill(&c, &k, "alice-phone", "wrong fix", "kill-1").await;
+    let resp: pf::KillRunResponse = c.unary(KILL_RUN, &kill).await.unwrap();
     assert_eq!(resp.run.unwrap().id, RUN);
-    let again: pf::KillRunResponse = c
-        .unary("/loams.factory.v1.FactoryService/KillRun", &kill)
-        .await
-        .unwrap();
+    // The same request again (its challenge is used up by now) is answered from its idempotency record.
+    let again: pf::KillRunResponse = c.unary(KILL_RUN, &kill).await.unwrap();
     assert_eq!(again.run.unwrap().id, RUN);
     let switch = env
         .db
@@ -1027,6 +1073,25 @@ async fn kill_run_sets_the_switch_once() {
         (switch.reason.as_str(), switch.by.as_str()),
         ("wrong fix", "alice")
     );
+    let proof = switch.proof.expect("the switch keeps the signed step-up");
+    assert_eq!(
+        (proof.device_id.as_str(), proof.decided_by.as_str()),
+        ("alice-phone", "alice")
+    );
+    assert_eq!(
+        (&proof.signature, &proof.challenge, proof.decided_at_ms),
+        (&kill.signature, &kill.challenge, kill.killed_at_ms)
+    );
+    // Anyone can re-verify it later from the switch and the device key alone.
+    let bytes = loams_proto::canonical_kill_bytes(
+        RUN,
+        &switch.reason,
+        &proof.device_id,
+        &proof.challenge,
+        proof.decided_at_ms,
+    );
+    loams_factory::approval::verify_signature(k.public_key().as_ref(), &bytes, &proof.signature)
+        .unwrap();
     let queued = env.queued().await;
     assert_eq!(queued.len(), 1, "a repeated kill must not enqueue twice");
     assert_eq!(
@@ -1039,15 +1104,139 @@ async fn kill_run_sets_the_switch_once() {
     // A write without an idempotency key is refused.
     let nokey = pf::KillRunRequest {
         idempotency_key: String::new(),
+        ..kill.clone()
+    };
+    assert_eq!(
+        code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &nokey).await),
+        Code::InvalidArgument
+    );
+    // The signature is good for one kill: sent again as a new request, it is refused.
+    let replay = pf::KillRunRequest {
+        idempotency_key: "kill-2".into(),
         ..kill
     };
     assert_eq!(
-        code(
-            c.unary::<_, pf::KillRunResponse>("/loams.factory.v1.FactoryService/KillRun", &nokey)
-                .await
-        ),
-        Code::InvalidArgument
+        code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &replay).await),
+        Code::FailedPrecondition
     );
+}
+
+#[tokio::test]
+async fn a_kill_without_a_valid_step_up_is_refused_and_changes_nothing() {
+    let env = start().await;
+    env.seed_run("acme", "waiting").await;
+    env.seed_approval("acme").await;
+    let alice = env.client("alice", "acme");
+    let bob = env.client("bob", "acme");
+    let (k, bobs_key) = (key(), key());
+    register(&alice, "alice-phone", &k).await.unwrap();
+    register(&bob, "bob-phone", &bobs_key).await.unwrap();
+    let good = signed_kill(&alice, &k, "alice-phone", "stop", "kill").await;
+    let refused = async |req: pf::KillRunRequest| {
+        code(alice.unary::<_, pf::KillRunResponse>(KILL_RUN, &req).await)
+    };
+    let no_switch = async || {
+        env.db
+            .get_item("acme", "kill", &format!("run:{RUN}"))
+            .await
+            .unwrap()
+            .is_none()
+    };
+
+    // Unsigned, as kills were before the step-up.
+    let unsigned = pf::KillRunRequest {
+        run_id: RUN.into(),
+        reason: "stop".into(),
+        idempotency_key: "unsigned".into(),
+        ..Default::default()
+    };
+    assert_eq!(refused(unsigned).await, Code::InvalidArgument);
+    // Signed by a key that is not the device's.
+    let mut other_key = good.clone();
+    sign_kill(&key(), &mut other_key);
+    assert_eq!(refused(other_key).await, Code::PermissionDenied);
+    // The reason changed after signing.
+    let reworded = pf::KillRunRequest {
+        reason: "something else".into(),
+        ..good.clone()
+    };
+    assert_eq!(refused(reworded).await, Code::PermissionDenied);
+    // Bob's device, a challenge issued to it and Bob's signature, sent by Alice: not her device.
+    let borrowed = signed_kill(&bob, &bobs_key, "bob-phone", "stop", "borrowed").await;
+    assert_eq!(refused(borrowed).await, Code::PermissionDenied);
+    // The challenge of an approval is not a kill challenge.
+    let mut approval_challenge = good.clone();
+    approval_challenge.challenge = get_challenge(&alice, "alice-phone")
+        .await
+        .unwrap()
+        .challenge;
+    sign_kill(&k, &mut approval_challenge);
+    assert_eq!(refused(approval_challenge).await, Code::InvalidArgument);
+    // Signed a day from now: the device clock is wrong.
+    let mut future = good.clone();
+    future.killed_at_ms += 24 * 60 * 60 * 1000;
+    sign_kill(&k, &mut future);
+    assert_eq!(refused(future).await, Code::FailedPrecondition);
+    // No kill challenge for someone else's device, or an unknown one.
+    assert_eq!(
+        code(get_kill_challenge(&alice, "bob-phone").await),
+        Code::PermissionDenied
+    );
+    assert_eq!(
+        code(get_kill_challenge(&alice, "nobody").await),
+        Code::PermissionDenied
+    );
+
+    // Nothing changed: no switch, nothing queued.
+    assert!(no_switch().await);
+    assert!(env.queued().await.is_empty());
+    // Once the device is revoked, its signed kill is refused too.
+    alice
+        .unary::<_, pd::RevokeDeviceResponse>(
+            "/loams.devices.v1.DeviceService/RevokeDevice",
+            &pd::RevokeDeviceRequest {
+                device_id: "alice-phone".into(),
+                idempotency_key: "rev".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(refused(good).await, Code::PermissionDenied);
+    assert_eq!(
+        code(get_kill_challenge(&alice, "alice-phone").await),
+        Code::PermissionDenied
+    );
+    assert!(no_switch().await);
+    // Bob's own step-up passes: the refusals used up nothing of his.
+    let bobs = signed_kill(&bob, &bobs_key, "bob-phone", "stop", "bobs").await;
+    bob.unary::<_, pf::KillRunResponse>(KILL_RUN, &bobs)
+        .await
+        .unwrap();
+    assert!(!no_switch().await);
+}
+
+#[tokio::test]
+async fn two_kills_over_one_challenge_pull_the_switch_once() {
+    let env = start().await;
+    env.seed_run("acme", "waiting").await;
+    let c = env.client("alice", "acme");
+    let k = key();
+    register(&c, "alice-phone", &k).await.unwrap();
+    let first = signed_kill(&c, &k, "alice-phone", "stop", "a").await;
+    let second = pf::KillRunRequest {
+        idempotency_key: "b".into(),
+        ..first.clone()
+    };
+    let (a, b) = tokio::join!(
+        c.unary::<_, pf::KillRunResponse>(KILL_RUN, &first),
+        c.unary::<_, pf::KillRunResponse>(KILL_RUN, &second)
+    );
+    assert_eq!(
+        usize::from(a.is_ok()) + usize::from(b.is_ok()),
+        1,
+        "one challenge, one kill: {a:?} {b:?}"
+    );
+    assert_eq!(env.queued().await.len(), 1);
 }
 
 fn alert(issue: u32) -> Vec<u8> {
@@ -1204,11 +1393,7 @@ async fn each_procedure_needs_its_scope_and_a_refusal_changes_nothing() {
     let challenges = env.challenges("acme").await;
 
     let get = pf::GetRunRequest { run_id: RUN.into() };
-    let kill = pf::KillRunRequest {
-        run_id: RUN.into(),
-        reason: "x".into(),
-        idempotency_key: "k".into(),
-    };
+    let kill = signed_kill(&bob, &k, "bob-phone", "x", "k").await;
     let reg = pd::RegisterDeviceRequest {
         device_id: "bob-tablet".into(),
         public_key: key().public_key().as_ref().to_vec(),

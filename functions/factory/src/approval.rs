@@ -115,11 +115,15 @@ pub struct Device {
     pub created_at_ms: i64,
 }
 
-/// A single-use server nonce the phone must sign over; binds a decision to one approval (and optionally one device).
+/// A single-use server nonce the phone must sign over; binds a decision to one approval, or a kill to one run (and
+/// optionally to one device). Kill challenges are stored under their own item kind, so neither stands in for the
+/// other.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct Challenge {
     pub value: Vec<u8>,
-    pub approval_id: String,
+    /// The approval id, or the run id of a kill.
+    #[serde(alias = "approval_id")]
+    pub subject: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_id: Option<String>,
     pub expires_at_ms: i64,
@@ -140,6 +144,17 @@ pub struct DecisionRequest {
     pub signature: Vec<u8>,
 }
 
+/// What a phone sent to kill a run: the fields it signed plus the signature.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KillRequest {
+    pub run_id: String,
+    pub reason: String,
+    pub device_id: String,
+    pub challenge: Vec<u8>,
+    pub killed_at_ms: i64,
+    pub signature: Vec<u8>,
+}
+
 /// Why a decision is refused. Each maps to one clear wire error in the API.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
@@ -151,11 +166,11 @@ pub enum Refusal {
     DeviceRevoked,
     #[error("the requester, or the user the agent acts for, cannot approve their own action")]
     SelfApproval,
-    #[error("the approval or its challenge has expired")]
+    #[error("the approval or the challenge has expired")]
     Expired,
     #[error("the challenge has already been used")]
     ChallengeUsed,
-    #[error("the challenge does not belong to this approval and device")]
+    #[error("the challenge was not issued for this approval (or run) and device")]
     ChallengeMismatch,
     #[error("the typed confirmation does not match")]
     ConfirmationMismatch,
@@ -232,23 +247,10 @@ pub fn check_decision(
     {
         return Err(Refusal::SelfApproval);
     }
-    if challenge.used {
-        return Err(Refusal::ChallengeUsed);
-    }
-    let device_matches = challenge
-        .device_id
-        .as_deref()
-        .is_none_or(|d| d == device.id);
-    if challenge.approval_id != approval.id
-        || request.approval_id != approval.id
-        || !device_matches
-        || !same(&challenge.value, &request.challenge)
-    {
+    if request.approval_id != approval.id {
         return Err(Refusal::ChallengeMismatch);
     }
-    if now_ms >= challenge.expires_at_ms {
-        return Err(Refusal::Expired);
-    }
+    check_challenge(challenge, &approval.id, device, &request.challenge, now_ms)?;
     // The record must say what it will allow: a hash that does not match the shown action would let a person
     // approve one call while the broker releases another.
     if !same(
@@ -269,6 +271,63 @@ pub fn check_decision(
         &decision_bytes(approval, request)?,
         &request.signature,
     )
+}
+
+/// The challenge presented is the unused, unexpired one issued for `subject` and `device`.
+fn check_challenge(
+    challenge: &Challenge,
+    subject: &str,
+    device: &Device,
+    presented: &[u8],
+    now_ms: i64,
+) -> Result<(), Refusal> {
+    if challenge.used {
+        return Err(Refusal::ChallengeUsed);
+    }
+    let device_matches = challenge
+        .device_id
+        .as_deref()
+        .is_none_or(|d| d == device.id);
+    if challenge.subject != subject || !device_matches || !same(&challenge.value, presented) {
+        return Err(Refusal::ChallengeMismatch);
+    }
+    if now_ms >= challenge.expires_at_ms {
+        return Err(Refusal::Expired);
+    }
+    Ok(())
+}
+
+/// Decides whether `request` may kill its run: the step-up of DESIGN.md section 7 applied to a kill. The device is
+/// the caller's own (the API looks it up by owner), unrevoked, and signed `loams_proto::canonical_kill_bytes` over the
+/// unused, unexpired challenge issued for this run and this device. Unlike a decision, anyone with the right may stop
+/// a run, the requester included.
+pub fn check_kill(
+    device: &Device,
+    challenge: &Challenge,
+    request: &KillRequest,
+    now_ms: i64,
+) -> Result<(), Refusal> {
+    if device.id != request.device_id {
+        return Err(Refusal::DeviceUnknown);
+    }
+    if device.revoked {
+        return Err(Refusal::DeviceRevoked);
+    }
+    check_challenge(
+        challenge,
+        &request.run_id,
+        device,
+        &request.challenge,
+        now_ms,
+    )?;
+    let bytes = loams_proto::canonical_kill_bytes(
+        &request.run_id,
+        &request.reason,
+        &request.device_id,
+        &request.challenge,
+        request.killed_at_ms,
+    );
+    verify_signature(&device.public_key, &bytes, &request.signature)
 }
 
 /// ECDSA P-256 SHA-256 with a DER signature over `message`, against a 65-byte uncompressed point.
@@ -396,7 +455,7 @@ mod tests {
         };
         let challenge = Challenge {
             value: b"nonce-1".to_vec(),
-            approval_id: "ap-1".into(),
+            subject: "ap-1".into(),
             device_id: Some("dev-1".into()),
             expires_at_ms: NOW + 60_000,
             used: false,
@@ -553,7 +612,7 @@ mod tests {
         sign(&f.key, &f.approval, &mut f.request);
         assert_eq!(check(&f), Err(Refusal::ChallengeMismatch));
         let mut f = fixture();
-        f.challenge.approval_id = "ap-2".into();
+        f.challenge.subject = "ap-2".into();
         assert_eq!(check(&f), Err(Refusal::ChallengeMismatch));
         let mut f = fixture();
         f.challenge.device_id = Some("dev-9".into());
@@ -606,5 +665,132 @@ mod tests {
         assert_eq!(json["state"], "pending");
         let dev: Device = serde_json::from_slice(&serde_json::to_vec(&f.device).unwrap()).unwrap();
         assert_eq!(dev, f.device);
+    }
+
+    /// A kill of the fixture's run, signed by its device over a challenge issued for that run.
+    fn signed_kill(f: &Fixture) -> (Challenge, KillRequest) {
+        let challenge = Challenge {
+            subject: f.approval.run_id.clone(),
+            ..f.challenge.clone()
+        };
+        let mut request = KillRequest {
+            run_id: f.approval.run_id.clone(),
+            reason: "wrong fix".into(),
+            device_id: f.device.id.clone(),
+            challenge: challenge.value.clone(),
+            killed_at_ms: NOW - 5,
+            signature: Vec::new(),
+        };
+        sign_kill(&f.key, &mut request);
+        (challenge, request)
+    }
+
+    fn sign_kill(key: &EcdsaKeyPair, r: &mut KillRequest) {
+        let bytes = loams_proto::canonical_kill_bytes(
+            &r.run_id,
+            &r.reason,
+            &r.device_id,
+            &r.challenge,
+            r.killed_at_ms,
+        );
+        r.signature = key
+            .sign(&SystemRandom::new(), &bytes)
+            .unwrap()
+            .as_ref()
+            .to_vec();
+    }
+
+    #[test]
+    fn a_signed_kill_is_accepted_and_every_broken_rule_refused() {
+        let f = fixture();
+        let (challenge, request) = signed_kill(&f);
+        assert_eq!(check_kill(&f.device, &challenge, &request, NOW), Ok(()));
+        // The requester or the user the agent acts for may stop a run: only deciding is barred to them.
+        let mut alice = f.device.clone();
+        alice.user = "alice".into();
+        assert_eq!(check_kill(&alice, &challenge, &request, NOW), Ok(()));
+
+        let refused = |device: &Device, challenge: &Challenge, request: &KillRequest| {
+            check_kill(device, challenge, request, NOW).unwrap_err()
+        };
+        let mut revoked = f.device.clone();
+        revoked.revoked = true;
+        assert_eq!(
+            refused(&revoked, &challenge, &request),
+            Refusal::DeviceRevoked
+        );
+        let mut other = request.clone();
+        other.device_id = "dev-2".into();
+        assert_eq!(
+            refused(&f.device, &challenge, &other),
+            Refusal::DeviceUnknown
+        );
+        let used = Challenge {
+            used: true,
+            ..challenge.clone()
+        };
+        assert_eq!(refused(&f.device, &used, &request), Refusal::ChallengeUsed);
+        let expired = Challenge {
+            expires_at_ms: NOW,
+            ..challenge.clone()
+        };
+        assert_eq!(refused(&f.device, &expired, &request), Refusal::Expired);
+        // A challenge issued for another run, or for an approval, does not kill this one.
+        let elsewhere = Challenge {
+            subject: "r-other".into(),
+            ..challenge.clone()
+        };
+        assert_eq!(
+            refused(&f.device, &elsewhere, &request),
+            Refusal::ChallengeMismatch
+        );
+        assert_eq!(
+            refused(&f.device, &f.challenge, &request),
+            Refusal::ChallengeMismatch
+        );
+        let mut replayed = request.clone();
+        replayed.challenge = b"nonce-2".to_vec();
+        sign_kill(&f.key, &mut replayed);
+        assert_eq!(
+            refused(&f.device, &challenge, &replayed),
+            Refusal::ChallengeMismatch
+        );
+
+        // The signature covers every field: a changed reason, time or run breaks it.
+        let mut reworded = request.clone();
+        reworded.reason = "no reason".into();
+        assert_eq!(
+            refused(&f.device, &challenge, &reworded),
+            Refusal::BadSignature
+        );
+        let mut redated = request.clone();
+        redated.killed_at_ms += 1;
+        assert_eq!(
+            refused(&f.device, &challenge, &redated),
+            Refusal::BadSignature
+        );
+        let mut by_another_key = request.clone();
+        sign_kill(&key(), &mut by_another_key);
+        assert_eq!(
+            refused(&f.device, &challenge, &by_another_key),
+            Refusal::BadSignature
+        );
+        // An approval signature over the same challenge is not a kill signature.
+        let mut decision = f.request.clone();
+        decision.challenge = request.challenge.clone();
+        sign(&f.key, &f.approval, &mut decision);
+        let mut passed_off = request.clone();
+        passed_off.signature = decision.signature;
+        assert_eq!(
+            refused(&f.device, &challenge, &passed_off),
+            Refusal::BadSignature
+        );
+    }
+
+    #[test]
+    fn a_challenge_stored_before_subjects_still_reads() {
+        let old = br#"{"value":[1,2],"approval_id":"ap-1","device_id":"dev-1","expires_at_ms":5,"used":false}"#;
+        let read: Challenge = serde_json::from_slice(old).unwrap();
+        assert_eq!(read.subject, "ap-1");
     }
 }

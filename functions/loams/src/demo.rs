@@ -41,7 +41,7 @@ pub struct Scenario {
     pub sandbox: SandboxConfig,
     pub config: Config,
     pub phone: PhoneAnswer,
-    /// Kill the first run (through the API) once it reaches this stage.
+    /// Kill the first run (from the phone, signed) once it reaches this stage.
     pub kill_at_stage: Option<String>,
     /// Force the sandbox GlitchTip to keep (`on`) or stop (`off`) producing events whatever production runs.
     pub glitchtip_mode: Option<ProducingMode>,
@@ -234,20 +234,13 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
                 && run.id == first_run
                 && scenario.kill_at_stage.as_deref() == Some(run.stage.as_str())
             {
-                let _: factory::KillRunResponse = oncall
-                    .unary(
-                        &format!("{FACTORY}/KillRun"),
-                        &factory::KillRunRequest {
-                            run_id: run.id.clone(),
-                            reason: "stopped by the on-call engineer".into(),
-                            idempotency_key: format!("kill-{}", run.id),
-                        },
-                    )
+                phone
+                    .kill(&run.id, "stopped by the on-call engineer")
                     .await?;
                 killed = true;
                 writeln!(
                     out,
-                    "           kill switch pulled for run {}",
+                    "           kill switch pulled for run {} (signed on the phone)",
                     short(&run.id)
                 )?;
             }

@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use keyring_core::api::{Credential, CredentialApi, CredentialStoreApi};
 use keyring_core::{CredentialStore, Entry};
 use loams_core::{
-    Approval, Client, ClientConfig, Decision, Device, Error, RunListener, SoftwareSigner,
+    Approval, Client, ClientConfig, Decision, Device, Error, Run, RunListener, SoftwareSigner,
     TaskHandle, TokenProvider,
 };
 
@@ -139,6 +139,11 @@ impl Phone {
             }
             other => other,
         }
+    }
+
+    /// Stops a run with a step-up signed by the device key (the core gets the kill challenge, signs and sends).
+    pub async fn kill(&self, run_id: &str, reason: &str) -> loams_core::Result<Run> {
+        self.client.runs().kill(run_id, reason).await
     }
 
     /// Follows a run: the cached snapshot first, then the server's changes, until the run has ended.

@@ -1,6 +1,7 @@
 //! `loams phone`: the phone apps' screens in a terminal, over the same core (`phone.rs`). Register a device key,
 //! list the pending approvals with what they would do, approve (typing the phrase of a destructive action) or deny
-//! with a signature of the device key, and watch a run's timeline as it happens.
+//! with a signature of the device key, kill a run (a step-up signed the same way), and watch a run's timeline as it
+//! happens.
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
@@ -57,6 +58,14 @@ enum PhoneCommand {
         /// The approval's id, as `loams phone approvals` lists it.
         approval: String,
     },
+    /// Stop a run at its next step, with the device key's signature.
+    Kill {
+        /// The run's id (`r-...`).
+        run: String,
+        /// Why, as the run's record will say (default: "killed by <user>").
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
     /// Print a run's timeline as it happens, until the run has ended.
     Watch {
         /// The run's id (`r-...`).
@@ -77,6 +86,7 @@ pub async fn run(args: PhoneArgs) -> anyhow::Result<()> {
         PhoneCommand::Deny { approval } => {
             decide(&phone, &approval, Decision::Deny, None, out).await
         }
+        PhoneCommand::Kill { run, reason } => kill(&phone, &run, &reason, out).await,
         PhoneCommand::Watch { run } => watch(&phone, &run, out).await,
     }
 }
@@ -238,6 +248,27 @@ async fn decide(
         decided.agent,
         decided.skill,
         device.device_id
+    )?;
+    Ok(())
+}
+
+async fn kill(
+    phone: &Phone,
+    run_id: &str,
+    reason: &str,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let Some(device) = phone.device()? else {
+        bail!("this phone has no registered device key: run `loams phone register` first");
+    };
+    let run = phone
+        .kill(run_id, reason)
+        .await
+        .with_context(|| format!("killing run {run_id}"))?;
+    writeln!(
+        out,
+        "kill switch set for run {} (now {} at {}), signed by device {}; it stops at its next step",
+        run.id, run.state, run.stage, device.device_id
     )?;
     Ok(())
 }

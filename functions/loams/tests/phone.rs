@@ -295,6 +295,51 @@ async fn a_denied_merge_ends_the_run_without_merging() {
     server.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_killed_from_the_phone_stops_at_its_next_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("server")).await;
+    let token = server.token("carol");
+    let phone_dir = dir.path().join("phone");
+    let env = server.env(&token, &phone_dir);
+
+    // The kill is signed, so it needs the device key first.
+    let unregistered = phone(&env, &["kill", &server.run_id]).await;
+    assert!(!unregistered.ok, "{unregistered}");
+    assert!(
+        unregistered.stderr.contains("loams phone register"),
+        "{unregistered}"
+    );
+    assert!(phone(&env, &["register"]).await.ok);
+    // Killed while its merge waits for approval: the pull request is open by then.
+    let (merge, _) = wait_for_approval(&env).await;
+    let killed = phone(&env, &["kill", &server.run_id, "--reason", "wrong fix"]).await;
+    assert!(killed.ok, "{killed}");
+    assert!(
+        killed
+            .stdout
+            .contains(&format!("kill switch set for run {}", server.run_id)),
+        "{killed}"
+    );
+    // Compensation closes the pull request, which is destructive: a person approves it.
+    let (close, listing) = wait_for_approval(&env).await;
+    assert_ne!(close, merge);
+    assert!(listing.contains("forgejo.close_pr"), "{listing}");
+    let closed = phone(&env, &["approve", &close, "--confirm", "close #1"]).await;
+    assert!(closed.ok, "{closed}");
+
+    let watched = phone(&env, &["watch", &server.run_id]).await;
+    assert!(watched.ok, "{watched}");
+    for line in [
+        "stopped: killed",
+        &format!("run {} ended killed", server.run_id),
+    ] {
+        assert!(watched.stdout.contains(line), "{line:?} in {watched}");
+    }
+    assert_eq!(server.merges(), 0);
+    server.stop().await;
+}
+
 /// A command that must fail: the settings given in the environment, the arguments, and what the error must say.
 type Refused<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str], &'a str);
 

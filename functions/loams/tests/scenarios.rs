@@ -96,6 +96,10 @@ async fn kill_switch_stops_the_run_and_compensates() {
     let (report, out) = run(scenario).await;
     let run = report.first();
     assert_eq!(run.state, "killed", "{out}");
+    assert!(
+        out.contains("kill switch pulled") && out.contains("signed on the phone"),
+        "the phone signed the kill: {out}"
+    );
     let s = &report.sandbox_state;
     assert_eq!(count(s, "forgejo", "merges"), 0, "{s}");
     assert_eq!(

@@ -1,10 +1,10 @@
-//! Test vectors of the canonical decision bytes. The expected bytes were computed independently (Python `struct`),
+//! Test vectors of the canonical bytes a device signs. The expected bytes were computed independently (Python `struct`),
 //! so a change of the encoding shows up here and must be a new domain version, not a silent change.
 
 use aws_lc_rs::rand::SystemRandom;
 use aws_lc_rs::signature::{self, EcdsaKeyPair, KeyPair, UnparsedPublicKey};
 use loams_proto::approvals::v1::Decision;
-use loams_proto::{DECISION_DOMAIN, canonical_decision_bytes};
+use loams_proto::{DECISION_DOMAIN, KILL_DOMAIN, canonical_decision_bytes, canonical_kill_bytes};
 
 fn hex(s: &str) -> Vec<u8> {
     (0..s.len())
@@ -96,5 +96,42 @@ fn device_signature_over_the_bytes_verifies_with_the_x963_point() {
     assert!(
         verifier.verify(&denied, der.as_ref()).is_err(),
         "a signature for APPROVE must not pass as DENY"
+    );
+}
+
+#[test]
+fn vector_kill() {
+    let bytes = canonical_kill_bytes(
+        "run-7",
+        "wrong fix",
+        "dev-A",
+        &[0xde, 0xad, 0xbe, 0xef],
+        1_767_225_600_000,
+    );
+    let expected = hex(concat!(
+        "6c6f616d732e666163746f72792e6b696c6c2e763100", // "loams.factory.kill.v1\0"
+        "0000000000000005",
+        "72756e2d37", // run_id
+        "0000000000000009",
+        "77726f6e6720666978", // reason
+        "0000000000000005",
+        "6465762d41", // device_id
+        "0000000000000004",
+        "deadbeef",         // challenge
+        "0000019b76daa800", // killed_at_ms
+    ));
+    assert_eq!(bytes, expected);
+    assert!(bytes.starts_with(KILL_DOMAIN));
+}
+
+#[test]
+fn a_kill_differs_from_a_decision_over_the_same_fields() {
+    // Same field values in the same order: only the domain keeps one message from passing as the other.
+    let kill = canonical_kill_bytes("ap-1", "", "dev", b"c", 1);
+    let decision = canonical_decision_bytes("ap-1", b"", Decision::Approve, "dev", b"c", 1);
+    assert_ne!(kill, decision);
+    assert_ne!(
+        canonical_kill_bytes("run-", "1reason", "dev", b"c", 1),
+        canonical_kill_bytes("run-1", "reason", "dev", b"c", 1)
     );
 }

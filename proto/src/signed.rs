@@ -1,7 +1,8 @@
-//! The canonical bytes of an approval decision: what a phone signs with its device key and what the server verifies.
-//! Defined once, here, so that the phones (through `core`) and the server cannot drift apart.
+//! The canonical bytes a phone signs with its device key and the server verifies: an approval decision, and the
+//! step-up that kills a run. Defined once, here, so that the phones (through `core`) and the server cannot drift
+//! apart.
 //!
-//! Encoding (all integers big-endian):
+//! Decision encoding (all integers big-endian):
 //!
 //! ```text
 //! "loams.approval.decision.v1" 0x00         domain separation: these bytes can never be mistaken for another message
@@ -13,6 +14,18 @@
 //! i64      decided_at_ms
 //! ```
 //!
+//! Kill encoding, the same way:
+//!
+//! ```text
+//! "loams.factory.kill.v1" 0x00
+//! u64 len || run_id (UTF-8)
+//! u64 len || reason (UTF-8, as sent in KillRunRequest)
+//! u64 len || device_id (UTF-8)
+//! u64 len || challenge
+//! i64      killed_at_ms
+//! ```
+//!
+//! Each message has its own domain, so a signature for one is never valid for the other.
 //! Every variable-length field carries its length, so no two different inputs give the same bytes (moving a byte
 //! from one field to the next changes a length). Lengths are u64 so that the encoding has no failure case.
 
@@ -47,6 +60,35 @@ pub fn canonical_decision_bytes(
     put_field(&mut out, device_id.as_bytes());
     put_field(&mut out, challenge);
     out.extend_from_slice(&decided_at_ms.to_be_bytes());
+    out
+}
+
+/// Domain-separation prefix of the canonical kill bytes (includes the terminating NUL).
+pub const KILL_DOMAIN: &[u8] = b"loams.factory.kill.v1\0";
+
+/// The bytes a device signs (ECDSA P-256, SHA-256, DER signature) to kill a run: the step-up of `KillRun`.
+pub fn canonical_kill_bytes(
+    run_id: &str,
+    reason: &str,
+    device_id: &str,
+    challenge: &[u8],
+    killed_at_ms: i64,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(
+        KILL_DOMAIN.len()
+            + 4 * 8
+            + 8
+            + run_id.len()
+            + reason.len()
+            + device_id.len()
+            + challenge.len(),
+    );
+    out.extend_from_slice(KILL_DOMAIN);
+    put_field(&mut out, run_id.as_bytes());
+    put_field(&mut out, reason.as_bytes());
+    put_field(&mut out, device_id.as_bytes());
+    put_field(&mut out, challenge);
+    out.extend_from_slice(&killed_at_ms.to_be_bytes());
     out
 }
 
