@@ -424,6 +424,10 @@ mod tests {
             Err(Error::InvalidInput(_))
         ));
         assert!(matches!(
+            client.runs().kill("r-1", "stop\u{1b}[2J").await,
+            Err(Error::InvalidInput(_))
+        ));
+        assert!(matches!(
             client
                 .approvals()
                 .decide("a-1", crate::Decision::Approve, None)

@@ -127,9 +127,9 @@ impl Runs {
     /// the server's answer.
     pub async fn kill(&self, run_id: &str, reason: &str) -> Result<Run> {
         check_id("run_id", run_id)?;
-        if reason.len() > MAX_REASON {
+        if reason.len() > MAX_REASON || reason.chars().any(char::is_control) {
             return Err(Error::InvalidInput(format!(
-                "the reason is longer than {MAX_REASON} bytes"
+                "the reason must be at most {MAX_REASON} bytes without control characters"
             )));
         }
         let device = self.inner.signing_device()?;

@@ -1,14 +1,15 @@
 //! FactoryService: runs, timelines, the run kill switch and the live watch.
 //!
 //! Killing a run is a signed step-up, like an approval decision: the caller's own registered device signs the
-//! canonical kill bytes over a single-use challenge from GetKillChallenge. The challenge is used up before the switch
-//! is set, so one signature pulls at most one switch.
+//! canonical kill bytes over a single-use challenge from GetKillChallenge. The switch is written first, only if
+//! absent, with the signed request as its proof: of two kills of one run only one sets it, and a request that finds
+//! its own proof there is a retry of an attempt that stopped halfway, which it finishes (challenge used, run woken).
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
 use futures::Stream;
-use loams_factory::approval::{self, DecisionProof, KillRequest, Refusal};
+use loams_factory::approval::{self, Challenge, KillRequest, Refusal};
 use loams_factory::{Cursor, Envelope, Input, ObserveVerdict};
 use loams_platform::Claim;
 use loams_platform::{Cond, Item, Page, StoreError};
@@ -17,6 +18,7 @@ use loams_proto::factory::v1 as pf;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use crate::approvals::{parse, to_body};
 use crate::challenge::{self, callers_device};
 use crate::{ApiError, ApiState, Caller, convert, idem, scope};
 
@@ -34,9 +36,9 @@ pub struct KillSwitch {
     pub reason: String,
     pub by: String,
     pub at_ms: i64,
-    /// The signed step-up that pulled it (absent on switches stored before kills were signed).
+    /// The signed step-up that pulled it, verbatim (absent on switches stored before kills were signed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub proof: Option<DecisionProof>,
+    pub proof: Option<KillRequest>,
 }
 
 pub(crate) fn page_size(requested: u32) -> u32 {
@@ -146,7 +148,8 @@ async fn kill_challenge(
     caller: &Caller,
     req: pf::GetKillChallengeRequest,
 ) -> Result<pf::GetKillChallengeResponse, ApiError> {
-    load_run(state, caller, &req.run_id).await?;
+    let run = load_run(state, caller, &req.run_id).await?;
+    still_running(&run)?;
     let device = callers_device(state, caller, &req.device_id).await?;
     if device.revoked {
         return Err(Refusal::DeviceRevoked.into());
@@ -163,10 +166,11 @@ async fn kill(
     caller: &Caller,
     req: pf::KillRunRequest,
 ) -> Result<pf::KillRunResponse, ApiError> {
-    load_run(state, caller, &req.run_id).await?;
-    if req.reason.len() > MAX_REASON {
+    let run = load_run(state, caller, &req.run_id).await?;
+    // Control characters would reach the timeline that people read in terminals.
+    if req.reason.len() > MAX_REASON || req.reason.chars().any(char::is_control) {
         return Err(ApiError::InvalidArgument(format!(
-            "reason is longer than {MAX_REASON} bytes"
+            "reason must be at most {MAX_REASON} bytes without control characters"
         )));
     }
     challenge::check_sizes(&req.challenge, &req.signature)?;
@@ -176,6 +180,9 @@ async fn kill(
         req.reason.clone()
     };
     idem::once(state, caller, "KillRun", &req.idempotency_key, || async {
+        // Inside the claim: a repeat of a kill that went through is answered from its record, even once the run
+        // has ended because of it.
+        still_running(&run)?;
         let device = callers_device(state, caller, &req.device_id).await?;
         let (challenge_item, challenge) =
             challenge::load(state, caller, challenge::KILL, &req.run_id, &device.id).await?;
@@ -187,40 +194,56 @@ async fn kill(
             killed_at_ms: req.killed_at_ms,
             signature: req.signature.clone(),
         };
-        approval::check_kill(&device, &challenge, &request, state.now_ms())?;
+        let switch_id = format!("run:{}", req.run_id);
+        let existing = state.store.get_item(&caller.org, "kill", &switch_id).await?;
+        let existing: Option<KillSwitch> = existing.as_ref().map(parse).transpose()?;
+        // This very request set the switch before it stopped: its challenge may be used by now, and is still its own.
+        let resumed = existing
+            .as_ref()
+            .is_some_and(|s| s.proof.as_ref() == Some(&request));
+        let presented = Challenge {
+            used: challenge.used && !resumed,
+            ..challenge.clone()
+        };
+        approval::check_kill(&device, &presented, &request, state.now_ms())?;
         challenge::check_signed_at(state, &challenge, req.killed_at_ms, "killed_at_ms")?;
-        // Used up before the switch is set: of two kills presenting one challenge, only one gets past here.
-        let used = challenge::used(&challenge_item, &challenge)?;
-        match state.store.put_item(&used, Cond::Version(challenge_item.version)).await {
-            Ok(_) => {}
-            Err(StoreError::Conflict) => return Err(Refusal::ChallengeUsed.into()),
-            Err(e) => return Err(e.into()),
+        if !resumed {
+            let switch = KillSwitch {
+                reason: reason.clone(),
+                by: caller.user.clone(),
+                at_ms: state.now_ms(),
+                proof: Some(request),
+            };
+            let item = Item {
+                org: caller.org.clone(),
+                kind: "kill".into(),
+                id: switch_id,
+                version: 0,
+                index: None,
+                body: to_body(&switch)?,
+                expires_ms: None,
+            };
+            // The switch is what stops the run (the worker reads it before every step); the input below only
+            // wakes a waiting run so it notices now instead of at its next timer.
+            match state.store.put_item(&item, Cond::Absent).await {
+                Ok(_) => {}
+                Err(StoreError::Conflict) => {
+                    return Err(ApiError::FailedPrecondition(
+                        "the run's kill switch is already set".into(),
+                    ));
+                }
+                Err(e) => return Err(e.into()),
+            }
+            tracing::info!(run = %req.run_id, by = %device.user, device = %device.id, "kill switch set");
         }
-        let switch = KillSwitch {
-            reason: reason.clone(),
-            by: caller.user.clone(),
-            at_ms: state.now_ms(),
-            proof: Some(DecisionProof {
-                device_id: device.id.clone(),
-                signature: req.signature.clone(),
-                challenge: req.challenge.clone(),
-                decided_at_ms: req.killed_at_ms,
-                decided_by: device.user.clone(),
-            }),
-        };
-        let item = Item {
-            org: caller.org.clone(),
-            kind: "kill".into(),
-            id: format!("run:{}", req.run_id),
-            version: 0,
-            index: None,
-            body: serde_json::to_vec(&switch).map_err(|e| ApiError::Internal(e.to_string()))?,
-            expires_ms: None,
-        };
-        // The switch is what stops the run (the worker reads it before every step); the input only wakes a
-        // waiting run so it notices now instead of at its next timer.
-        state.store.put_item(&item, Cond::Any).await?;
-        tracing::info!(run = %req.run_id, by = %device.user, device = %device.id, "kill switch set");
+        // The switch already refuses every other kill, so a failure here leaves only a challenge that cannot
+        // be used any more; the kill stands.
+        if !challenge.used {
+            let used = challenge::used(&challenge_item, &challenge)?;
+            if let Err(e) = state.store.put_item(&used, Cond::Version(challenge_item.version)).await {
+                tracing::warn!(error = %e, run = %req.run_id, "marking a kill challenge used failed");
+            }
+        }
         enqueue(
             state,
             &caller.org,
@@ -236,6 +259,17 @@ async fn kill(
         })
     })
     .await
+}
+
+/// A run that has ended has nothing left to stop: neither a kill challenge nor a kill switch is written for it.
+fn still_running(run: &pf::Run) -> Result<(), ApiError> {
+    if TERMINAL.contains(&run.state.as_str()) {
+        return Err(ApiError::FailedPrecondition(format!(
+            "run {} has already ended ({})",
+            run.id, run.state
+        )));
+    }
+    Ok(())
 }
 
 /// A decision only a person can give, and the cursor at which a run waits for it.

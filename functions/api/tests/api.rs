@@ -651,6 +651,10 @@ async fn org_a_cannot_read_kill_or_approve_org_b_things() {
         ),
         Code::NotFound
     );
+    assert_eq!(
+        code(get_kill_challenge(&mallory, "mallory-phone").await),
+        Code::NotFound
+    );
     assert!(
         env.db
             .get_item("acme", "kill", &format!("run:{RUN}"))
@@ -1056,39 +1060,40 @@ async fn kill_run_sets_the_switch_once_with_its_proof() {
     let c = env.client("alice", "acme");
     let k = key();
     register(&c, "alice-phone", &k).await.unwrap();
-    let kill = signed_kill(&c, &k, "alice-phone", "wrong fix", "kill-1").await;
+    // No reason given: the switch shows a default one, the proof keeps what was signed.
+    let kill = signed_kill(&c, &k, "alice-phone", "", "kill-1").await;
     let resp: pf::KillRunResponse = c.unary(KILL_RUN, &kill).await.unwrap();
     assert_eq!(resp.run.unwrap().id, RUN);
     // The same request again (its challenge is used up by now) is answered from its idempotency record.
     let again: pf::KillRunResponse = c.unary(KILL_RUN, &kill).await.unwrap();
     assert_eq!(again.run.unwrap().id, RUN);
-    let switch = env
+    let stored = env
         .db
         .get_item("acme", "kill", &format!("run:{RUN}"))
         .await
         .unwrap()
         .unwrap();
-    let switch: loams_api::KillSwitch = serde_json::from_slice(&switch.body).unwrap();
+    let switch: loams_api::KillSwitch = serde_json::from_slice(&stored.body).unwrap();
     assert_eq!(
         (switch.reason.as_str(), switch.by.as_str()),
-        ("wrong fix", "alice")
+        ("killed by alice", "alice")
     );
     let proof = switch.proof.expect("the switch keeps the signed step-up");
     assert_eq!(
-        (proof.device_id.as_str(), proof.decided_by.as_str()),
-        ("alice-phone", "alice")
+        (proof.device_id.as_str(), proof.reason.as_str()),
+        ("alice-phone", "")
     );
     assert_eq!(
-        (&proof.signature, &proof.challenge, proof.decided_at_ms),
+        (&proof.signature, &proof.challenge, proof.killed_at_ms),
         (&kill.signature, &kill.challenge, kill.killed_at_ms)
     );
-    // Anyone can re-verify it later from the switch and the device key alone.
+    // Anyone can verify it again later from the switch and the device key alone.
     let bytes = loams_proto::canonical_kill_bytes(
-        RUN,
-        &switch.reason,
+        &proof.run_id,
+        &proof.reason,
         &proof.device_id,
         &proof.challenge,
-        proof.decided_at_ms,
+        proof.killed_at_ms,
     );
     loams_factory::approval::verify_signature(k.public_key().as_ref(), &bytes, &proof.signature)
         .unwrap();
@@ -1098,7 +1103,7 @@ async fn kill_run_sets_the_switch_once_with_its_proof() {
         queued[0].input,
         Some(Input::Kill {
             by: "alice".into(),
-            reason: "wrong fix".into()
+            reason: "killed by alice".into()
         })
     );
     // A write without an idempotency key is refused.
@@ -1110,15 +1115,74 @@ async fn kill_run_sets_the_switch_once_with_its_proof() {
         code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &nokey).await),
         Code::InvalidArgument
     );
-    // The signature is good for one kill: sent again as a new request, it is refused.
-    let replay = pf::KillRunRequest {
+    // The very same signed request under a new key is the same kill (as after an attempt that stopped halfway):
+    // it finishes, waking the run again, and the switch stays as it was.
+    let resent = pf::KillRunRequest {
         idempotency_key: "kill-2".into(),
         ..kill
     };
+    c.unary::<_, pf::KillRunResponse>(KILL_RUN, &resent)
+        .await
+        .unwrap();
+    assert_eq!(env.queued().await.len(), 1);
+    // Another kill, freshly signed, finds the switch set: the first proof stays.
+    let second = signed_kill(&c, &k, "alice-phone", "again", "kill-3").await;
     assert_eq!(
-        code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &replay).await),
+        code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &second).await),
         Code::FailedPrecondition
     );
+    let after = env
+        .db
+        .get_item("acme", "kill", &format!("run:{RUN}"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(after.body, stored.body);
+    assert!(env.queued().await.is_empty());
+}
+
+#[tokio::test]
+async fn a_run_that_has_ended_cannot_be_killed() {
+    let env = start().await;
+    env.seed_run("acme", "succeeded").await;
+    let c = env.client("alice", "acme");
+    let k = key();
+    register(&c, "alice-phone", &k).await.unwrap();
+    assert_eq!(
+        code(get_kill_challenge(&c, "alice-phone").await),
+        Code::FailedPrecondition
+    );
+    let mut kill = pf::KillRunRequest {
+        run_id: RUN.into(),
+        reason: "late".into(),
+        idempotency_key: "late".into(),
+        device_id: "alice-phone".into(),
+        challenge: vec![7; 32],
+        killed_at_ms: wall_ms(),
+        signature: Vec::new(),
+    };
+    sign_kill(&k, &mut kill);
+    assert_eq!(
+        code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &kill).await),
+        Code::FailedPrecondition
+    );
+    // A reason with control characters would reach terminals: refused before anything else.
+    let escape = pf::KillRunRequest {
+        reason: "stop\u{1b}[2J".into(),
+        ..kill
+    };
+    assert_eq!(
+        code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &escape).await),
+        Code::InvalidArgument
+    );
+    assert!(
+        env.db
+            .get_item("acme", "kill", &format!("run:{RUN}"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(env.queued().await.is_empty());
 }
 
 #[tokio::test]
@@ -1222,11 +1286,14 @@ async fn two_kills_over_one_challenge_pull_the_switch_once() {
     let c = env.client("alice", "acme");
     let k = key();
     register(&c, "alice-phone", &k).await.unwrap();
+    // Two different kills signed over the same challenge, sent at once.
     let first = signed_kill(&c, &k, "alice-phone", "stop", "a").await;
-    let second = pf::KillRunRequest {
+    let mut second = pf::KillRunRequest {
+        reason: "halt".into(),
         idempotency_key: "b".into(),
         ..first.clone()
     };
+    sign_kill(&k, &mut second);
     let (a, b) = tokio::join!(
         c.unary::<_, pf::KillRunResponse>(KILL_RUN, &first),
         c.unary::<_, pf::KillRunResponse>(KILL_RUN, &second)
@@ -1428,6 +1495,7 @@ async fn each_procedure_needs_its_scope_and_a_refusal_changes_nothing() {
         ),
         denied
     );
+    assert_eq!(code(get_kill_challenge(&reader, "bob-phone").await), denied);
     assert_eq!(
         code(
             reader
@@ -1497,6 +1565,10 @@ async fn each_procedure_needs_its_scope_and_a_refusal_changes_nothing() {
     assert_eq!(watch.next().await.unwrap().unwrap_err().code, denied);
     // Scopes of other procedures do not stand in: a decider cannot kill, a killer cannot read.
     let decider = env.client_with("bob", "acme", "approvals:decide devices:write");
+    assert_eq!(
+        code(get_kill_challenge(&decider, "bob-phone").await),
+        denied
+    );
     assert_eq!(
         code(
             decider

@@ -144,10 +144,12 @@ pub struct DecisionRequest {
     pub signature: Vec<u8>,
 }
 
-/// What a phone sent to kill a run: the fields it signed plus the signature.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// What a phone sent to kill a run: the fields it signed plus the signature. Kept verbatim with the kill switch as
+/// its proof, so the signature can be verified again later from the record alone.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct KillRequest {
     pub run_id: String,
+    /// As signed (the switch may show a default for an empty one).
     pub reason: String,
     pub device_id: String,
     pub challenge: Vec<u8>,

@@ -174,11 +174,11 @@ async def register_watch_approve_then_offline(tmp_path):
     assert run.version == len(seqs)
     assert run.confirmed_at_ms > 0
 
-    # Killing a run is a signed step-up too: the Python signer signs the canonical kill bytes.
-    killed = await phone.runs().kill(RUN_ID, "seen enough")
-    assert (killed.id, killed.state) == (RUN_ID, "succeeded"), "a finished run stays as it ended"
-    assert len(signer.signed) == 2
-    assert signer.signed[1].startswith(b"loams.factory.kill.v1\x00")
+    # A run that has ended cannot be killed: the server refuses the kill challenge, so nothing is signed.
+    with pytest.raises(loams.LoamsError.Rejected) as err:
+        await phone.runs().kill(RUN_ID, "seen enough")
+    assert "already ended (succeeded)" in err.value.detail
+    assert len(signer.signed) == 1
 
     # The server goes away.
     os.kill(DEV_PID, signal.SIGTERM)
@@ -201,7 +201,7 @@ async def register_watch_approve_then_offline(tmp_path):
         await phone.approvals().refresh_pending()
     elapsed = time.monotonic() - started
     assert elapsed < 2.0, f"offline calls fail at once, took {elapsed:.2f} s"
-    assert len(signer.signed) == 2, "nothing was signed offline"
+    assert len(signer.signed) == 1, "nothing was signed offline"
 
     phone.set_network_available(False)
     with pytest.raises(loams.LoamsError.Offline) as err:

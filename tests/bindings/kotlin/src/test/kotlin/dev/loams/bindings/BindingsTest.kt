@@ -198,10 +198,10 @@ class BindingsTest {
         assertEquals("succeeded", run.state)
         assertEquals(seqs.size.toULong(), run.version)
 
-        // Killing a run is a signed step-up too: the JCA signer signs the canonical kill bytes.
-        val killed = phone.runs().kill(runId, "seen enough")
-        assertEquals(runId to "succeeded", killed.id to killed.state, "a finished run stays as it ended")
-        assertEquals(2, signer.signed.get(), "the JCA signer signed the kill")
+        // A run that has ended cannot be killed: the server refuses the kill challenge, so nothing is signed.
+        val refused = assertThrows<LoamsException.Rejected> { runBlocking { phone.runs().kill(runId, "seen enough") } }
+        assertTrue(refused.detail.contains("already ended (succeeded)"), refused.detail)
+        assertEquals(1, signer.signed.get())
 
         // The server goes away.
         val pid = env("LOAMS_DEV_PID").toLong()
@@ -223,7 +223,7 @@ class BindingsTest {
         assertThrows<LoamsException.Offline> { runBlocking { phone.approvals().refreshPending() } }
         val elapsedMs = TimeUnit.NANOSECONDS.toMillis(System.nanoTime() - started)
         assertTrue(elapsedMs < 2000, "offline calls fail at once, took $elapsedMs ms")
-        assertEquals(2, signer.signed.get(), "nothing was signed offline")
+        assertEquals(1, signer.signed.get(), "nothing was signed offline")
 
         phone.setNetworkAvailable(false)
         val offline = assertThrows<LoamsException.Offline> { runBlocking { phone.runs().kill(runId, "stop") } }
