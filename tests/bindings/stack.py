@@ -3,7 +3,8 @@
 
 `stack.py start DIR` runs the sandbox apps (`loams sandbox`) and `loams dev` on 127.0.0.1 (free ports, the demo's
 replayed model, auto-triage, short observe window), opens one run with the sandbox's GlitchTip alert, and prints
-shell `export` lines: LOAMS_API, LOAMS_ORG, LOAMS_TOKEN (alice), LOAMS_RUN_ID, LOAMS_DEV_PID (the tests stop the
+shell `export` lines: LOAMS_API, LOAMS_ORG, LOAMS_TOKEN (alice), LOAMS_RUN_ID, LOAMS_ALERT_URL and LOAMS_SECOND_ALERT
+(the alert again, which the tests post to open a run they kill), LOAMS_DEV_PID (the tests stop the
 server through it to show the offline behaviour). `stack.py stop DIR` ends whatever of the two is still running.
 The processes are started in their own sessions so that they outlive this helper; their pids are kept in DIR.
 """
@@ -71,6 +72,8 @@ auto_triage = true
 [factory]
 observe_window_ms = 1500
 ci_poll_ms = 100
+# The tests post the alert again to open a second run, which they kill.
+cooldown_ms = 0
 
 [apps.zulip]
 url = "{u['zulip']}"
@@ -111,6 +114,22 @@ def up(url):
         return False
 
 
+def alert(info, issue_id, text="checkout.apply_discount"):
+    """The GlitchTip alert for `issue_id`, as GlitchTip posts it."""
+    return {
+        "alias": "GlitchTip",
+        "text": "GlitchTip Alert",
+        "attachments": [
+            {
+                "title": "ZeroDivisionError: division by zero",
+                "title_link": f"{info['urls']['glitchtip']}/{info['glitchtip_org']}/issues/{issue_id}",
+                "text": text,
+                "fields": [],
+            }
+        ],
+    }
+
+
 def start(d):
     d.mkdir(parents=True, exist_ok=True)
     urls = d / "urls.json"
@@ -125,21 +144,10 @@ def start(d):
     token = subprocess.run(
         [LOAMS, "token", "--config", cfg, "--user", "alice"], check=True, capture_output=True, text=True
     ).stdout.strip()
-    alert = {
-        "alias": "GlitchTip",
-        "text": "GlitchTip Alert",
-        "attachments": [
-            {
-                "title": "ZeroDivisionError: division by zero",
-                "title_link": f"{info['urls']['glitchtip']}/{info['glitchtip_org']}/issues/{info['glitchtip_issue_id']}",
-                "text": "checkout.apply_discount",
-                "fields": [],
-            }
-        ],
-    }
+    alert_url = f"{api}/webhooks/glitchtip/{WEBHOOK_TOKEN}"
     req = urllib.request.Request(
-        f"{api}/webhooks/glitchtip/{WEBHOOK_TOKEN}",
-        data=json.dumps(alert).encode(),
+        alert_url,
+        data=json.dumps(alert(info, info["glitchtip_issue_id"])).encode(),
         headers={"content-type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -147,8 +155,11 @@ def start(d):
     run_id = body.get("run")
     if not run_id:
         raise SystemExit(f"stack.py: the alert opened no run: {body}")
+    # The issue alerting again (other bytes, so not a resend), which the tests post to open a run they kill: with no
+    # cooldown, it opens a new run once the first has ended.
+    second_alert = json.dumps(alert(info, info["glitchtip_issue_id"], "checkout.apply_discount (again)"))
     for k, v in [("LOAMS_API", api), ("LOAMS_ORG", ORG), ("LOAMS_TOKEN", token), ("LOAMS_RUN_ID", run_id),
-                 ("LOAMS_DEV_PID", dev.pid)]:
+                 ("LOAMS_ALERT_URL", alert_url), ("LOAMS_SECOND_ALERT", second_alert), ("LOAMS_DEV_PID", dev.pid)]:
         print(f"export {k}='{v}'")
 
 

@@ -167,10 +167,9 @@ async fn kill(
     req: pf::KillRunRequest,
 ) -> Result<pf::KillRunResponse, ApiError> {
     let run = load_run(state, caller, &req.run_id).await?;
-    // Control characters would reach the timeline that people read in terminals.
-    if req.reason.len() > MAX_REASON || req.reason.chars().any(char::is_control) {
+    if req.reason.len() > MAX_REASON || req.reason.chars().any(hides_text) {
         return Err(ApiError::InvalidArgument(format!(
-            "reason must be at most {MAX_REASON} bytes without control characters"
+            "reason must be at most {MAX_REASON} bytes without control, bidirectional or zero-width characters"
         )));
     }
     challenge::check_sizes(&req.challenge, &req.signature)?;
@@ -180,12 +179,7 @@ async fn kill(
         req.reason.clone()
     };
     idem::once(state, caller, "KillRun", &req.idempotency_key, || async {
-        // Inside the claim: a repeat of a kill that went through is answered from its record, even once the run
-        // has ended because of it.
-        still_running(&run)?;
         let device = callers_device(state, caller, &req.device_id).await?;
-        let (challenge_item, challenge) =
-            challenge::load(state, caller, challenge::KILL, &req.run_id, &device.id).await?;
         let request = KillRequest {
             run_id: req.run_id.clone(),
             reason: req.reason.clone(),
@@ -197,17 +191,20 @@ async fn kill(
         let switch_id = format!("run:{}", req.run_id);
         let existing = state.store.get_item(&caller.org, "kill", &switch_id).await?;
         let existing: Option<KillSwitch> = existing.as_ref().map(parse).transpose()?;
-        // This very request set the switch before it stopped: its challenge may be used by now, and is still its own.
-        let resumed = existing
-            .as_ref()
-            .is_some_and(|s| s.proof.as_ref() == Some(&request));
-        let presented = Challenge {
-            used: challenge.used && !resumed,
-            ..challenge.clone()
-        };
-        approval::check_kill(&device, &presented, &request, state.now_ms())?;
-        challenge::check_signed_at(state, &challenge, req.killed_at_ms, "killed_at_ms")?;
-        if !resumed {
+        if existing.is_some_and(|s| s.proof.as_ref() == Some(&request)) {
+            // The switch carries this very request, checked when it was set: an earlier attempt stopped after
+            // setting it. It is finished whatever happened since (the run ended, the challenge expired).
+            if let Ok((item, challenge)) =
+                challenge::load(state, caller, challenge::KILL, &req.run_id, &device.id).await
+            {
+                use_up(state, &item, &challenge).await;
+            }
+        } else {
+            still_running(&run)?;
+            let (challenge_item, challenge) =
+                challenge::load(state, caller, challenge::KILL, &req.run_id, &device.id).await?;
+            approval::check_kill(&device, &challenge, &request, state.now_ms())?;
+            challenge::check_signed_at(state, &challenge, req.killed_at_ms, "killed_at_ms")?;
             let switch = KillSwitch {
                 reason: reason.clone(),
                 by: caller.user.clone(),
@@ -235,14 +232,7 @@ async fn kill(
                 Err(e) => return Err(e.into()),
             }
             tracing::info!(run = %req.run_id, by = %device.user, device = %device.id, "kill switch set");
-        }
-        // The switch already refuses every other kill, so a failure here leaves only a challenge that cannot
-        // be used any more; the kill stands.
-        if !challenge.used {
-            let used = challenge::used(&challenge_item, &challenge)?;
-            if let Err(e) = state.store.put_item(&used, Cond::Version(challenge_item.version)).await {
-                tracing::warn!(error = %e, run = %req.run_id, "marking a kill challenge used failed");
-            }
+            use_up(state, &challenge_item, &challenge).await;
         }
         enqueue(
             state,
@@ -259,6 +249,32 @@ async fn kill(
         })
     })
     .await
+}
+
+/// Marks a kill challenge used once its switch is set. The switch already refuses every other kill, so a failure
+/// here leaves only a challenge that can no longer be used; the kill stands.
+async fn use_up(state: &ApiState, item: &Item, challenge: &Challenge) {
+    if challenge.used {
+        return;
+    }
+    let written = match challenge::used(item, challenge) {
+        Ok(used) => state
+            .store
+            .put_item(&used, Cond::Version(item.version))
+            .await
+            .map_err(ApiError::from),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = written {
+        tracing::warn!(error = %e, challenge = %item.id, "marking a kill challenge used failed");
+    }
+}
+
+/// Characters that would make what people read in the timeline (in terminals and apps) differ from what was signed:
+/// controls (terminal escapes), bidirectional overrides and isolates, zero-width marks.
+fn hides_text(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{FEFF}')
 }
 
 /// A run that has ended has nothing left to stop: neither a kill challenge nor a kill switch is written for it.

@@ -651,10 +651,6 @@ async fn org_a_cannot_read_kill_or_approve_org_b_things() {
         ),
         Code::NotFound
     );
-    assert_eq!(
-        code(get_kill_challenge(&mallory, "mallory-phone").await),
-        Code::NotFound
-    );
     assert!(
         env.db
             .get_item("acme", "kill", &format!("run:{RUN}"))
@@ -703,6 +699,37 @@ async fn org_a_cannot_read_kill_or_approve_org_b_things() {
         code(get_challenge(&mallory, "mallory-phone").await),
         Code::NotFound
     );
+    // Nor kill acme's run with it: no kill challenge for it, and a kill signed anyway is not found.
+    assert_eq!(
+        code(get_kill_challenge(&mallory, "mallory-phone").await),
+        Code::NotFound
+    );
+    let mut kill = pf::KillRunRequest {
+        run_id: RUN.into(),
+        reason: "x".into(),
+        idempotency_key: "k2".into(),
+        device_id: "mallory-phone".into(),
+        challenge: vec![7; 32],
+        killed_at_ms: wall_ms(),
+        signature: Vec::new(),
+    };
+    sign_kill(&k, &mut kill);
+    assert_eq!(
+        code(
+            mallory
+                .unary::<_, pf::KillRunResponse>(KILL_RUN, &kill)
+                .await
+        ),
+        Code::NotFound
+    );
+    for org in ["acme", "umbrella"] {
+        let issued = env
+            .db
+            .list_items(org, "kill_challenge", None, Page::first(10))
+            .await
+            .unwrap();
+        assert!(issued.items.is_empty(), "{org}: {:?}", issued.items);
+    }
     let challenge = vec![7u8; 32];
     let bytes = loams_proto::canonical_decision_bytes(
         AP,
@@ -1115,8 +1142,20 @@ async fn kill_run_sets_the_switch_once_with_its_proof() {
         code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &nokey).await),
         Code::InvalidArgument
     );
-    // The very same signed request under a new key is the same kill (as after an attempt that stopped halfway):
-    // it finishes, waking the run again, and the switch stays as it was.
+    // The worker sees the switch and the run ends.
+    let ev =
+        serde_json::to_vec(&serde_json::json!({"type": "run_killed", "reason": "stop"})).unwrap();
+    let (snapshot, _) = run_snapshot(
+        "acme",
+        loams_factory::Stage::Review,
+        loams_factory::Cursor::LeadReview,
+    );
+    env.db
+        .append("acme", RUN, 1, "killed", &snapshot, &[ev], 2)
+        .await
+        .unwrap();
+    // The very same signed request under a new key is the same kill (as after an attempt that stopped halfway,
+    // before the run was woken): it finishes, though the run has ended since, and the switch stays as it was.
     let resent = pf::KillRunRequest {
         idempotency_key: "kill-2".into(),
         ..kill
@@ -1124,9 +1163,24 @@ async fn kill_run_sets_the_switch_once_with_its_proof() {
     c.unary::<_, pf::KillRunResponse>(KILL_RUN, &resent)
         .await
         .unwrap();
-    assert_eq!(env.queued().await.len(), 1);
-    // Another kill, freshly signed, finds the switch set: the first proof stays.
-    let second = signed_kill(&c, &k, "alice-phone", "again", "kill-3").await;
+    assert_eq!(env.queued().await.len(), 1, "the run is woken again");
+    // Only its device's owner can send it: to anyone else the device is unknown.
+    let bob = env.client("bob", "acme");
+    assert_eq!(
+        code(bob.unary::<_, pf::KillRunResponse>(KILL_RUN, &resent).await),
+        Code::PermissionDenied
+    );
+    // Another kill finds the run ended: no challenge, no switch change.
+    assert_eq!(
+        code(get_kill_challenge(&c, "alice-phone").await),
+        Code::FailedPrecondition
+    );
+    let mut second = pf::KillRunRequest {
+        reason: "again".into(),
+        idempotency_key: "kill-3".into(),
+        ..resent.clone()
+    };
+    sign_kill(&k, &mut second);
     assert_eq!(
         code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &second).await),
         Code::FailedPrecondition
@@ -1166,15 +1220,18 @@ async fn a_run_that_has_ended_cannot_be_killed() {
         code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &kill).await),
         Code::FailedPrecondition
     );
-    // A reason with control characters would reach terminals: refused before anything else.
-    let escape = pf::KillRunRequest {
-        reason: "stop\u{1b}[2J".into(),
-        ..kill
-    };
-    assert_eq!(
-        code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &escape).await),
-        Code::InvalidArgument
-    );
+    // A reason that would show differently from what was signed is refused before anything else.
+    for hidden in ["stop\u{1b}[2J", "stop \u{202E}dnuof", "st\u{200B}op"] {
+        let refused = pf::KillRunRequest {
+            reason: hidden.into(),
+            ..kill.clone()
+        };
+        assert_eq!(
+            code(c.unary::<_, pf::KillRunResponse>(KILL_RUN, &refused).await),
+            Code::InvalidArgument,
+            "{hidden:?}"
+        );
+    }
     assert!(
         env.db
             .get_item("acme", "kill", &format!("run:{RUN}"))

@@ -232,6 +232,7 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
             }
             if !killed
                 && run.id == first_run
+                && !is_ended(&run.state)
                 && scenario.kill_at_stage.as_deref() == Some(run.stage.as_str())
             {
                 phone

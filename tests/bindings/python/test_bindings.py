@@ -1,17 +1,20 @@
 """The generated Python bindings of loams-ffi against a real `loams dev` server (started by tests/bindings/run,
-which passes it in LOAMS_API, LOAMS_ORG, LOAMS_TOKEN, LOAMS_RUN_ID and LOAMS_DEV_PID).
+which passes it in LOAMS_API, LOAMS_ORG, LOAMS_TOKEN, LOAMS_RUN_ID, LOAMS_ALERT_URL, LOAMS_SECOND_ALERT and
+LOAMS_DEV_PID).
 
 The device key is a Python implementation of the DeviceSigner foreign trait (the `cryptography` package), as a
 phone's is a Secure Enclave or StrongBox one; the token provider and the listeners are Python objects too.
 """
 
 import asyncio
+import json
 import os
 import queue
 import signal
 import socket
 import time
 import urllib.parse
+import urllib.request
 
 import pytest
 from cryptography.hazmat.primitives import hashes, serialization
@@ -23,6 +26,8 @@ API = os.environ["LOAMS_API"]
 ORG = os.environ["LOAMS_ORG"]
 TOKEN = os.environ["LOAMS_TOKEN"]
 RUN_ID = os.environ["LOAMS_RUN_ID"]
+ALERT_URL = os.environ["LOAMS_ALERT_URL"]
+SECOND_ALERT = os.environ["LOAMS_SECOND_ALERT"].encode()
 DEV_PID = int(os.environ["LOAMS_DEV_PID"])
 TIMEOUT = 90.0
 
@@ -174,11 +179,20 @@ async def register_watch_approve_then_offline(tmp_path):
     assert run.version == len(seqs)
     assert run.confirmed_at_ms > 0
 
+    # Killing a run is a signed step-up too: the alert posted again opens a run, and the Python signer signs the
+    # canonical kill bytes that stop it.
+    posted = urllib.request.Request(ALERT_URL, data=SECOND_ALERT, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(posted, timeout=30) as r:
+        second_run = json.load(r)["run"]
+    killed = await phone.runs().kill(second_run, "not this one")
+    assert killed.id == second_run
+    assert len(signer.signed) == 2
+    assert signer.signed[1].startswith(b"loams.factory.kill.v1\x00")
     # A run that has ended cannot be killed: the server refuses the kill challenge, so nothing is signed.
     with pytest.raises(loams.LoamsError.Rejected) as err:
         await phone.runs().kill(RUN_ID, "seen enough")
     assert "already ended (succeeded)" in err.value.detail
-    assert len(signer.signed) == 1
+    assert len(signer.signed) == 2
 
     # The server goes away.
     os.kill(DEV_PID, signal.SIGTERM)
@@ -201,7 +215,7 @@ async def register_watch_approve_then_offline(tmp_path):
         await phone.approvals().refresh_pending()
     elapsed = time.monotonic() - started
     assert elapsed < 2.0, f"offline calls fail at once, took {elapsed:.2f} s"
-    assert len(signer.signed) == 1, "nothing was signed offline"
+    assert len(signer.signed) == 2, "nothing was signed offline"
 
     phone.set_network_available(False)
     with pytest.raises(loams.LoamsError.Offline) as err:
@@ -217,7 +231,8 @@ async def register_watch_approve_then_offline(tmp_path):
     offline = Collect()
     offline_watch = await phone.runs().watch(RUN_ID, offline)
     snapshot = offline.updates.get_nowait()
-    assert snapshot == loams.RunUpdate.SNAPSHOT(run=runs_before[0], events=timeline_before)
+    followed = next(r for r in runs_before if r.id == RUN_ID)
+    assert snapshot == loams.RunUpdate.SNAPSHOT(run=followed, events=timeline_before)
     notice = await offline.until("the offline notice", lambda u: True)
     assert notice.is_CONNECTION() and not notice.connected
     offline_watch.cancel()

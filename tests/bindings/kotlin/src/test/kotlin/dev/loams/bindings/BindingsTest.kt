@@ -29,6 +29,9 @@ import org.junit.jupiter.api.assertThrows
 import org.junit.jupiter.api.io.TempDir
 import java.math.BigInteger
 import java.net.InetSocketAddress
+import java.net.http.HttpClient
+import java.net.http.HttpRequest
+import java.net.http.HttpResponse
 import java.net.Socket
 import java.net.URI
 import java.nio.file.Path
@@ -117,6 +120,19 @@ private fun hasEvent(u: RunUpdate, kind: String) = u is RunUpdate.Events && u.ev
 class BindingsTest {
     private val api = env("LOAMS_API")
     private val runId = env("LOAMS_RUN_ID")
+    private val alertUrl = env("LOAMS_ALERT_URL")
+    private val secondAlert = env("LOAMS_SECOND_ALERT")
+
+    /** Posts the alert again as GlitchTip would and returns the id of the run it opened. */
+    private fun postAlert(): String {
+        val request = HttpRequest.newBuilder(URI(alertUrl))
+            .header("content-type", "application/json")
+            .POST(HttpRequest.BodyPublishers.ofString(secondAlert))
+            .build()
+        val body = HttpClient.newHttpClient().send(request, HttpResponse.BodyHandlers.ofString()).body()
+        return Regex("\"run\"\\s*:\\s*\"([^\"]+)\"").find(body)?.groupValues?.get(1)
+            ?: fail("the alert opened no run: $body")
+    }
 
     private fun serverDown(): Boolean {
         val uri = URI(api)
@@ -198,10 +214,16 @@ class BindingsTest {
         assertEquals("succeeded", run.state)
         assertEquals(seqs.size.toULong(), run.version)
 
+        // Killing a run is a signed step-up too: the alert posted again opens a run, and the JCA signer signs the
+        // kill that stops it.
+        val secondRunId = withContext(Dispatchers.IO) { postAlert() }
+        val killed = phone.runs().kill(secondRunId, "not this one")
+        assertEquals(secondRunId, killed.id)
+        assertEquals(2, signer.signed.get(), "the JCA signer signed the kill")
         // A run that has ended cannot be killed: the server refuses the kill challenge, so nothing is signed.
         val refused = assertThrows<LoamsException.Rejected> { runBlocking { phone.runs().kill(runId, "seen enough") } }
         assertTrue(refused.detail.contains("already ended (succeeded)"), refused.detail)
-        assertEquals(1, signer.signed.get())
+        assertEquals(2, signer.signed.get())
 
         // The server goes away.
         val pid = env("LOAMS_DEV_PID").toLong()
@@ -223,7 +245,7 @@ class BindingsTest {
         assertThrows<LoamsException.Offline> { runBlocking { phone.approvals().refreshPending() } }
         val elapsedMs = TimeUnit.NANOSECONDS.toMillis(System.nanoTime() - started)
         assertTrue(elapsedMs < 2000, "offline calls fail at once, took $elapsedMs ms")
-        assertEquals(1, signer.signed.get(), "nothing was signed offline")
+        assertEquals(2, signer.signed.get(), "nothing was signed offline")
 
         phone.setNetworkAvailable(false)
         val offline = assertThrows<LoamsException.Offline> { runBlocking { phone.runs().kill(runId, "stop") } }
@@ -237,7 +259,7 @@ class BindingsTest {
         // Offline, a watch still delivers the cached snapshot, then says it is offline.
         val later = RunUpdates()
         val offlineWatch = phone.runs().watch(runId, later)
-        assertEquals(RunUpdate.Snapshot(runsBefore.first(), timelineBefore), later.queue.poll())
+        assertEquals(RunUpdate.Snapshot(runsBefore.first { it.id == runId }, timelineBefore), later.queue.poll())
         val notice = later.until("the offline notice") { true }
         assertTrue(notice is RunUpdate.Connection && !notice.connected, "$notice")
         offlineWatch.cancel()
