@@ -3,8 +3,8 @@
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -85,7 +85,9 @@ pub(crate) struct Inner {
     pub(crate) cache: Cache,
     pub(crate) signer: Arc<dyn DeviceSigner>,
     tokens: Arc<dyn TokenProvider>,
-    http: reqwest::Client,
+    /// Built on the first request: its TLS setup (root store, rustls configuration) is most of what opening a
+    /// client would otherwise cost, and an app launch shows the cache before it needs the network.
+    http: OnceLock<reqwest::Client>,
     network: AtomicBool,
 }
 
@@ -112,7 +114,7 @@ fn valid_org(org: &str) -> bool {
 }
 
 impl Client {
-    /// Opens the account's cache (migrating it) and prepares the connection; makes no request.
+    /// Opens the account's cache (migrating it); makes no request (the HTTP client is built on the first one).
     pub fn new(
         config: ClientConfig,
         tokens: Arc<dyn TokenProvider>,
@@ -130,11 +132,6 @@ impl Client {
             ));
         }
         let cache = Cache::open(&config.database_path, &url, &config.org)?;
-        let http = reqwest::Client::builder()
-            // A server that does not answer the connection is offline: say so quickly instead of hanging a tap.
-            .connect_timeout(config.request_timeout.min(Duration::from_secs(5)))
-            .build()
-            .map_err(|e| Error::InvalidInput(format!("HTTP client: {e}")))?;
         let config = ClientConfig {
             server_url: url,
             ..config
@@ -145,7 +142,7 @@ impl Client {
                 cache,
                 signer,
                 tokens,
-                http,
+                http: OnceLock::new(),
                 network: AtomicBool::new(true),
             }),
         })
@@ -208,6 +205,19 @@ impl Inner {
         Ok(signature)
     }
 
+    fn http(&self) -> Result<reqwest::Client> {
+        if let Some(http) = self.http.get() {
+            return Ok(http.clone());
+        }
+        let built = reqwest::Client::builder()
+            // A server that does not answer the connection is offline: say so quickly instead of hanging a tap.
+            .connect_timeout(self.config.request_timeout.min(Duration::from_secs(5)))
+            .build()
+            .map_err(|e| Error::InvalidInput(format!("HTTP client: {e}")))?;
+        // Two first requests at once may both build one; the first stored is the one every request shares.
+        Ok(self.http.get_or_init(|| built).clone())
+    }
+
     pub(crate) fn network_available(&self) -> bool {
         self.network.load(Ordering::SeqCst)
     }
@@ -223,7 +233,7 @@ impl Inner {
                 "the token provider returned no usable token".into(),
             ));
         }
-        ConnectClient::with_http_client(self.http.clone(), self.config.server_url.clone())
+        ConnectClient::with_http_client(self.http()?, self.config.server_url.clone())
             .with_header("authorization", format!("Bearer {token}"))
             .map_err(|_| Error::Unauthenticated("the token is not a valid header value".into()))
     }
@@ -423,10 +433,12 @@ mod tests {
             client.runs().kill("r-1", &"x".repeat(501)).await,
             Err(Error::InvalidInput(_))
         ));
-        assert!(matches!(
-            client.runs().kill("r-1", "stop\u{1b}[2J").await,
-            Err(Error::InvalidInput(_))
-        ));
+        for hidden in ["stop\u{1b}[2J", "stop \u{202E}dnuof"] {
+            assert!(matches!(
+                client.runs().kill("r-1", hidden).await,
+                Err(Error::InvalidInput(_))
+            ));
+        }
         assert!(matches!(
             client
                 .approvals()

@@ -127,9 +127,10 @@ impl Runs {
     /// the server's answer.
     pub async fn kill(&self, run_id: &str, reason: &str) -> Result<Run> {
         check_id("run_id", run_id)?;
-        if reason.len() > MAX_REASON || reason.chars().any(char::is_control) {
+        // Checked before anything is signed (a signature may cost the person a biometric prompt).
+        if reason.len() > MAX_REASON || !loams_proto::is_plain_text(reason) {
             return Err(Error::InvalidInput(format!(
-                "the reason must be at most {MAX_REASON} bytes without control characters"
+                "the reason must be at most {MAX_REASON} bytes without control, bidirectional or invisible characters"
             )));
         }
         let device = self.inner.signing_device()?;

@@ -5,7 +5,9 @@
 pub mod connect;
 mod signed;
 
-pub use signed::{DECISION_DOMAIN, KILL_DOMAIN, canonical_decision_bytes, canonical_kill_bytes};
+pub use signed::{
+    DECISION_DOMAIN, KILL_DOMAIN, canonical_decision_bytes, canonical_kill_bytes, is_plain_text,
+};
 
 /// Generated code is not ours to lint.
 macro_rules! generated {

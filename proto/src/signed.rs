@@ -92,6 +92,20 @@ pub fn canonical_kill_bytes(
     out
 }
 
+/// Whether a text a person signs reads as what is signed wherever it is shown (terminals, apps): no control
+/// characters (terminal escapes), bidirectional marks, overrides or isolates, and no invisible or zero-width
+/// characters. A kill reason must be plain text; the phone checks before asking the device to sign, the server
+/// before accepting.
+pub fn is_plain_text(text: &str) -> bool {
+    !text.chars().any(|c| {
+        c.is_control()
+            || matches!(
+                c,
+                '\u{061C}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{2069}' | '\u{FEFF}'
+            )
+    })
+}
+
 fn put_field(out: &mut Vec<u8>, field: &[u8]) {
     // usize -> u64 is lossless on every platform Rust supports.
     out.extend_from_slice(&(field.len() as u64).to_be_bytes());

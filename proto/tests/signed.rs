@@ -4,7 +4,9 @@
 use aws_lc_rs::rand::SystemRandom;
 use aws_lc_rs::signature::{self, EcdsaKeyPair, KeyPair, UnparsedPublicKey};
 use loams_proto::approvals::v1::Decision;
-use loams_proto::{DECISION_DOMAIN, KILL_DOMAIN, canonical_decision_bytes, canonical_kill_bytes};
+use loams_proto::{
+    DECISION_DOMAIN, KILL_DOMAIN, canonical_decision_bytes, canonical_kill_bytes, is_plain_text,
+};
 
 fn hex(s: &str) -> Vec<u8> {
     (0..s.len())
@@ -134,4 +136,31 @@ fn a_kill_differs_from_a_decision_over_the_same_fields() {
         canonical_kill_bytes("run-", "1reason", "dev", b"c", 1),
         canonical_kill_bytes("run-1", "reason", "dev", b"c", 1)
     );
+}
+
+#[test]
+fn plain_text_has_nothing_that_shows_differently() {
+    for plain in [
+        "",
+        "wrong fix",
+        "falscher Fix: Überlauf",
+        "修正が間違っている",
+        "stop 🙅",
+    ] {
+        assert!(is_plain_text(plain), "{plain:?}");
+    }
+    for hidden in [
+        "stop\u{1b}[2J",
+        "line\nbreak",
+        "tab\t",
+        "stop \u{202E}dnuof",
+        "st\u{200B}op",
+        "\u{2066}isolated\u{2069}",
+        "word\u{2060}joiner",
+        "\u{061C}arabic mark",
+        "\u{FEFF}bom",
+        "\u{7f}del",
+    ] {
+        assert!(!is_plain_text(hidden), "{hidden:?}");
+    }
 }

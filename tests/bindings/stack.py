@@ -11,6 +11,7 @@ The processes are started in their own sessions so that they outlive this helper
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -64,7 +65,7 @@ org = "{ORG}"
 webhook_token = "{WEBHOOK_TOKEN}"
 
 [model]
-cassette = "{CASSETTE}"
+cassette = "{d / 'cassette.json'}"
 
 [policy]
 auto_triage = true
@@ -137,6 +138,9 @@ def start(d):
     info = json.loads(wait_for("the sandbox apps", lambda: urls.exists() and urls.read_text()))
     port = free_port()
     api = f"http://127.0.0.1:{port}"
+    # The demo's recorded completions twice over: one set for each run the tests open.
+    demo = json.loads(CASSETTE.read_text())
+    (d / "cassette.json").write_text(json.dumps({"completions": demo["completions"] * 2}))
     cfg = d / "loams.toml"
     cfg.write_text(config(d, port, info))
     dev = spawn([LOAMS, "dev", "--config", cfg], d / "dev.log", d / "dev.pid")
@@ -160,7 +164,7 @@ def start(d):
     second_alert = json.dumps(alert(info, info["glitchtip_issue_id"], "checkout.apply_discount (again)"))
     for k, v in [("LOAMS_API", api), ("LOAMS_ORG", ORG), ("LOAMS_TOKEN", token), ("LOAMS_RUN_ID", run_id),
                  ("LOAMS_ALERT_URL", alert_url), ("LOAMS_SECOND_ALERT", second_alert), ("LOAMS_DEV_PID", dev.pid)]:
-        print(f"export {k}='{v}'")
+        print(f"export {k}={shlex.quote(str(v))}")
 
 
 

@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use futures::Stream;
-use loams_factory::approval::{self, Challenge, KillRequest, Refusal};
+use loams_factory::approval::{self, KillRequest, Refusal};
 use loams_factory::{Cursor, Envelope, Input, ObserveVerdict};
 use loams_platform::Claim;
 use loams_platform::{Cond, Item, Page, StoreError};
@@ -150,6 +150,9 @@ async fn kill_challenge(
 ) -> Result<pf::GetKillChallengeResponse, ApiError> {
     let run = load_run(state, caller, &req.run_id).await?;
     still_running(&run)?;
+    if switch(state, caller, &req.run_id).await?.is_some() {
+        return Err(switch_set());
+    }
     let device = callers_device(state, caller, &req.device_id).await?;
     if device.revoked {
         return Err(Refusal::DeviceRevoked.into());
@@ -167,9 +170,9 @@ async fn kill(
     req: pf::KillRunRequest,
 ) -> Result<pf::KillRunResponse, ApiError> {
     let run = load_run(state, caller, &req.run_id).await?;
-    if req.reason.len() > MAX_REASON || req.reason.chars().any(hides_text) {
+    if req.reason.len() > MAX_REASON || !loams_proto::is_plain_text(&req.reason) {
         return Err(ApiError::InvalidArgument(format!(
-            "reason must be at most {MAX_REASON} bytes without control, bidirectional or zero-width characters"
+            "reason must be at most {MAX_REASON} bytes without control, bidirectional or invisible characters"
         )));
     }
     challenge::check_sizes(&req.challenge, &req.signature)?;
@@ -188,52 +191,46 @@ async fn kill(
             killed_at_ms: req.killed_at_ms,
             signature: req.signature.clone(),
         };
-        let switch_id = format!("run:{}", req.run_id);
-        let existing = state.store.get_item(&caller.org, "kill", &switch_id).await?;
-        let existing: Option<KillSwitch> = existing.as_ref().map(parse).transpose()?;
-        if existing.is_some_and(|s| s.proof.as_ref() == Some(&request)) {
-            // The switch carries this very request, checked when it was set: an earlier attempt stopped after
-            // setting it. It is finished whatever happened since (the run ended, the challenge expired).
-            if let Ok((item, challenge)) =
-                challenge::load(state, caller, challenge::KILL, &req.run_id, &device.id).await
-            {
-                use_up(state, &item, &challenge).await;
-            }
-        } else {
+        let carries_this = async || -> Result<bool, ApiError> {
+            let set = switch(state, caller, &req.run_id).await?;
+            Ok(set.is_some_and(|s| s.proof.as_ref() == Some(&request)))
+        };
+        // A switch that carries this very request, checked when it was set, means an earlier attempt (or a copy
+        // sent at the same time) set it: the kill is finished below, whatever happened since (the run ended, the
+        // challenge expired, the device was revoked).
+        if !carries_this().await? {
             still_running(&run)?;
-            let (challenge_item, challenge) =
+            let (_, challenge) =
                 challenge::load(state, caller, challenge::KILL, &req.run_id, &device.id).await?;
             approval::check_kill(&device, &challenge, &request, state.now_ms())?;
             challenge::check_signed_at(state, &challenge, req.killed_at_ms, "killed_at_ms")?;
-            let switch = KillSwitch {
+            let set = KillSwitch {
                 reason: reason.clone(),
                 by: caller.user.clone(),
                 at_ms: state.now_ms(),
-                proof: Some(request),
+                proof: Some(request.clone()),
             };
             let item = Item {
                 org: caller.org.clone(),
                 kind: "kill".into(),
-                id: switch_id,
+                id: switch_id(&req.run_id),
                 version: 0,
                 index: None,
-                body: to_body(&switch)?,
+                body: to_body(&set)?,
                 expires_ms: None,
             };
             // The switch is what stops the run (the worker reads it before every step); the input below only
             // wakes a waiting run so it notices now instead of at its next timer.
             match state.store.put_item(&item, Cond::Absent).await {
-                Ok(_) => {}
-                Err(StoreError::Conflict) => {
-                    return Err(ApiError::FailedPrecondition(
-                        "the run's kill switch is already set".into(),
-                    ));
+                Ok(_) => {
+                    tracing::info!(run = %req.run_id, by = %device.user, device = %device.id, "kill switch set")
                 }
+                Err(StoreError::Conflict) if carries_this().await? => {}
+                Err(StoreError::Conflict) => return Err(switch_set()),
                 Err(e) => return Err(e.into()),
             }
-            tracing::info!(run = %req.run_id, by = %device.user, device = %device.id, "kill switch set");
-            use_up(state, &challenge_item, &challenge).await;
         }
+        use_up(state, caller, &request).await;
         enqueue(
             state,
             &caller.org,
@@ -251,13 +248,47 @@ async fn kill(
     .await
 }
 
-/// Marks a kill challenge used once its switch is set. The switch already refuses every other kill, so a failure
-/// here leaves only a challenge that can no longer be used; the kill stands.
-async fn use_up(state: &ApiState, item: &Item, challenge: &Challenge) {
-    if challenge.used {
+/// The kill switch item of a run.
+fn switch_id(run_id: &str) -> String {
+    format!("run:{run_id}")
+}
+
+/// The run's kill switch, if one is set.
+async fn switch(
+    state: &ApiState,
+    caller: &Caller,
+    run_id: &str,
+) -> Result<Option<KillSwitch>, ApiError> {
+    let item = state
+        .store
+        .get_item(&caller.org, "kill", &switch_id(run_id))
+        .await?;
+    item.as_ref().map(parse).transpose()
+}
+
+fn switch_set() -> ApiError {
+    ApiError::FailedPrecondition("the run's kill switch is already set".into())
+}
+
+/// Marks the challenge `request` presented used once its switch is set, if it is still there and still that one.
+/// The switch already refuses every other kill, so a failure here leaves only a challenge that can no longer be
+/// used; the kill stands.
+async fn use_up(state: &ApiState, caller: &Caller, request: &KillRequest) {
+    let Ok((item, challenge)) = challenge::load(
+        state,
+        caller,
+        challenge::KILL,
+        &request.run_id,
+        &request.device_id,
+    )
+    .await
+    else {
+        return;
+    };
+    if challenge.used || challenge.value != request.challenge {
         return;
     }
-    let written = match challenge::used(item, challenge) {
+    let written = match challenge::used(&item, &challenge) {
         Ok(used) => state
             .store
             .put_item(&used, Cond::Version(item.version))
@@ -266,15 +297,8 @@ async fn use_up(state: &ApiState, item: &Item, challenge: &Challenge) {
         Err(e) => Err(e),
     };
     if let Err(e) = written {
-        tracing::warn!(error = %e, challenge = %item.id, "marking a kill challenge used failed");
+        tracing::warn!(error = %e, run = %request.run_id, "marking a kill challenge used failed");
     }
-}
-
-/// Characters that would make what people read in the timeline (in terminals and apps) differ from what was signed:
-/// controls (terminal escapes), bidirectional overrides and isolates, zero-width marks.
-fn hides_text(c: char) -> bool {
-    c.is_control()
-        || matches!(c, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{FEFF}')
 }
 
 /// A run that has ended has nothing left to stop: neither a kill challenge nor a kill switch is written for it.

@@ -1196,6 +1196,91 @@ async fn kill_run_sets_the_switch_once_with_its_proof() {
 }
 
 #[tokio::test]
+async fn a_kill_that_stopped_after_setting_its_switch_is_finished_by_its_retry() {
+    let env = start().await;
+    env.seed_run("acme", "waiting").await;
+    let c = env.client("alice", "acme");
+    let k = key();
+    register(&c, "alice-phone", &k).await.unwrap();
+    let kill = signed_kill(&c, &k, "alice-phone", "wrong fix", "kill-1").await;
+    // The earlier attempt set the switch with its proof and stopped there: the challenge is still unused and the
+    // run was never woken.
+    let proof = loams_factory::approval::KillRequest {
+        run_id: kill.run_id.clone(),
+        reason: kill.reason.clone(),
+        device_id: kill.device_id.clone(),
+        challenge: kill.challenge.clone(),
+        killed_at_ms: kill.killed_at_ms,
+        signature: kill.signature.clone(),
+    };
+    let switch = loams_api::KillSwitch {
+        reason: "wrong fix".into(),
+        by: "alice".into(),
+        at_ms: env.clock.now_ms(),
+        proof: Some(proof),
+    };
+    env.db
+        .put_item(
+            &Item {
+                org: "acme".into(),
+                kind: "kill".into(),
+                id: format!("run:{RUN}"),
+                version: 0,
+                index: None,
+                body: serde_json::to_vec(&switch).unwrap(),
+                expires_ms: None,
+            },
+            Cond::Absent,
+        )
+        .await
+        .unwrap();
+    // Since then the device was revoked and the challenge ran out; neither undoes the kill it signed.
+    c.unary::<_, pd::RevokeDeviceResponse>(
+        "/loams.devices.v1.DeviceService/RevokeDevice",
+        &pd::RevokeDeviceRequest {
+            device_id: "alice-phone".into(),
+            idempotency_key: "rev".into(),
+        },
+    )
+    .await
+    .unwrap();
+    env.clock.advance(10 * 60 * 1000);
+    // No new challenge is handed out for a run whose switch is set.
+    assert_eq!(
+        code(get_kill_challenge(&c, "alice-phone").await),
+        Code::FailedPrecondition
+    );
+
+    c.unary::<_, pf::KillRunResponse>(KILL_RUN, &kill)
+        .await
+        .unwrap();
+    let queued = env.queued().await;
+    assert_eq!(queued.len(), 1, "the run is woken");
+    let challenge: Challenge = serde_json::from_slice(
+        &env.db
+            .list_items("acme", "kill_challenge", None, Page::first(10))
+            .await
+            .unwrap()
+            .items[0]
+            .body,
+    )
+    .unwrap();
+    assert!(challenge.used, "the challenge is used up");
+    // A copy of the request with one byte of the signature changed is not this request: refused.
+    let mut forged = kill.clone();
+    forged.idempotency_key = "kill-2".into();
+    let last = forged.signature.len() - 1;
+    forged.signature[last] ^= 1;
+    assert_ne!(
+        c.unary::<_, pf::KillRunResponse>(KILL_RUN, &forged)
+            .await
+            .map(|_| ()),
+        Ok(())
+    );
+    assert!(env.queued().await.is_empty());
+}
+
+#[tokio::test]
 async fn a_run_that_has_ended_cannot_be_killed() {
     let env = start().await;
     env.seed_run("acme", "succeeded").await;
@@ -1361,6 +1446,31 @@ async fn two_kills_over_one_challenge_pull_the_switch_once() {
         "one challenge, one kill: {a:?} {b:?}"
     );
     assert_eq!(env.queued().await.len(), 1);
+}
+
+#[tokio::test]
+async fn one_signed_kill_sent_twice_at_once_succeeds_twice_and_kills_once() {
+    let env = start().await;
+    env.seed_run("acme", "waiting").await;
+    let c = env.client("alice", "acme");
+    let k = key();
+    register(&c, "alice-phone", &k).await.unwrap();
+    let first = signed_kill(&c, &k, "alice-phone", "stop", "a").await;
+    let copy = pf::KillRunRequest {
+        idempotency_key: "b".into(),
+        ..first.clone()
+    };
+    let (a, b) = tokio::join!(
+        c.unary::<_, pf::KillRunResponse>(KILL_RUN, &first),
+        c.unary::<_, pf::KillRunResponse>(KILL_RUN, &copy)
+    );
+    assert!(a.is_ok() && b.is_ok(), "{a:?} {b:?}");
+    let switches = env
+        .db
+        .list_items("acme", "kill", None, Page::first(10))
+        .await
+        .unwrap();
+    assert_eq!(switches.items.len(), 1);
 }
 
 fn alert(issue: u32) -> Vec<u8> {

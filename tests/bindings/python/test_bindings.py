@@ -179,15 +179,22 @@ async def register_watch_approve_then_offline(tmp_path):
     assert run.version == len(seqs)
     assert run.confirmed_at_ms > 0
 
-    # Killing a run is a signed step-up too: the alert posted again opens a run, and the Python signer signs the
-    # canonical kill bytes that stop it.
+    # Killing a run is a signed step-up too: the alert posted again opens a run, which is killed while its merge
+    # waits for approval, with canonical kill bytes the Python signer signs.
     posted = urllib.request.Request(ALERT_URL, data=SECOND_ALERT, headers={"content-type": "application/json"})
     with urllib.request.urlopen(posted, timeout=30) as r:
         second_run = json.load(r)["run"]
+    await approvals.until(
+        "the second run's approval", lambda u: u.is_ADDED() and u.approval.run_id == second_run
+    )
     killed = await phone.runs().kill(second_run, "not this one")
     assert killed.id == second_run
     assert len(signer.signed) == 2
     assert signer.signed[1].startswith(b"loams.factory.kill.v1\x00")
+    second = Collect()
+    second_watch = await phone.runs().watch(second_run, second)
+    await second.until("the kill to stop the run", lambda u: has_event(u, "abandoned"))
+    second_watch.cancel()
     # A run that has ended cannot be killed: the server refuses the kill challenge, so nothing is signed.
     with pytest.raises(loams.LoamsError.Rejected) as err:
         await phone.runs().kill(RUN_ID, "seen enough")

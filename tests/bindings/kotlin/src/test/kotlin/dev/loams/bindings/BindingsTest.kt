@@ -35,6 +35,7 @@ import java.net.http.HttpResponse
 import java.net.Socket
 import java.net.URI
 import java.nio.file.Path
+import java.time.Duration
 import java.security.KeyPair
 import java.security.KeyPairGenerator
 import java.security.Signature
@@ -126,10 +127,12 @@ class BindingsTest {
     /** Posts the alert again as GlitchTip would and returns the id of the run it opened. */
     private fun postAlert(): String {
         val request = HttpRequest.newBuilder(URI(alertUrl))
+            .timeout(Duration.ofSeconds(30))
             .header("content-type", "application/json")
             .POST(HttpRequest.BodyPublishers.ofString(secondAlert))
             .build()
-        val body = HttpClient.newHttpClient().send(request, HttpResponse.BodyHandlers.ofString()).body()
+        val body = HttpClient.newBuilder().connectTimeout(Duration.ofSeconds(30)).build()
+            .send(request, HttpResponse.BodyHandlers.ofString()).body()
         return Regex("\"run\"\\s*:\\s*\"([^\"]+)\"").find(body)?.groupValues?.get(1)
             ?: fail("the alert opened no run: $body")
     }
@@ -214,12 +217,17 @@ class BindingsTest {
         assertEquals("succeeded", run.state)
         assertEquals(seqs.size.toULong(), run.version)
 
-        // Killing a run is a signed step-up too: the alert posted again opens a run, and the JCA signer signs the
-        // kill that stops it.
+        // Killing a run is a signed step-up too: the alert posted again opens a run, which is killed while its merge
+        // waits for approval, with a kill the JCA signer signs.
         val secondRunId = withContext(Dispatchers.IO) { postAlert() }
+        approvals.until("the second run's approval") { it is ApprovalUpdate.Added && it.approval.runId == secondRunId }
         val killed = phone.runs().kill(secondRunId, "not this one")
         assertEquals(secondRunId, killed.id)
         assertEquals(2, signer.signed.get(), "the JCA signer signed the kill")
+        val second = RunUpdates()
+        val secondWatch = phone.runs().watch(secondRunId, second)
+        second.until("the kill to stop the run") { hasEvent(it, "abandoned") }
+        secondWatch.cancel()
         // A run that has ended cannot be killed: the server refuses the kill challenge, so nothing is signed.
         val refused = assertThrows<LoamsException.Rejected> { runBlocking { phone.runs().kill(runId, "seen enough") } }
         assertTrue(refused.detail.contains("already ended (succeeded)"), refused.detail)
