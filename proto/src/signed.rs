@@ -97,14 +97,38 @@ pub fn canonical_kill_bytes(
 /// characters. A kill reason must be plain text; the phone checks before asking the device to sign, the server
 /// before accepting.
 pub fn is_plain_text(text: &str) -> bool {
-    !text.chars().any(|c| {
-        c.is_control()
-            || matches!(
-                c,
-                '\u{061C}' | '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{2069}' | '\u{FEFF}'
-            )
-    })
+    !text
+        .chars()
+        .any(|c| c.is_control() || INVISIBLE.iter().any(|r| r.contains(&c)))
 }
+
+/// Format characters (Unicode category Cf), line and paragraph separators (Zl, Zp) and fillers: they show as nothing,
+/// or change how the text around them shows.
+const INVISIBLE: [std::ops::RangeInclusive<char>; 23] = [
+    '\u{00AD}'..='\u{00AD}',   // soft hyphen
+    '\u{034F}'..='\u{034F}',   // combining grapheme joiner
+    '\u{0600}'..='\u{0605}',   // Arabic number signs
+    '\u{061C}'..='\u{061C}',   // Arabic letter mark
+    '\u{06DD}'..='\u{06DD}',   // Arabic end of ayah
+    '\u{070F}'..='\u{070F}',   // Syriac abbreviation mark
+    '\u{0890}'..='\u{0891}',   // Arabic pound and piastre marks above
+    '\u{08E2}'..='\u{08E2}',   // Arabic disputed end of ayah
+    '\u{115F}'..='\u{1160}',   // Hangul fillers
+    '\u{180E}'..='\u{180E}',   // Mongolian vowel separator
+    '\u{200B}'..='\u{200F}',   // zero-width characters, direction marks
+    '\u{2028}'..='\u{202E}',   // line and paragraph separators, embeddings and overrides
+    '\u{2060}'..='\u{206F}',   // word joiner, invisible operators, isolates
+    '\u{3164}'..='\u{3164}',   // Hangul filler
+    '\u{FE00}'..='\u{FE0F}',   // variation selectors
+    '\u{FEFF}'..='\u{FEFF}',   // byte order mark
+    '\u{FFA0}'..='\u{FFA0}',   // halfwidth Hangul filler
+    '\u{FFF9}'..='\u{FFFB}',   // interlinear annotation
+    '\u{110BD}'..='\u{110BD}', // Kaithi number sign
+    '\u{13430}'..='\u{1343F}', // Egyptian hieroglyph format controls
+    '\u{1D173}'..='\u{1D17A}', // musical symbol format controls
+    '\u{1BCA0}'..='\u{1BCA3}', // shorthand format controls
+    '\u{E0000}'..='\u{E0FFF}', // tags, variation selectors supplement
+];
 
 fn put_field(out: &mut Vec<u8>, field: &[u8]) {
     // usize -> u64 is lossless on every platform Rust supports.

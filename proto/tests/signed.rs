@@ -160,6 +160,11 @@ fn plain_text_has_nothing_that_shows_differently() {
         "\u{061C}arabic mark",
         "\u{FEFF}bom",
         "\u{7f}del",
+        "line\u{2028}separator",
+        "soft\u{00AD}hyphen",
+        "tag\u{E0041}",
+        "variation\u{FE0F}",
+        "\u{3164}filler",
     ] {
         assert!(!is_plain_text(hidden), "{hidden:?}");
     }

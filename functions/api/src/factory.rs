@@ -195,13 +195,15 @@ async fn kill(
             let set = switch(state, caller, &req.run_id).await?;
             Ok(set.is_some_and(|s| s.proof.as_ref() == Some(&request)))
         };
+        // The challenge is read before the switch: it is used up only after its switch is set, so if it reads as
+        // used here, the switch read next already shows who set it.
+        let loaded = challenge::load(state, caller, challenge::KILL, &req.run_id, &device.id).await;
         // A switch that carries this very request, checked when it was set, means an earlier attempt (or a copy
         // sent at the same time) set it: the kill is finished below, whatever happened since (the run ended, the
         // challenge expired, the device was revoked).
         if !carries_this().await? {
             still_running(&run)?;
-            let (_, challenge) =
-                challenge::load(state, caller, challenge::KILL, &req.run_id, &device.id).await?;
+            let (_, challenge) = loaded?;
             approval::check_kill(&device, &challenge, &request, state.now_ms())?;
             challenge::check_signed_at(state, &challenge, req.killed_at_ms, "killed_at_ms")?;
             let set = KillSwitch {
@@ -231,6 +233,10 @@ async fn kill(
             }
         }
         use_up(state, caller, &request).await;
+        // A run that has ended needs no waking: repeating a finished kill then changes nothing at all.
+        if TERMINAL.contains(&run.state.as_str()) {
+            return Ok(pf::KillRunResponse { run: Some(run) });
+        }
         enqueue(
             state,
             &caller.org,
