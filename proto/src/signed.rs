@@ -104,7 +104,7 @@ pub fn is_plain_text(text: &str) -> bool {
 
 /// Format characters (Unicode category Cf), line and paragraph separators (Zl, Zp) and fillers: they show as nothing,
 /// or change how the text around them shows.
-const INVISIBLE: [std::ops::RangeInclusive<char>; 23] = [
+const INVISIBLE: [std::ops::RangeInclusive<char>; 24] = [
     '\u{00AD}'..='\u{00AD}',   // soft hyphen
     '\u{034F}'..='\u{034F}',   // combining grapheme joiner
     '\u{0600}'..='\u{0605}',   // Arabic number signs
@@ -124,6 +124,7 @@ const INVISIBLE: [std::ops::RangeInclusive<char>; 23] = [
     '\u{FFA0}'..='\u{FFA0}',   // halfwidth Hangul filler
     '\u{FFF9}'..='\u{FFFB}',   // interlinear annotation
     '\u{110BD}'..='\u{110BD}', // Kaithi number sign
+    '\u{110CD}'..='\u{110CD}', // Kaithi number sign above
     '\u{13430}'..='\u{1343F}', // Egyptian hieroglyph format controls
     '\u{1D173}'..='\u{1D17A}', // musical symbol format controls
     '\u{1BCA0}'..='\u{1BCA3}', // shorthand format controls

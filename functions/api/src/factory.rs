@@ -3,7 +3,8 @@
 //! Killing a run is a signed step-up, like an approval decision: the caller's own registered device signs the
 //! canonical kill bytes over a single-use challenge from GetKillChallenge. The switch is written first, only if
 //! absent, with the signed request as its proof: of two kills of one run only one sets it, and a request that finds
-//! its own proof there is a retry of an attempt that stopped halfway, which it finishes (challenge used, run woken).
+//! its own proof there is a retry of an attempt that stopped halfway, which it finishes (challenge used, and the run
+//! woken unless it has ended).
 
 use std::collections::VecDeque;
 use std::time::Duration;
