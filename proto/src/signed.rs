@@ -102,9 +102,10 @@ pub fn is_plain_text(text: &str) -> bool {
         .any(|c| c.is_control() || INVISIBLE.iter().any(|r| r.contains(&c)))
 }
 
-/// Format characters (Unicode category Cf), line and paragraph separators (Zl, Zp) and fillers: they show as nothing,
-/// or change how the text around them shows.
-const INVISIBLE: [std::ops::RangeInclusive<char>; 24] = [
+/// Every assigned format character (Unicode category Cf), line and paragraph separator (Zl, Zp) and
+/// default-ignorable code point (fillers, variation selectors, invisible vowels): they show as nothing, or change how
+/// the text around them shows. A test checks the table against those properties.
+const INVISIBLE: [std::ops::RangeInclusive<char>; 25] = [
     '\u{00AD}'..='\u{00AD}',   // soft hyphen
     '\u{034F}'..='\u{034F}',   // combining grapheme joiner
     '\u{0600}'..='\u{0605}',   // Arabic number signs
@@ -114,7 +115,8 @@ const INVISIBLE: [std::ops::RangeInclusive<char>; 24] = [
     '\u{0890}'..='\u{0891}',   // Arabic pound and piastre marks above
     '\u{08E2}'..='\u{08E2}',   // Arabic disputed end of ayah
     '\u{115F}'..='\u{1160}',   // Hangul fillers
-    '\u{180E}'..='\u{180E}',   // Mongolian vowel separator
+    '\u{17B4}'..='\u{17B5}',   // Khmer inherent vowels
+    '\u{180B}'..='\u{180F}',   // Mongolian variation selectors, vowel separator
     '\u{200B}'..='\u{200F}',   // zero-width characters, direction marks
     '\u{2028}'..='\u{202E}',   // line and paragraph separators, embeddings and overrides
     '\u{2060}'..='\u{206F}',   // word joiner, invisible operators, isolates
@@ -122,7 +124,7 @@ const INVISIBLE: [std::ops::RangeInclusive<char>; 24] = [
     '\u{FE00}'..='\u{FE0F}',   // variation selectors
     '\u{FEFF}'..='\u{FEFF}',   // byte order mark
     '\u{FFA0}'..='\u{FFA0}',   // halfwidth Hangul filler
-    '\u{FFF9}'..='\u{FFFB}',   // interlinear annotation
+    '\u{FFF0}'..='\u{FFFB}',   // reserved, interlinear annotation
     '\u{110BD}'..='\u{110BD}', // Kaithi number sign
     '\u{110CD}'..='\u{110CD}', // Kaithi number sign above
     '\u{13430}'..='\u{1343F}', // Egyptian hieroglyph format controls

@@ -166,7 +166,23 @@ fn plain_text_has_nothing_that_shows_differently() {
         "variation\u{FE0F}",
         "\u{3164}filler",
         "num\u{110CD}",
+        "st\u{180B}op",
+        "\u{17B4}vowel",
     ] {
         assert!(!is_plain_text(hidden), "{hidden:?}");
     }
+}
+
+#[test]
+fn every_format_separator_and_default_ignorable_character_is_refused() {
+    // The Unicode properties the rule stands for, from regex's own Unicode tables.
+    let hidden =
+        regex::Regex::new(r"^[\p{Cf}\p{Zl}\p{Zp}\p{Default_Ignorable_Code_Point}]$").unwrap();
+    let missed: Vec<String> = (0..=0x10FFFF_u32)
+        .filter_map(char::from_u32)
+        .filter(|c| hidden.is_match(c.encode_utf8(&mut [0; 4])))
+        .filter(|c| is_plain_text(&c.to_string()))
+        .map(|c| format!("U+{:04X}", c as u32))
+        .collect();
+    assert!(missed.is_empty(), "let through: {missed:?}");
 }
