@@ -196,9 +196,8 @@ impl Approvals {
         Ok(approval)
     }
 
-    /// Decides an approval with this device's key: reads the approval as the server renders it now, checks the
-    /// typed confirmation of a destructive approve, gets a fresh single-use challenge, signs the canonical decision
-    /// bytes and sends the decision. Nothing is queued: offline, it fails at once and the cache is unchanged.
+    /// Decides an approval with this device's key: reads the approval as the server renders it now, then
+    /// [`Approvals::decide_shown`] it. Nothing is queued: offline, it fails at once and the cache is unchanged.
     pub async fn decide(
         &self,
         approval_id: &str,
@@ -206,6 +205,25 @@ impl Approvals {
         typed_confirmation: Option<String>,
     ) -> Result<Approval> {
         check_id("approval_id", approval_id)?;
+        // Without a device key nothing can be signed: say so before any request.
+        self.inner.signing_device()?;
+        // Signed over what the server holds now, never over a cached copy: the hash names the exact action.
+        let approval = Approval::from_proto(self.fetch(approval_id).await?, now_ms());
+        self.decide_shown(&approval, decision, typed_confirmation)
+            .await
+    }
+
+    /// Decides `shown`, the approval as the person was shown it (from [`Approvals::get`]), without reading it again:
+    /// checks the typed confirmation of a destructive approve, gets a fresh single-use challenge, signs the
+    /// canonical decision bytes over the shown action hash and sends the decision. Had the server's record changed,
+    /// the signature would not match it and the decision would be refused: what is signed is what was shown.
+    pub async fn decide_shown(
+        &self,
+        shown: &Approval,
+        decision: Decision,
+        typed_confirmation: Option<String>,
+    ) -> Result<Approval> {
+        check_id("approval_id", &shown.id)?;
         let typed = typed_confirmation.unwrap_or_default();
         if typed.len() > MAX_CONFIRMATION {
             return Err(Error::InvalidInput(format!(
@@ -213,25 +231,23 @@ impl Approvals {
             )));
         }
         let device = self.inner.signing_device()?;
-
-        // Signed over what the server holds now, never over a cached copy: the hash names the exact action.
-        let approval = self.fetch(approval_id).await?;
-        let state = ApprovalState::from_proto(approval.state);
-        if state != ApprovalState::Pending {
+        if shown.state != ApprovalState::Pending {
             return Err(Error::Rejected(format!(
-                "the approval is no longer pending ({state:?})"
+                "the approval is no longer pending ({:?})",
+                shown.state
             )));
         }
         // The server checks this too; checking first spares a challenge and tells the person what to type.
         if decision == Decision::Approve
-            && !approval.confirmation_phrase.is_empty()
-            && typed != approval.confirmation_phrase
+            && let Some(phrase) = &shown.confirmation_phrase
+            && typed != *phrase
         {
             return Err(Error::ConfirmationMismatch {
-                phrase: approval.confirmation_phrase,
+                phrase: phrase.clone(),
             });
         }
 
+        let approval_id = shown.id.as_str();
         let req = pa::GetChallengeRequest {
             approval_id: approval_id.to_owned(),
             device_id: device.device_id.clone(),
@@ -243,7 +259,7 @@ impl Approvals {
         let decided_at_ms = now_ms();
         let bytes = loams_proto::canonical_decision_bytes(
             approval_id,
-            &approval.action_hash,
+            &shown.action_hash,
             decision.to_proto(),
             &device.device_id,
             &challenge.challenge,

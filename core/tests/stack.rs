@@ -436,15 +436,27 @@ async fn a_kill_signed_by_the_device_stops_the_run() {
     assert_eq!(killed.id, server.run_id);
     // Compensation closes the pull request behind an approval of its own.
     let close = added(&mut arx, &mut approvals_seen, "close_pr").await;
-    phone
+    // Decided as listed, without reading it again: what is signed is what was shown, so an approval shown with
+    // another action hash than the server's is refused, and nothing is decided.
+    let mut misshown = close.clone();
+    misshown.action_hash[0] ^= 1;
+    assert!(matches!(
+        phone
+            .approvals()
+            .decide_shown(
+                &misshown,
+                Decision::Approve,
+                close.confirmation_phrase.clone()
+            )
+            .await,
+        Err(Error::PermissionDenied(_))
+    ));
+    let decided = phone
         .approvals()
-        .decide(
-            &close.id,
-            Decision::Approve,
-            close.confirmation_phrase.clone(),
-        )
+        .decide_shown(&close, Decision::Approve, close.confirmation_phrase.clone())
         .await
         .unwrap();
+    assert_eq!(decided.state, loams_core::ApprovalState::Approved);
 
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut seen = Vec::new();

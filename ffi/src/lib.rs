@@ -374,6 +374,20 @@ impl Approvals {
             .await?)
     }
 
+    /// Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
+    /// signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+    pub async fn decide_shown(
+        &self,
+        shown: Approval,
+        decision: Decision,
+        typed_confirmation: Option<String>,
+    ) -> Result<Approval> {
+        Ok(self
+            .0
+            .decide_shown(&shown, decision, typed_confirmation)
+            .await?)
+    }
+
     pub async fn watch_pending(
         &self,
         listener: Arc<dyn ApprovalListener>,

@@ -539,6 +539,8 @@ def _uniffi_check_api_checksums(lib):
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_approvals_decide() != 16086:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    if lib.uniffi_loams_ffi_checksum_method_approvals_decide_shown() != 37131:
+        raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_approvals_get() != 58817:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_approvals_refresh_pending() != 17814:
@@ -653,6 +655,9 @@ _UniffiLib.uniffi_loams_ffi_checksum_method_approvals_cached_pending.restype = c
 _UniffiLib.uniffi_loams_ffi_checksum_method_approvals_decide.argtypes = (
 )
 _UniffiLib.uniffi_loams_ffi_checksum_method_approvals_decide.restype = ctypes.c_uint16
+_UniffiLib.uniffi_loams_ffi_checksum_method_approvals_decide_shown.argtypes = (
+)
+_UniffiLib.uniffi_loams_ffi_checksum_method_approvals_decide_shown.restype = ctypes.c_uint16
 _UniffiLib.uniffi_loams_ffi_checksum_method_approvals_get.argtypes = (
 )
 _UniffiLib.uniffi_loams_ffi_checksum_method_approvals_get.restype = ctypes.c_uint16
@@ -792,6 +797,13 @@ _UniffiLib.uniffi_loams_ffi_fn_method_approvals_decide.argtypes = (
     _UniffiRustBuffer,
 )
 _UniffiLib.uniffi_loams_ffi_fn_method_approvals_decide.restype = ctypes.c_uint64
+_UniffiLib.uniffi_loams_ffi_fn_method_approvals_decide_shown.argtypes = (
+    ctypes.c_uint64,
+    _UniffiRustBuffer,
+    _UniffiRustBuffer,
+    _UniffiRustBuffer,
+)
+_UniffiLib.uniffi_loams_ffi_fn_method_approvals_decide_shown.restype = ctypes.c_uint64
 _UniffiLib.uniffi_loams_ffi_fn_method_approvals_get.argtypes = (
     ctypes.c_uint64,
     _UniffiRustBuffer,
@@ -4233,6 +4245,12 @@ class ApprovalsProtocol(typing.Protocol):
         phrase a destructive approval asks for. Offline it fails at once and the cache is unchanged.
 """
         raise NotImplementedError
+    async def decide_shown(self, shown: Approval,decision: Decision,typed_confirmation: typing.Optional[str]) -> Approval:
+        """
+        Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
+        signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+"""
+        raise NotImplementedError
     async def get(self, approval_id: str) -> Approval:
         raise NotImplementedError
     async def refresh_pending(self, ) -> typing.List[Approval]:
@@ -4315,6 +4333,33 @@ class Approvals(ApprovalsProtocol):
         _uniffi_error_converter = _UniffiFfiConverterTypeLoamsError
         return await _uniffi_rust_call_async(
             _UniffiLib.uniffi_loams_ffi_fn_method_approvals_decide(*_uniffi_lowered_args),
+            _UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer,
+            _uniffi_lift_return,
+            _uniffi_error_converter,
+        )
+    async def decide_shown(self, shown: Approval,decision: Decision,typed_confirmation: typing.Optional[str]) -> Approval:
+        """
+        Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
+        signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+"""
+        
+        _UniffiFfiConverterTypeApproval.check_lower(shown)
+
+        _UniffiFfiConverterTypeDecision.check_lower(decision)
+
+        _UniffiFfiConverterOptionalString.check_lower(typed_confirmation)
+        _uniffi_lowered_args = (
+            self._uniffi_clone_handle(),
+            _UniffiFfiConverterTypeApproval.lower(shown),
+            _UniffiFfiConverterTypeDecision.lower(decision),
+            _UniffiFfiConverterOptionalString.lower(typed_confirmation),
+        )
+        _uniffi_lift_return = _UniffiFfiConverterTypeApproval.lift
+        _uniffi_error_converter = _UniffiFfiConverterTypeLoamsError
+        return await _uniffi_rust_call_async(
+            _UniffiLib.uniffi_loams_ffi_fn_method_approvals_decide_shown(*_uniffi_lowered_args),
             _UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer,
             _UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer,
             _UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer,

@@ -817,6 +817,12 @@ public protocol ApprovalsProtocol: AnyObject, Sendable {
      */
     func decide(approvalId: String, decision: Decision, typedConfirmation: String?) async throws  -> Approval
     
+    /**
+     * Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
+     * signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+     */
+    func decideShown(shown: Approval, decision: Decision, typedConfirmation: String?) async throws  -> Approval
+    
     func get(approvalId: String) async throws  -> Approval
     
     func refreshPending() async throws  -> [Approval]
@@ -907,6 +913,26 @@ open func decide(approvalId: String, decision: Decision, typedConfirmation: Stri
             rustFutureFunc: {
                 uniffi_loams_ffi_fn_method_approvals_decide(
                         self.uniffiCloneHandle(),FfiConverterString.lower(approvalId),FfiConverterTypeDecision_lower(decision),FfiConverterOptionString.lower(typedConfirmation)
+                )
+            },
+            pollFunc: ffi_loams_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_loams_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_loams_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterTypeApproval_lift,
+            errorHandler: FfiConverterTypeLoamsError_lift
+        )
+}
+    
+    /**
+     * Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
+     * signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+     */
+open func decideShown(shown: Approval, decision: Decision, typedConfirmation: String?)async throws  -> Approval  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_loams_ffi_fn_method_approvals_decide_shown(
+                        self.uniffiCloneHandle(),FfiConverterTypeApproval_lower(shown),FfiConverterTypeDecision_lower(decision),FfiConverterOptionString.lower(typedConfirmation)
                 )
             },
             pollFunc: ffi_loams_ffi_rust_future_poll_rust_buffer,
@@ -5121,6 +5147,9 @@ private let initializationResult: InitializationResult = {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_loams_ffi_checksum_method_approvals_decide() != 16086) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_loams_ffi_checksum_method_approvals_decide_shown() != 37131) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_loams_ffi_checksum_method_approvals_get() != 58817) {

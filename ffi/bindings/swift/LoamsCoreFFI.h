@@ -373,6 +373,11 @@ RustBuffer uniffi_loams_ffi_fn_method_approvals_cached_pending(uint64_t ptr, uin
 uint64_t uniffi_loams_ffi_fn_method_approvals_decide(uint64_t ptr, RustBuffer approval_id, RustBuffer decision, RustBuffer typed_confirmation
 );
 #endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_APPROVALS_DECIDE_SHOWN
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_APPROVALS_DECIDE_SHOWN
+uint64_t uniffi_loams_ffi_fn_method_approvals_decide_shown(uint64_t ptr, RustBuffer shown, RustBuffer decision, RustBuffer typed_confirmation
+);
+#endif
 #ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_APPROVALS_GET
 #define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_APPROVALS_GET
 uint64_t uniffi_loams_ffi_fn_method_approvals_get(uint64_t ptr, RustBuffer approval_id
@@ -957,6 +962,12 @@ uint16_t uniffi_loams_ffi_checksum_method_approvals_cached_pending(void
 #ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_APPROVALS_DECIDE
 #define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_APPROVALS_DECIDE
 uint16_t uniffi_loams_ffi_checksum_method_approvals_decide(void
+    
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_APPROVALS_DECIDE_SHOWN
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_APPROVALS_DECIDE_SHOWN
+uint16_t uniffi_loams_ffi_checksum_method_approvals_decide_shown(void
     
 );
 #endif

@@ -119,6 +119,20 @@ impl Phone {
             .await
     }
 
+    /// Signs `decision` over the approval exactly as it was shown (see [`loams_core::Approvals::decide_shown`]),
+    /// without reading it again.
+    pub async fn decide_shown(
+        &self,
+        shown: &Approval,
+        decision: Decision,
+        typed_confirmation: Option<String>,
+    ) -> loams_core::Result<Approval> {
+        self.client
+            .approvals()
+            .decide_shown(shown, decision, typed_confirmation)
+            .await
+    }
+
     /// The scripted approver (demo, tests, bench): no person is at the keyboard, so it types the phrase the
     /// approval shows, as a person reading the screen would. The phrase comes from the cached copy when there is
     /// one, else from the core's refusal, which names it without having spent a challenge.

@@ -232,8 +232,9 @@ async fn decide(
         }),
         _ => confirm,
     };
+    // Signed over the approval just shown: the person decides what they read.
     let decided = phone
-        .decide_typed(approval_id, decision, typed)
+        .decide_shown(&approval, decision, typed)
         .await
         .with_context(|| format!("deciding approval {approval_id}"))?;
     writeln!(

@@ -158,7 +158,8 @@ async def register_watch_approve_then_offline(tmp_path):
     assert signer.signed == []
     assert phone.approvals().cached(approval.id).state == loams.ApprovalState.PENDING
 
-    decided = await phone.approvals().decide(approval.id, loams.Decision.APPROVE, phrase)
+    # Decided as shown (the watch delivered it): signed over what the person saw, without reading it again.
+    decided = await phone.approvals().decide_shown(approval, loams.Decision.APPROVE, phrase)
     assert decided.state == loams.ApprovalState.APPROVED
     assert decided.decision == loams.Decision.APPROVE
     assert decided.decided_by == "alice"

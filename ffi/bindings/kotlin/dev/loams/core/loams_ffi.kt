@@ -812,6 +812,8 @@ internal object IntegrityCheckingUniffiLib {
     ): Int
     external fun uniffi_loams_ffi_checksum_method_approvals_decide(
     ): Int
+    external fun uniffi_loams_ffi_checksum_method_approvals_decide_shown(
+    ): Int
     external fun uniffi_loams_ffi_checksum_method_approvals_get(
     ): Int
     external fun uniffi_loams_ffi_checksum_method_approvals_refresh_pending(
@@ -918,6 +920,8 @@ internal object UniffiLib {
     external fun uniffi_loams_ffi_fn_method_approvals_cached_pending(`ptr`: Long,`limit`: Int,uniffi_out_err: UniffiRustCallStatus, 
     ): RustBuffer.ByValue
     external fun uniffi_loams_ffi_fn_method_approvals_decide(`ptr`: Long,`approvalId`: RustBuffer.ByValue,`decision`: RustBuffer.ByValue,`typedConfirmation`: RustBuffer.ByValue,
+    ): Long
+    external fun uniffi_loams_ffi_fn_method_approvals_decide_shown(`ptr`: Long,`shown`: RustBuffer.ByValue,`decision`: RustBuffer.ByValue,`typedConfirmation`: RustBuffer.ByValue,
     ): Long
     external fun uniffi_loams_ffi_fn_method_approvals_get(`ptr`: Long,`approvalId`: RustBuffer.ByValue,
     ): Long
@@ -1171,6 +1175,9 @@ private fun uniffiCheckApiChecksums(lib: IntegrityCheckingUniffiLib) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
     if ((lib.uniffi_loams_ffi_checksum_method_approvals_decide() and 0xFFFF) != 16086) {
+        throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    }
+    if ((lib.uniffi_loams_ffi_checksum_method_approvals_decide_shown() and 0xFFFF) != 37131) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
     if ((lib.uniffi_loams_ffi_checksum_method_approvals_get() and 0xFFFF) != 58817) {
@@ -2173,6 +2180,12 @@ public interface ApprovalsInterface {
      */
     suspend fun `decide`(`approvalId`: kotlin.String, `decision`: Decision, `typedConfirmation`: kotlin.String?): Approval
     
+    /**
+     * Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
+     * signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+     */
+    suspend fun `decideShown`(`shown`: Approval, `decision`: Decision, `typedConfirmation`: kotlin.String?): Approval
+    
     suspend fun `get`(`approvalId`: kotlin.String): Approval
     
     suspend fun `refreshPending`(): List<Approval>
@@ -2327,6 +2340,34 @@ open class Approvals: Disposable, AutoCloseable, ApprovalsInterface
                 uniffiHandle,
                 
         FfiConverterString.lower(`approvalId`),
+        FfiConverterTypeDecision.lower(`decision`),
+        FfiConverterOptionalString.lower(`typedConfirmation`),
+            )
+        },
+        { future, callback, continuation -> UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer(future, callback, continuation) },
+        { future, continuation -> UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer(future, continuation) },
+        { future -> UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer(future) },
+        // lift function
+        { FfiConverterTypeApproval.lift(it) },
+        // Error FFI converter
+        LoamsException.ErrorHandler,
+    )
+    }
+
+    
+    /**
+     * Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
+     * signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+     */
+    @Throws(LoamsException::class)
+    @Suppress("ASSIGNED_BUT_NEVER_ACCESSED_VARIABLE")
+    override suspend fun `decideShown`(`shown`: Approval, `decision`: Decision, `typedConfirmation`: kotlin.String?) : Approval {
+        return uniffiRustCallAsync(
+        callWithHandle { uniffiHandle ->
+            UniffiLib.uniffi_loams_ffi_fn_method_approvals_decide_shown(
+                uniffiHandle,
+                
+        FfiConverterTypeApproval.lower(`shown`),
         FfiConverterTypeDecision.lower(`decision`),
         FfiConverterOptionalString.lower(`typedConfirmation`),
             )
