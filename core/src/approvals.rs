@@ -196,8 +196,8 @@ impl Approvals {
         Ok(approval)
     }
 
-    /// Decides an approval with this device's key: reads the approval as the server renders it now, then
-    /// [`Approvals::decide_shown`] it. Nothing is queued: offline, it fails at once and the cache is unchanged.
+    /// Decides an approval with this device's key, reading it from the server first and then deciding it as
+    /// [`Approvals::decide_shown`] does. Nothing is queued: offline, it fails at once and the cache is unchanged.
     pub async fn decide(
         &self,
         approval_id: &str,
@@ -205,18 +205,23 @@ impl Approvals {
         typed_confirmation: Option<String>,
     ) -> Result<Approval> {
         check_id("approval_id", approval_id)?;
-        // Without a device key nothing can be signed: say so before any request.
+        // What needs no server is refused before any request: an oversized phrase, a phone without a device key.
+        check_confirmation(&typed_confirmation)?;
         self.inner.signing_device()?;
-        // Signed over what the server holds now, never over a cached copy: the hash names the exact action.
         let approval = Approval::from_proto(self.fetch(approval_id).await?, now_ms());
         self.decide_shown(&approval, decision, typed_confirmation)
             .await
     }
 
-    /// Decides `shown`, the approval as the person was shown it (from [`Approvals::get`]), without reading it again:
-    /// checks the typed confirmation of a destructive approve, gets a fresh single-use challenge, signs the
-    /// canonical decision bytes over the shown action hash and sends the decision. Had the server's record changed,
-    /// the signature would not match it and the decision would be refused: what is signed is what was shown.
+    /// Decides `shown`, a copy of the approval as the person saw it (from the server, a watch or the cache), without
+    /// reading it again. Any copy will do, because nothing in it is trusted on its own:
+    /// - the phone signs the copy's action hash only after checking that the shown action (agent, skill, arguments,
+    ///   target commit) hashes to it, so what the person read is what the signature covers (the summary is
+    ///   server-rendered text and is not signed);
+    /// - the server verifies the signature over its own record's hash, so a copy of another action is refused, and
+    ///   it checks state, expiry, the single-use challenge and the typed phrase again.
+    ///
+    /// The local checks of state, expiry and phrase only spare a challenge and say sooner what is wrong.
     pub async fn decide_shown(
         &self,
         shown: &Approval,
@@ -224,19 +229,16 @@ impl Approvals {
         typed_confirmation: Option<String>,
     ) -> Result<Approval> {
         check_id("approval_id", &shown.id)?;
+        check_confirmation(&typed_confirmation)?;
         let typed = typed_confirmation.unwrap_or_default();
-        if typed.len() > MAX_CONFIRMATION {
-            return Err(Error::InvalidInput(format!(
-                "the confirmation is longer than {MAX_CONFIRMATION} bytes"
-            )));
-        }
         let device = self.inner.signing_device()?;
-        if shown.state != ApprovalState::Pending {
+        if shown.state != ApprovalState::Pending || shown.expires_at_ms <= now_ms() {
             return Err(Error::Rejected(format!(
-                "the approval is no longer pending ({:?})",
-                shown.state
+                "the approval is no longer pending ({:?}, expires at {} ms)",
+                shown.state, shown.expires_at_ms
             )));
         }
+        check_action_hash(shown)?;
         // The server checks this too; checking first spares a challenge and tells the person what to type.
         if decision == Decision::Approve
             && let Some(phrase) = &shown.confirmation_phrase
@@ -284,10 +286,42 @@ impl Approvals {
         let decided = resp
             .approval
             .ok_or_else(|| Error::Server("Decide returned no approval".into()))?;
+        if decided.id != shown.id {
+            return Err(Error::Server(format!(
+                "decided approval {}, got {}",
+                shown.id, decided.id
+            )));
+        }
         let at = now_ms();
         self.inner
             .cache
             .put_approvals(std::slice::from_ref(&decided), at)?;
         Ok(Approval::from_proto(decided, at))
     }
+}
+
+fn check_confirmation(typed: &Option<String>) -> Result<()> {
+    if typed.as_ref().is_some_and(|t| t.len() > MAX_CONFIRMATION) {
+        return Err(Error::InvalidInput(format!(
+            "the confirmation is longer than {MAX_CONFIRMATION} bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// The action hash is SHA-256 over the canonical action (`loams_proto::canonical_action`): a copy whose action does
+/// not hash to it (rewritten in the cache, or sent so by a server) shows one thing and would sign another, so it is
+/// not signed. A server sends no target commit as an empty string.
+fn check_action_hash(shown: &Approval) -> Result<()> {
+    let args: serde_json::Value = serde_json::from_str(&shown.args_json)
+        .map_err(|_| Error::Server("the approval's arguments are not JSON".into()))?;
+    let target_commit = (!shown.target_commit.is_empty()).then_some(shown.target_commit.as_str());
+    let canonical = loams_proto::canonical_action(&shown.agent, &shown.skill, &args, target_commit);
+    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, canonical.as_bytes());
+    if digest.as_ref() != shown.action_hash.as_slice() {
+        return Err(Error::Server(
+            "the approval's action does not match its action hash: it was not signed".into(),
+        ));
+    }
+    Ok(())
 }

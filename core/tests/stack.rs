@@ -436,21 +436,39 @@ async fn a_kill_signed_by_the_device_stops_the_run() {
     assert_eq!(killed.id, server.run_id);
     // Compensation closes the pull request behind an approval of its own.
     let close = added(&mut arx, &mut approvals_seen, "close_pr").await;
-    // Decided as listed, without reading it again: what is signed is what was shown, so an approval shown with
-    // another action hash than the server's is refused, and nothing is decided.
+    // Decided as listed, without reading it again. A copy whose action differs from the server's record is refused
+    // by one side or the other, and nothing is decided: shown with another action (its hash kept), the phone does
+    // not sign it; shown with another action and the hash of that action, the server refuses the signature.
+    let phrase = close.confirmation_phrase.clone();
     let mut misshown = close.clone();
-    misshown.action_hash[0] ^= 1;
-    assert!(matches!(
-        phone
-            .approvals()
-            .decide_shown(
-                &misshown,
-                Decision::Approve,
-                close.confirmation_phrase.clone()
-            )
-            .await,
-        Err(Error::PermissionDenied(_))
-    ));
+    misshown.args_json = r#"{"number":99}"#.into();
+    let refused = phone
+        .approvals()
+        .decide_shown(&misshown, Decision::Approve, phrase.clone())
+        .await;
+    assert!(
+        matches!(&refused, Err(Error::Server(m)) if m.contains("does not match its action hash")),
+        "{refused:?}"
+    );
+    let target = (!misshown.target_commit.is_empty()).then_some(misshown.target_commit.as_str());
+    let canonical = loams_proto::canonical_action(
+        &misshown.agent,
+        &misshown.skill,
+        &serde_json::json!({"number": 99}),
+        target,
+    );
+    misshown.action_hash =
+        aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, canonical.as_bytes())
+            .as_ref()
+            .to_vec();
+    let refused = phone
+        .approvals()
+        .decide_shown(&misshown, Decision::Approve, phrase.clone())
+        .await;
+    assert!(
+        matches!(&refused, Err(Error::PermissionDenied(m)) if m.contains("signature does not verify")),
+        "{refused:?}"
+    );
     let decided = phone
         .approvals()
         .decide_shown(&close, Decision::Approve, close.confirmation_phrase.clone())

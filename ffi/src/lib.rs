@@ -374,8 +374,9 @@ impl Approvals {
             .await?)
     }
 
-    /// Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
-    /// signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+    /// Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
+    /// reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
+    /// is not); the server checks that hash against its own record. Offline it fails at once.
     pub async fn decide_shown(
         &self,
         shown: Approval,

@@ -1,10 +1,13 @@
 //! loams-proto: the Loams client API types (prost + canonical proto3 JSON via pbjson), the canonical bytes a
-//! device signs (approval decisions, run kills), and a hand-written Connect protocol server (axum) and client (reqwest).
+//! device signs (approval decisions, run kills) and the canonical action an approval's hash covers, and a
+//! hand-written Connect protocol server (axum) and client (reqwest).
 
+mod action;
 #[cfg(feature = "connect")]
 pub mod connect;
 mod signed;
 
+pub use action::canonical_action;
 pub use signed::{
     DECISION_DOMAIN, KILL_DOMAIN, canonical_decision_bytes, canonical_kill_bytes, is_plain_text,
 };

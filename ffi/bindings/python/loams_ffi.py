@@ -539,7 +539,7 @@ def _uniffi_check_api_checksums(lib):
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_approvals_decide() != 16086:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
-    if lib.uniffi_loams_ffi_checksum_method_approvals_decide_shown() != 37131:
+    if lib.uniffi_loams_ffi_checksum_method_approvals_decide_shown() != 5755:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_approvals_get() != 58817:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
@@ -4247,8 +4247,9 @@ class ApprovalsProtocol(typing.Protocol):
         raise NotImplementedError
     async def decide_shown(self, shown: Approval,decision: Decision,typed_confirmation: typing.Optional[str]) -> Approval:
         """
-        Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
-        signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+        Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
+        reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
+        is not); the server checks that hash against its own record. Offline it fails at once.
 """
         raise NotImplementedError
     async def get(self, approval_id: str) -> Approval:
@@ -4341,8 +4342,9 @@ class Approvals(ApprovalsProtocol):
         )
     async def decide_shown(self, shown: Approval,decision: Decision,typed_confirmation: typing.Optional[str]) -> Approval:
         """
-        Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
-        signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+        Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
+        reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
+        is not); the server checks that hash against its own record. Offline it fails at once.
 """
         
         _UniffiFfiConverterTypeApproval.check_lower(shown)

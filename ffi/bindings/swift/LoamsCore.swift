@@ -818,8 +818,9 @@ public protocol ApprovalsProtocol: AnyObject, Sendable {
     func decide(approvalId: String, decision: Decision, typedConfirmation: String?) async throws  -> Approval
     
     /**
-     * Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
-     * signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+     * Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
+     * reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
+     * is not); the server checks that hash against its own record. Offline it fails at once.
      */
     func decideShown(shown: Approval, decision: Decision, typedConfirmation: String?) async throws  -> Approval
     
@@ -924,8 +925,9 @@ open func decide(approvalId: String, decision: Decision, typedConfirmation: Stri
 }
     
     /**
-     * Decides `shown`, the approval as the person saw it (from `get` or a watch), without reading it again: the
-     * signature covers its action hash, so what is signed is what was shown. Offline it fails at once.
+     * Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
+     * reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
+     * is not); the server checks that hash against its own record. Offline it fails at once.
      */
 open func decideShown(shown: Approval, decision: Decision, typedConfirmation: String?)async throws  -> Approval  {
     return
@@ -5149,7 +5151,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_loams_ffi_checksum_method_approvals_decide() != 16086) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_loams_ffi_checksum_method_approvals_decide_shown() != 37131) {
+    if (uniffi_loams_ffi_checksum_method_approvals_decide_shown() != 5755) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_loams_ffi_checksum_method_approvals_get() != 58817) {

@@ -42,51 +42,15 @@ pub fn step_id(run: &str, stage: &str, attempt: u32, action: &str) -> String {
     format!("{run}:{stage}:{attempt}:{action}")
 }
 
-/// Hex SHA-256 over the canonical JSON of the action: keys sorted at every level, no insignificant whitespace.
-/// serde_json's own map order depends on a cargo feature another crate may switch on, so the order is made explicit.
+/// Hex SHA-256 over the canonical JSON of the action (`loams_proto::canonical_action`).
 pub fn action_hash(action: &ApprovalAction) -> String {
-    let mut out = String::new();
-    let value = serde_json::json!({
-        "agent": action.agent,
-        "skill": action.skill,
-        "args": action.args,
-        "target_commit": action.target_commit,
-    });
-    canonical(&value, &mut out);
-    sha256_hex(out.as_bytes())
-}
-
-fn canonical(v: &serde_json::Value, out: &mut String) {
-    use serde_json::Value;
-    match v {
-        Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort();
-            out.push('{');
-            for (i, k) in keys.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                out.push_str(&Value::String(k.clone()).to_string());
-                out.push(':');
-                if let Some(inner) = map.get(k) {
-                    canonical(inner, out);
-                }
-            }
-            out.push('}');
-        }
-        Value::Array(items) => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                canonical(item, out);
-            }
-            out.push(']');
-        }
-        scalar => out.push_str(&scalar.to_string()),
-    }
+    let text = loams_proto::canonical_action(
+        &action.agent,
+        &action.skill,
+        &action.args,
+        action.target_commit.as_deref(),
+    );
+    sha256_hex(text.as_bytes())
 }
 
 #[cfg(test)]
@@ -142,8 +106,5 @@ mod tests {
         let mut c = a.clone();
         c.target_commit = Some("def".into());
         assert_ne!(action_hash(&a), action_hash(&c));
-        let mut s = String::new();
-        canonical(&json!({"b": [1, {"z": 1, "a": "x"}], "a": null}), &mut s);
-        assert_eq!(s, r#"{"a":null,"b":[1,{"a":"x","z":1}]}"#);
     }
 }

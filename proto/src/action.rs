@@ -1,0 +1,82 @@
+//! The canonical form of an approval's action (agent, skill, arguments, target commit): its SHA-256 is the action
+//! hash a decision signs. Defined once, here, so that the server that hashes an action and the phone that checks the
+//! action it shows against that hash cannot drift apart.
+
+use serde_json::Value;
+
+/// The canonical JSON text of an action: an object with the keys `agent`, `args`, `skill`, `target_commit` (null
+/// when the action applies to no commit), keys sorted at every level, no insignificant whitespace. serde_json's own
+/// map order depends on a cargo feature another crate may switch on, so the order is made explicit here.
+pub fn canonical_action(
+    agent: &str,
+    skill: &str,
+    args: &Value,
+    target_commit: Option<&str>,
+) -> String {
+    let value = serde_json::json!({
+        "agent": agent,
+        "skill": skill,
+        "args": args,
+        "target_commit": target_commit,
+    });
+    let mut out = String::new();
+    canonical(&value, &mut out);
+    out
+}
+
+fn canonical(v: &Value, out: &mut String) {
+    match v {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push(':');
+                if let Some(inner) = map.get(k) {
+                    canonical(inner, out);
+                }
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical(item, out);
+            }
+            out.push(']');
+        }
+        scalar => out.push_str(&scalar.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn keys_are_sorted_at_every_level_without_whitespace() {
+        let text = canonical_action(
+            "forgejo",
+            "merge",
+            &json!({"b": [1, {"z": 1, "a": "x"}], "a": null}),
+            None,
+        );
+        assert_eq!(
+            text,
+            r#"{"agent":"forgejo","args":{"a":null,"b":[1,{"a":"x","z":1}]},"skill":"merge","target_commit":null}"#
+        );
+        let with_commit = canonical_action("forgejo", "merge", &json!({}), Some("abc"));
+        assert!(
+            with_commit.ends_with(r#""target_commit":"abc"}"#),
+            "{with_commit}"
+        );
+    }
+}
