@@ -214,10 +214,10 @@ impl Approvals {
     }
 
     /// Decides `shown`, a copy of the approval as the person saw it (from the server, a watch or the cache), without
-    /// reading it again. Any copy will do, because nothing in it is trusted on its own:
-    /// - the phone signs the copy's action hash only after checking that the shown action (agent, skill, arguments,
-    ///   target commit) hashes to it, so what the person read is what the signature covers (the summary is
-    ///   server-rendered text and is not signed);
+    /// reading it again:
+    /// - the phone signs the copy's action hash only after checking that the copy's action (agent, skill, arguments,
+    ///   target commit) hashes to it, so the signature covers exactly those fields as shown; the summary and the
+    ///   risk are the server's rendering, shown as sent and not signed;
     /// - the server verifies the signature over its own record's hash, so a copy of another action is refused, and
     ///   it checks state, expiry, the single-use challenge and the typed phrase again.
     ///
@@ -311,10 +311,17 @@ fn check_confirmation(typed: &Option<String>) -> Result<()> {
 
 /// The action hash is SHA-256 over the canonical action (`loams_proto::canonical_action`): a copy whose action does
 /// not hash to it (rewritten in the cache, or sent so by a server) shows one thing and would sign another, so it is
-/// not signed. A server sends no target commit as an empty string.
+/// not signed. The server sends the arguments as `loams_proto::canonical_json` text, and no target commit as an
+/// empty string.
 fn check_action_hash(shown: &Approval) -> Result<()> {
     let args: serde_json::Value = serde_json::from_str(&shown.args_json)
         .map_err(|_| Error::Server("the approval's arguments are not JSON".into()))?;
+    // Only the canonical text: any other (a duplicate key, spare digits, escapes) could read one way and hash another.
+    if loams_proto::canonical_json(&args) != shown.args_json {
+        return Err(Error::Server(
+            "the approval's arguments are not in canonical form: they were not signed".into(),
+        ));
+    }
     let target_commit = (!shown.target_commit.is_empty()).then_some(shown.target_commit.as_str());
     let canonical = loams_proto::canonical_action(&shown.agent, &shown.skill, &args, target_commit);
     let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, canonical.as_bytes());
@@ -324,4 +331,81 @@ fn check_action_hash(shown: &Approval) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shown(args: &serde_json::Value, target_commit: Option<&str>) -> Approval {
+        let canonical = loams_proto::canonical_action("forgejo", "merge", args, target_commit);
+        Approval {
+            id: "ap-1".into(),
+            run_id: "r-1".into(),
+            agent: "forgejo".into(),
+            skill: "merge".into(),
+            // As the server sends it.
+            args_json: loams_proto::canonical_json(args),
+            target_commit: target_commit.unwrap_or_default().into(),
+            action_hash: aws_lc_rs::digest::digest(
+                &aws_lc_rs::digest::SHA256,
+                canonical.as_bytes(),
+            )
+            .as_ref()
+            .to_vec(),
+            summary: String::new(),
+            risk: crate::types::Risk::Destructive,
+            requester: String::new(),
+            on_behalf_of: String::new(),
+            confirmation_phrase: None,
+            state: ApprovalState::Pending,
+            expires_at_ms: i64::MAX,
+            created_at_ms: 0,
+            decided_by: String::new(),
+            decision: None,
+            confirmed_at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn the_shown_action_must_hash_to_the_shown_hash() {
+        let args = serde_json::json!({"number": 7, "head_sha": "abc", "note": "caf\u{e9}"});
+        assert_eq!(check_action_hash(&shown(&args, Some("abc"))), Ok(()));
+        assert_eq!(check_action_hash(&shown(&args, None)), Ok(()));
+        let mut other = shown(&args, Some("abc"));
+        other.args_json = r#"{"number":8,"head_sha":"abc","note":"café"}"#.into();
+        assert!(matches!(check_action_hash(&other), Err(Error::Server(_))));
+        other = shown(&args, Some("abc"));
+        other.target_commit = "def".into();
+        assert!(matches!(check_action_hash(&other), Err(Error::Server(_))));
+        other = shown(&args, Some("abc"));
+        other.args_json = "not json".into();
+        assert!(matches!(check_action_hash(&other), Err(Error::Server(_))));
+        // The same value in another text: a duplicate key (the last one wins when parsed), spare digits, escapes.
+        for text in [
+            r#"{"head_sha":"abc","note":"café","number":1,"number":7}"#,
+            r#"{"head_sha":"abc","note":"café","number":7.0}"#,
+            r#"{"head_sha":"abc","note":"caf\u00e9","number":7}"#,
+            r#"{ "head_sha":"abc","note":"café","number":7}"#,
+        ] {
+            other = shown(&args, Some("abc"));
+            other.args_json = text.into();
+            assert!(
+                matches!(check_action_hash(&other), Err(Error::Server(_))),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn float_arguments_read_back_to_the_same_hash() {
+        // The phone parses the server's text of each number back to the very value the server hashed; without
+        // serde_json's float_roundtrip about one double in seven came back different.
+        let mut x: f64 = 0.1;
+        for i in 0..2_000 {
+            x = x * 1.000_123_7 + f64::from(i) / 7.0;
+            let args = serde_json::json!({"ratio": x, "third": 1.0 / f64::from(i + 3), "tiny": x * 1e-300});
+            assert_eq!(check_action_hash(&shown(&args, None)), Ok(()), "{args}");
+        }
+    }
 }

@@ -446,6 +446,15 @@ mod tests {
                 .await,
             Err(Error::NotRegistered)
         ));
+        // An oversized phrase is refused before anything else, device key and network included.
+        client.set_network_available(false);
+        assert!(matches!(
+            client
+                .approvals()
+                .decide("a-1", crate::Decision::Approve, Some("x".repeat(257)))
+                .await,
+            Err(Error::InvalidInput(_))
+        ));
     }
 
     #[tokio::test]

@@ -19,8 +19,15 @@ pub fn canonical_action(
         "args": args,
         "target_commit": target_commit,
     });
+    canonical_json(&value)
+}
+
+/// The canonical JSON text of any value, as [`canonical_action`] writes its parts: the one text of an approval's
+/// arguments the server sends, so that a phone can insist on it (no duplicate keys, spare digits or escapes that
+/// would read one way and hash another).
+pub fn canonical_json(value: &Value) -> String {
     let mut out = String::new();
-    canonical(&value, &mut out);
+    canonical(value, &mut out);
     out
 }
 

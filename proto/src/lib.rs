@@ -7,7 +7,7 @@ mod action;
 pub mod connect;
 mod signed;
 
-pub use action::canonical_action;
+pub use action::{canonical_action, canonical_json};
 pub use signed::{
     DECISION_DOMAIN, KILL_DOMAIN, canonical_decision_bytes, canonical_kill_bytes, is_plain_text,
 };

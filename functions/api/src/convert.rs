@@ -139,7 +139,8 @@ pub(crate) fn approval(a: &Approval, now_ms: i64) -> pa::Approval {
         action: Some(pa::Action {
             agent: a.action.agent.clone(),
             skill: a.action.skill.clone(),
-            args_json: a.action.args.to_string(),
+            // The canonical text, the only one a phone accepts (it checks the text as well as its hash).
+            args_json: loams_proto::canonical_json(&a.action.args),
             target_commit: a.action.target_commit.clone().unwrap_or_default(),
         }),
         // A malformed stored hash shows as empty; deciding then fails its action-hash check.

@@ -1088,7 +1088,13 @@ pub(crate) fn gated_action(run: &Run, call: &Effect) -> Option<ApprovalAction> {
     else {
         return None;
     };
-    let commit = |key: &str| args.get(key).and_then(|v| v.as_str()).map(str::to_string);
+    // An empty commit is no commit: the wire (and so the phone that checks the hash) cannot tell "" from none.
+    let commit = |key: &str| {
+        args.get(key)
+            .and_then(|v| v.as_str())
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+    };
     let target_commit = match skill.as_str() {
         "merge" => commit("head_sha").map(|sha| {
             let committed = run.links.commit_sha.as_deref().unwrap_or("none");

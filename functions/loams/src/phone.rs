@@ -119,8 +119,8 @@ impl Phone {
             .await
     }
 
-    /// Signs `decision` over the approval exactly as it was shown (see [`loams_core::Approvals::decide_shown`]),
-    /// without reading it again.
+    /// Signs `decision` over the action of the approval as it was shown, without reading it again (see
+    /// [`loams_core::Approvals::decide_shown`]).
     pub async fn decide_shown(
         &self,
         shown: &Approval,

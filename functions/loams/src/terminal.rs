@@ -178,6 +178,11 @@ fn describe(a: &Approval, out: &mut dyn Write) -> anyhow::Result<()> {
     writeln!(out, "approval {}", a.id)?;
     writeln!(out, "  run:       {}", a.run_id)?;
     writeln!(out, "  action:    {}.{} ({risk})", a.agent, a.skill)?;
+    // What the signature covers, with the agent and skill: the summary below is the server's rendering of it.
+    writeln!(out, "  arguments: {}", a.args_json)?;
+    if !a.target_commit.is_empty() {
+        writeln!(out, "  commit:    {}", a.target_commit)?;
+    }
     if let Some(phrase) = &a.confirmation_phrase {
         writeln!(out, "  to approve, type: {phrase}")?;
     }
@@ -232,7 +237,7 @@ async fn decide(
         }),
         _ => confirm,
     };
-    // Signed over the approval just shown: the person decides what they read.
+    // Signed over the action just shown (agent, skill, arguments, commit), without reading it again.
     let decided = phone
         .decide_shown(&approval, decision, typed)
         .await
