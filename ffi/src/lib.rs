@@ -376,7 +376,7 @@ impl Approvals {
 
     /// Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
     /// reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
-    /// is not); the server checks that hash against its own record. Offline it fails at once.
+    /// and the risk are not); the server checks that hash against its own record. Offline it fails at once.
     pub async fn decide_shown(
         &self,
         shown: Approval,

@@ -539,7 +539,7 @@ def _uniffi_check_api_checksums(lib):
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_approvals_decide() != 16086:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
-    if lib.uniffi_loams_ffi_checksum_method_approvals_decide_shown() != 5755:
+    if lib.uniffi_loams_ffi_checksum_method_approvals_decide_shown() != 20413:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_approvals_get() != 58817:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
@@ -4249,7 +4249,7 @@ class ApprovalsProtocol(typing.Protocol):
         """
         Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
         reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
-        is not); the server checks that hash against its own record. Offline it fails at once.
+        and the risk are not); the server checks that hash against its own record. Offline it fails at once.
 """
         raise NotImplementedError
     async def get(self, approval_id: str) -> Approval:
@@ -4344,7 +4344,7 @@ class Approvals(ApprovalsProtocol):
         """
         Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
         reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
-        is not); the server checks that hash against its own record. Offline it fails at once.
+        and the risk are not); the server checks that hash against its own record. Offline it fails at once.
 """
         
         _UniffiFfiConverterTypeApproval.check_lower(shown)

@@ -820,7 +820,7 @@ public protocol ApprovalsProtocol: AnyObject, Sendable {
     /**
      * Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
      * reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
-     * is not); the server checks that hash against its own record. Offline it fails at once.
+     * and the risk are not); the server checks that hash against its own record. Offline it fails at once.
      */
     func decideShown(shown: Approval, decision: Decision, typedConfirmation: String?) async throws  -> Approval
     
@@ -927,7 +927,7 @@ open func decide(approvalId: String, decision: Decision, typedConfirmation: Stri
     /**
      * Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
      * reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
-     * is not); the server checks that hash against its own record. Offline it fails at once.
+     * and the risk are not); the server checks that hash against its own record. Offline it fails at once.
      */
 open func decideShown(shown: Approval, decision: Decision, typedConfirmation: String?)async throws  -> Approval  {
     return
@@ -5151,7 +5151,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_loams_ffi_checksum_method_approvals_decide() != 16086) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_loams_ffi_checksum_method_approvals_decide_shown() != 5755) {
+    if (uniffi_loams_ffi_checksum_method_approvals_decide_shown() != 20413) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_loams_ffi_checksum_method_approvals_get() != 58817) {

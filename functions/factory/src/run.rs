@@ -1088,13 +1088,7 @@ pub(crate) fn gated_action(run: &Run, call: &Effect) -> Option<ApprovalAction> {
     else {
         return None;
     };
-    // An empty commit is no commit: the wire (and so the phone that checks the hash) cannot tell "" from none.
-    let commit = |key: &str| {
-        args.get(key)
-            .and_then(|v| v.as_str())
-            .filter(|s| !s.is_empty())
-            .map(str::to_string)
-    };
+    let commit = |key: &str| args.get(key).and_then(|v| v.as_str()).map(str::to_string);
     let target_commit = match skill.as_str() {
         "merge" => commit("head_sha").map(|sha| {
             let committed = run.links.commit_sha.as_deref().unwrap_or("none");
@@ -1102,7 +1096,9 @@ pub(crate) fn gated_action(run: &Run, call: &Effect) -> Option<ApprovalAction> {
         }),
         "revert" => commit("merge_sha"),
         _ => None,
-    };
+    }
+    // An empty commit is no commit: the wire (and so the phone that checks the hash) cannot tell "" from none.
+    .filter(|t| !t.is_empty());
     Some(ApprovalAction {
         agent: agent.clone(),
         skill: skill.clone(),
@@ -1113,7 +1109,40 @@ pub(crate) fn gated_action(run: &Run, call: &Effect) -> Option<ApprovalAction> {
 
 #[cfg(test)]
 mod tests {
-    use super::RunState;
+    use super::{RunState, gated_action};
+    use crate::{Ctx, Effect, Signal, open};
+
+    #[test]
+    fn an_empty_commit_is_no_commit_in_the_action() {
+        let signal = Signal {
+            source: "glitchtip".into(),
+            fingerprint: "fp".into(),
+            title: "t".into(),
+            link: "https://gt.example/acme/issues/1".into(),
+            glitchtip_issue_id: None,
+            severity: "error".into(),
+            generation: 1,
+            parent_run: None,
+        };
+        let (run, _) = open(signal, &Ctx::new("acme", "production", 1_000)).unwrap();
+        let revert = |merge_sha: &str| Effect::Call {
+            step: "s".into(),
+            agent: "forgejo".into(),
+            skill: "revert".into(),
+            args: serde_json::json!({"merge_sha": merge_sha}),
+            approval_id: None,
+        };
+        // The wire sends no commit as "", which a phone reads back as none: both sides must hash it the same.
+        let empty = gated_action(&run, &revert("")).unwrap();
+        assert_eq!(empty.target_commit, None);
+        assert_eq!(
+            gated_action(&run, &revert("abc"))
+                .unwrap()
+                .target_commit
+                .as_deref(),
+            Some("abc")
+        );
+    }
 
     #[test]
     fn state_names_round_trip() {

@@ -1177,7 +1177,7 @@ private fun uniffiCheckApiChecksums(lib: IntegrityCheckingUniffiLib) {
     if ((lib.uniffi_loams_ffi_checksum_method_approvals_decide() and 0xFFFF) != 16086) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
-    if ((lib.uniffi_loams_ffi_checksum_method_approvals_decide_shown() and 0xFFFF) != 5755) {
+    if ((lib.uniffi_loams_ffi_checksum_method_approvals_decide_shown() and 0xFFFF) != 20413) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
     if ((lib.uniffi_loams_ffi_checksum_method_approvals_get() and 0xFFFF) != 58817) {
@@ -2183,7 +2183,7 @@ public interface ApprovalsInterface {
     /**
      * Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
      * reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
-     * is not); the server checks that hash against its own record. Offline it fails at once.
+     * and the risk are not); the server checks that hash against its own record. Offline it fails at once.
      */
     suspend fun `decideShown`(`shown`: Approval, `decision`: Decision, `typedConfirmation`: kotlin.String?): Approval
     
@@ -2359,7 +2359,7 @@ open class Approvals: Disposable, AutoCloseable, ApprovalsInterface
     /**
      * Decides `shown`, a copy of the approval as the person saw it (from `get`, a watch or the cache), without
      * reading it again. The shown action must hash to the shown action hash, which is what is signed (the summary
-     * is not); the server checks that hash against its own record. Offline it fails at once.
+     * and the risk are not); the server checks that hash against its own record. Offline it fails at once.
      */
     @Throws(LoamsException::class)
     @Suppress("ASSIGNED_BUT_NEVER_ACCESSED_VARIABLE")
