@@ -1125,13 +1125,14 @@ mod tests {
             parent_run: None,
         };
         let (run, _) = open(signal, &Ctx::new("acme", "production", 1_000)).unwrap();
-        let revert = |merge_sha: &str| Effect::Call {
+        let call = |skill: &str, args: serde_json::Value| Effect::Call {
             step: "s".into(),
             agent: "forgejo".into(),
-            skill: "revert".into(),
-            args: serde_json::json!({"merge_sha": merge_sha}),
+            skill: skill.into(),
+            args,
             approval_id: None,
         };
+        let revert = |merge_sha: &str| call("revert", serde_json::json!({"merge_sha": merge_sha}));
         // The wire sends no commit as "", which a phone reads back as none: both sides must hash it the same.
         let empty = gated_action(&run, &revert("")).unwrap();
         assert_eq!(empty.target_commit, None);
@@ -1141,6 +1142,15 @@ mod tests {
                 .target_commit
                 .as_deref(),
             Some("abc")
+        );
+        // A merge keeps its binding of the commit and the change even when the head is empty: only an empty target
+        // commit as a whole is dropped.
+        let merge =
+            gated_action(&run, &call("merge", serde_json::json!({"head_sha": ""}))).unwrap();
+        let target = merge.target_commit.expect("a merge binds its change");
+        assert!(
+            target.starts_with("; commit none; patch none: "),
+            "{target}"
         );
     }
 
