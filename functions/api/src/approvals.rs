@@ -201,12 +201,7 @@ async fn decide(
             Err(StoreError::Conflict) => return Err(lost_race(state, caller, &approval.id).await),
             Err(e) => return Err(e.into()),
         }
-        // The settled approval already refuses every other decision, so a failure here only leaves the record of a
-        // challenge that can no longer be used; the decision stands.
-        let used = challenge::used(&challenge_item, &challenge)?;
-        if let Err(e) = state.store.put_item(&used, Cond::Version(challenge_item.version)).await {
-            tracing::warn!(error = %e, approval = %settled.id, "marking a challenge used failed");
-        }
+        challenge::use_up(state, &challenge_item, &challenge).await;
         tracing::info!(approval = %settled.id, run = %settled.run_id, approved = approve, by = %device.user, "approval settled");
         wake_run(state, caller, &settled).await?;
         Ok(pa::DecideResponse { approval: Some(convert::approval(&settled, now)) })

@@ -18,9 +18,9 @@ pub(crate) const DECISION: &str = "challenge";
 pub(crate) const KILL: &str = "kill_challenge";
 
 /// Bytes of randomness in a challenge.
-pub(crate) const CHALLENGE_BYTES: usize = 32;
+const CHALLENGE_BYTES: usize = 32;
 /// A DER P-256 signature is at most 72 bytes; anything much larger is not one.
-pub(crate) const MAX_SIGNATURE: usize = 128;
+const MAX_SIGNATURE: usize = 128;
 /// Challenge items outlive their expiry by this much, so a late step is told "expired" rather than "unknown".
 const CHALLENGE_KEEP_MS: i64 = 24 * 60 * 60 * 1000;
 /// Clock difference tolerated between a phone's signing time and the server (phone clocks drift).
@@ -167,15 +167,35 @@ pub(crate) async fn load(
     Ok((item, challenge))
 }
 
-/// The challenge marked used, written at the version read.
-pub(crate) fn used(item: &Item, challenge: &Challenge) -> Result<Item, ApiError> {
-    Ok(Item {
-        body: to_body(&Challenge {
-            used: true,
-            ..challenge.clone()
-        })?,
-        ..item.clone()
-    })
+/// Marks `challenge` used, at the version read, once the step it was presented for is recorded. That record
+/// already refuses a second step, so a failure here only leaves a challenge that can no longer be used: it is
+/// logged, and the step stands.
+pub(crate) async fn use_up(state: &ApiState, item: &Item, challenge: &Challenge) {
+    if challenge.used {
+        return;
+    }
+    let used = to_body(&Challenge {
+        used: true,
+        ..challenge.clone()
+    });
+    let written = match used {
+        Ok(body) => state
+            .store
+            .put_item(
+                &Item {
+                    body,
+                    ..item.clone()
+                },
+                Cond::Version(item.version),
+            )
+            .await
+            .map(drop)
+            .map_err(ApiError::from),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = written {
+        tracing::warn!(error = %e, kind = %item.kind, subject = %challenge.subject, "marking a challenge used failed");
+    }
 }
 
 /// The signed time must fall in the challenge's life: a signature cannot predate its challenge, and one dated well

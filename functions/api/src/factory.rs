@@ -202,9 +202,12 @@ async fn kill(
         // A switch that carries this very request, checked when it was set, means an earlier attempt (or a copy
         // sent at the same time) set it: the kill is finished below, whatever happened since (the run ended, the
         // challenge expired, the device was revoked).
-        if !carries_this().await? {
+        let presented = if carries_this().await? {
+            // Still to be used up if it is still there and still the one this request presented.
+            loaded.ok().filter(|(_, c)| c.value == request.challenge)
+        } else {
             still_running(&run)?;
-            let (_, challenge) = loaded?;
+            let (item, challenge) = loaded?;
             approval::check_kill(&device, &challenge, &request, state.now_ms())?;
             challenge::check_signed_at(state, &challenge, req.killed_at_ms, "killed_at_ms")?;
             let set = KillSwitch {
@@ -213,7 +216,7 @@ async fn kill(
                 at_ms: state.now_ms(),
                 proof: Some(request.clone()),
             };
-            let item = Item {
+            let switch_item = Item {
                 org: caller.org.clone(),
                 kind: "kill".into(),
                 id: switch_id(&req.run_id),
@@ -224,7 +227,7 @@ async fn kill(
             };
             // The switch is what stops the run (the worker reads it before every step); the input below only
             // wakes a waiting run so it notices now instead of at its next timer.
-            match state.store.put_item(&item, Cond::Absent).await {
+            match state.store.put_item(&switch_item, Cond::Absent).await {
                 Ok(_) => {
                     tracing::info!(run = %req.run_id, by = %device.user, device = %device.id, "kill switch set")
                 }
@@ -232,10 +235,13 @@ async fn kill(
                 Err(StoreError::Conflict) => return Err(switch_set()),
                 Err(e) => return Err(e.into()),
             }
+            Some((item, challenge))
+        };
+        if let Some((item, challenge)) = &presented {
+            challenge::use_up(state, item, challenge).await;
         }
-        use_up(state, caller, &request).await;
         // A run that has ended needs no waking: repeating a finished kill then changes nothing at all.
-        if TERMINAL.contains(&run.state.as_str()) {
+        if ended(&run.state) {
             return Ok(pf::KillRunResponse { run: Some(run) });
         }
         enqueue(
@@ -277,40 +283,14 @@ fn switch_set() -> ApiError {
     ApiError::FailedPrecondition("the run's kill switch is already set".into())
 }
 
-/// Marks the challenge `request` presented used once its switch is set, if it is still there and still that one.
-/// The switch already refuses every other kill, so a failure here leaves only a challenge that can no longer be
-/// used; the kill stands.
-async fn use_up(state: &ApiState, caller: &Caller, request: &KillRequest) {
-    let Ok((item, challenge)) = challenge::load(
-        state,
-        caller,
-        challenge::KILL,
-        &request.run_id,
-        &request.device_id,
-    )
-    .await
-    else {
-        return;
-    };
-    if challenge.used || challenge.value != request.challenge {
-        return;
-    }
-    let written = match challenge::used(&item, &challenge) {
-        Ok(used) => state
-            .store
-            .put_item(&used, Cond::Version(item.version))
-            .await
-            .map_err(ApiError::from),
-        Err(e) => Err(e),
-    };
-    if let Err(e) = written {
-        tracing::warn!(error = %e, run = %request.run_id, "marking a kill challenge used failed");
-    }
+/// Whether a run in `state` has ended: nothing more happens to it.
+fn ended(state: &str) -> bool {
+    TERMINAL.contains(&state)
 }
 
 /// A run that has ended has nothing left to stop: neither a kill challenge nor a kill switch is written for it.
 fn still_running(run: &pf::Run) -> Result<(), ApiError> {
-    if TERMINAL.contains(&run.state.as_str()) {
+    if ended(&run.state) {
         return Err(ApiError::FailedPrecondition(format!(
             "run {} has already ended ({})",
             run.id, run.state
@@ -564,7 +544,7 @@ fn watch(
                             }
                             Err(e) => return Some((Err(ApiError::from(e).into()), Watch::Done)),
                         };
-                        let finished = TERMINAL.contains(&run.state.as_str());
+                        let finished = ended(&run.state);
                         let rows = match state
                             .store
                             .events(&caller.org, &req.run_id, after, MAX_PAGE)
