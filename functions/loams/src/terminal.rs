@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, Subcommand};
-use loams_core::{Approval, ApprovalState, Decision, Error, Risk, Run, RunListener, RunUpdate};
+use loams_core::{
+    Approval, ApprovalState, Decision, Device, Error, Risk, Run, RunListener, RunUpdate,
+};
 use tokio::sync::mpsc;
 
 use crate::demo::{short, timeline_line, verdict};
@@ -211,9 +213,7 @@ async fn decide(
     out: &mut dyn Write,
 ) -> anyhow::Result<()> {
     // Before anything is read or asked: without a device key nothing can be signed.
-    let Some(device) = phone.device()?.filter(|d| d.revoked_at_ms == 0) else {
-        bail!("this phone has no registered device key: run `loams phone register` first");
-    };
+    let device = signing_device(phone)?;
     let approval = phone
         .approval(approval_id)
         .await
@@ -258,15 +258,21 @@ async fn decide(
     Ok(())
 }
 
+/// The registered, unrevoked device key that signs decisions and kills.
+fn signing_device(phone: &Phone) -> anyhow::Result<Device> {
+    match phone.device()?.filter(|d| d.revoked_at_ms == 0) {
+        Some(device) => Ok(device),
+        None => bail!("this phone has no registered device key: run `loams phone register` first"),
+    }
+}
+
 async fn kill(
     phone: &Phone,
     run_id: &str,
     reason: &str,
     out: &mut dyn Write,
 ) -> anyhow::Result<()> {
-    let Some(device) = phone.device()? else {
-        bail!("this phone has no registered device key: run `loams phone register` first");
-    };
+    let device = signing_device(phone)?;
     let run = phone
         .kill(run_id, reason)
         .await

@@ -121,23 +121,31 @@ async fn phone(env: &[(&str, &str)], args: &[&str]) -> Ran {
     ran
 }
 
-/// Lists the approvals until one is pending, and returns the listing and the approval's id.
-async fn wait_for_approval(env: &[(&str, &str)]) -> (String, String) {
+/// Lists the approvals until one of `action` (`agent.skill`) is pending, and returns its id and the listing.
+async fn wait_for_approval(env: &[(&str, &str)], action: &str) -> (String, String) {
     let deadline = Instant::now() + Duration::from_secs(90);
+    let wanted = format!("  action:    {action} ");
     loop {
         let listed = phone(env, &["approvals"]).await;
         assert!(listed.ok, "{listed}");
-        if let Some(id) = listed
-            .stdout
-            .lines()
-            .find_map(|l| l.strip_prefix("approval "))
-        {
-            return (id.to_string(), listed.stdout);
+        let mut id = None;
+        for line in listed.stdout.lines() {
+            if let Some(shown) = line.strip_prefix("approval ") {
+                id = Some(shown);
+            } else if line.starts_with(&wanted)
+                && let Some(id) = id
+            {
+                return (id.to_string(), listed.stdout.clone());
+            }
         }
-        assert!(listed.stdout.contains("no pending approvals"), "{listed}");
+        // Nothing of the kind yet: the listing is either approvals or says there are none.
+        assert!(
+            id.is_some() || listed.stdout.contains("no pending approvals"),
+            "{listed}"
+        );
         assert!(
             Instant::now() < deadline,
-            "no approval within 90 s: {listed}"
+            "no {action} approval within 90 s: {listed}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -165,7 +173,7 @@ async fn a_device_registers_lists_the_merge_approves_it_with_the_phrase_and_watc
     let device = |out: &str| out.split_whitespace().nth(1).unwrap().to_string();
     assert_eq!(device(&registered.stdout), device(&again.stdout));
 
-    let (approval, listing) = wait_for_approval(&env).await;
+    let (approval, listing) = wait_for_approval(&env, "forgejo.merge").await;
     for context in [
         format!("run:       {}", server.run_id),
         "action:    forgejo.merge (destructive)".to_string(),
@@ -256,7 +264,7 @@ async fn a_denied_merge_ends_the_run_without_merging() {
     let registered = phone(&[], &with(&flags, &["register"])).await;
     assert!(registered.ok, "{registered}");
     let env = server.env(&token, &phone_dir);
-    let (approval, _) = wait_for_approval(&env).await;
+    let (approval, _) = wait_for_approval(&env, "forgejo.merge").await;
 
     let denied = phone(&[], &with(&flags, &["deny", &approval])).await;
     assert!(denied.ok, "{denied}");
@@ -268,7 +276,7 @@ async fn a_denied_merge_ends_the_run_without_merging() {
     );
 
     // The abandoned run cleans up after itself, and closing the pull request is destructive too.
-    let (close, listing) = wait_for_approval(&env).await;
+    let (close, listing) = wait_for_approval(&env, "forgejo.close_pr").await;
     assert_ne!(close, approval);
     assert!(
         listing.contains("action:    forgejo.close_pr (destructive)"),
@@ -312,7 +320,7 @@ async fn a_run_killed_from_the_phone_stops_at_its_next_step() {
     );
     assert!(phone(&env, &["register"]).await.ok);
     // Killed while its merge waits for approval: the pull request is open by then.
-    let (merge, _) = wait_for_approval(&env).await;
+    let (merge, _) = wait_for_approval(&env, "forgejo.merge").await;
     let killed = phone(&env, &["kill", &server.run_id, "--reason", "wrong fix"]).await;
     assert!(killed.ok, "{killed}");
     assert!(
@@ -322,7 +330,7 @@ async fn a_run_killed_from_the_phone_stops_at_its_next_step() {
         "{killed}"
     );
     // Compensation closes the pull request, which is destructive: a person approves it.
-    let (close, listing) = wait_for_approval(&env).await;
+    let (close, listing) = wait_for_approval(&env, "forgejo.close_pr").await;
     assert_ne!(close, merge);
     assert!(listing.contains("forgejo.close_pr"), "{listing}");
     let closed = phone(&env, &["approve", &close, "--confirm", "close #1"]).await;
