@@ -9,6 +9,7 @@ const PROTOS: &[&str] = &[
     "loams/approvals/v1/approvals.proto",
     "loams/devices/v1/devices.proto",
     "loams/bot/v1/bot.proto",
+    "loams/collab/v1/collab.proto",
 ];
 
 fn main() -> Result<(), Box<dyn Error>> {

@@ -47,3 +47,10 @@ pub mod bot {
         generated!("loams.bot.v1");
     }
 }
+
+pub mod collab {
+    pub mod v1 {
+        #![allow(clippy::all, clippy::pedantic)]
+        generated!("loams.collab.v1");
+    }
+}

@@ -57,6 +57,7 @@ impl Skills for Echo {
             name: "echo".into(),
             description: "echoes text".into(),
             version: "1.0.0".into(),
+            app: None,
             skills: vec![
                 SkillSpec {
                     id: "echo".into(),
@@ -98,9 +99,10 @@ impl Skills for Echo {
     }
 }
 
-/// Accepts the configured token, or (conformance) anyone.
+/// Accepts the configured token, or (conformance) anyone, with every scope of the agent served.
 struct LocalAuth {
     token: Option<String>,
+    scopes: Vec<String>,
 }
 
 #[async_trait]
@@ -115,6 +117,7 @@ impl CallerAuth for LocalAuth {
         Ok(Principal {
             subject: subject.into(),
             org: ORG.into(),
+            scopes: self.scopes.clone(),
         })
     }
 }
@@ -247,6 +250,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let guards = Guards {
         auth: Arc::new(LocalAuth {
             token: (!conformance).then_some(token),
+            scopes: [Risk::Read, Risk::Write, Risk::Destructive]
+                .iter()
+                .flat_map(|risk| risk.scopes(&skills.card().name))
+                .collect(),
         }),
         gate: Arc::new(NoApprovals),
     };

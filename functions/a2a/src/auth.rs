@@ -18,6 +18,20 @@ pub struct Principal {
     pub subject: String,
     /// The organisation the token is scoped to; it must be the agent's own.
     pub org: String,
+    /// What the token grants, in the terms of the skills' security requirements on the card
+    /// (`plane:read`, `plane:write`, `plane:destructive`): a skill runs only for a caller holding
+    /// every scope it requires. The factory holds all of an agent's; a person reading a panel
+    /// through Loams holds the read scope of that app only.
+    pub scopes: Vec<String>,
+}
+
+impl Principal {
+    /// The first scope a skill of `risk` on `agent` requires that this caller lacks, if any.
+    pub fn missing_scope(&self, agent: &str, risk: crate::Risk) -> Option<String> {
+        risk.scopes(agent)
+            .into_iter()
+            .find(|needed| !self.scopes.iter().any(|held| held == needed))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -79,8 +93,9 @@ pub struct TokenError {
     pub reason: String,
 }
 
-/// Gives a client the bearer token for the agent at `audience` (its interface URL).
+/// Gives a client the bearer token for the agent named `agent` (as its verified card names it) at
+/// `audience` (its interface URL); the name lets the source grant that agent's scopes.
 #[async_trait]
 pub trait TokenSource: Send + Sync {
-    async fn token(&self, audience: &str) -> Result<String, TokenError>;
+    async fn token(&self, audience: &str, agent: &str) -> Result<String, TokenError>;
 }

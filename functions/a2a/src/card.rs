@@ -16,7 +16,7 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::skills::{AgentSpec, Risk, agent_principal};
+use crate::skills::{AgentSpec, AppLinks, Risk, agent_principal};
 
 /// Where the card is served, relative to the agent's base URL (A2A §8.2).
 pub const CARD_PATH: &str = "/.well-known/agent-card.json";
@@ -26,6 +26,8 @@ pub(crate) const MODES: [&str; 2] = ["application/json", "text/plain"];
 
 /// The card extension naming the agent's own principal and the scopes its skills need.
 pub const PRINCIPAL_EXTENSION: &str = "https://loams.dev/a2a/ext/principal/v1";
+/// The card extension naming the app the agent works on and how to link into it ([`AppLinks`]).
+pub const APP_EXTENSION: &str = "https://loams.dev/a2a/ext/app/v1";
 
 /// A card signature can be checked against a bounded number of signatures only; a card carrying
 /// more is refused rather than making the verifier do unbounded work.
@@ -304,7 +306,11 @@ pub fn build_card(spec: &AgentSpec, base_url: &str) -> AgentCard {
         capabilities: AgentCapabilities {
             streaming: Some(true),
             push_notifications: Some(true),
-            extensions: Some(vec![principal_extension(spec)]),
+            extensions: Some(
+                std::iter::once(principal_extension(spec))
+                    .chain(spec.app.as_ref().map(app_extension))
+                    .collect(),
+            ),
             extended_agent_card: Some(true),
         },
         default_input_modes: modes.clone(),
@@ -348,6 +354,31 @@ pub fn build_card(spec: &AgentSpec, base_url: &str) -> AgentCard {
     }
 }
 
+fn app_extension(app: &AppLinks) -> AgentExtension {
+    let params = match serde_json::to_value(app) {
+        Ok(Value::Object(fields)) => fields.into_iter().collect(),
+        _ => Default::default(),
+    };
+    AgentExtension {
+        uri: APP_EXTENSION.into(),
+        description: Some("the app this agent works on, and links to its pages".into()),
+        required: None,
+        params: Some(params),
+    }
+}
+
+/// The app a verified card names in its [`APP_EXTENSION`], if it names one well-formed.
+pub fn app_links(card: &AgentCard) -> Option<AppLinks> {
+    let extension = card
+        .capabilities
+        .extensions
+        .as_ref()?
+        .iter()
+        .find(|e| e.uri == APP_EXTENSION)?;
+    let params = extension.params.clone()?;
+    serde_json::from_value(Value::Object(params.into_iter().collect())).ok()
+}
+
 fn principal_extension(spec: &AgentSpec) -> AgentExtension {
     let params = [
         ("principal".to_string(), json!(agent_principal(&spec.name))),
@@ -379,6 +410,7 @@ mod tests {
             name: "test".into(),
             description: "a test agent".into(),
             version: "1.0.0".into(),
+            app: None,
             skills: vec![SkillSpec {
                 id: "count".into(),
                 name: "Count".into(),
@@ -388,6 +420,46 @@ mod tests {
                 examples: vec![],
             }],
         }
+    }
+
+    #[test]
+    fn the_app_extension_round_trips_through_a_signed_card() {
+        let signer = CardSigner::generate().unwrap();
+        let jwks = signer.jwks().unwrap();
+        assert_eq!(app_links(&build_card(&spec(), "http://127.0.0.1:1")), None);
+        let app = AppLinks {
+            kind: "forgejo".into(),
+            web_url: "https://git.example".into(),
+            deep_link_templates: [(
+                "pull_request".to_string(),
+                "https://git.example/o/r/pulls/{number}".to_string(),
+            )]
+            .into(),
+        };
+        let card = signer
+            .sign(&build_card(
+                &AgentSpec {
+                    app: Some(app.clone()),
+                    ..spec()
+                },
+                "http://127.0.0.1:1",
+            ))
+            .unwrap();
+        // Over the wire and back, as a client reads it.
+        let card: AgentCard = serde_json::from_str(&serde_json::to_string(&card).unwrap()).unwrap();
+        verify_card(&card, &jwks).unwrap();
+        assert_eq!(app_links(&card), Some(app));
+        // The extension is covered by the signature like the rest of the card.
+        let mut moved = card.clone();
+        for e in moved.capabilities.extensions.iter_mut().flatten() {
+            if let Some(p) = e.params.as_mut() {
+                p.insert("web_url".into(), json!("https://evil.example"));
+            }
+        }
+        assert!(matches!(
+            verify_card(&moved, &jwks),
+            Err(CardError::BadSignature)
+        ));
     }
 
     #[test]

@@ -534,7 +534,7 @@ impl A2aClient {
         let mut req = req.header(a2a::SVC_PARAM_VERSION, a2a::VERSION);
         if let Some(tokens) = &self.tokens {
             let token = tokens
-                .token(&self.endpoint)
+                .token(&self.endpoint, &self.card.name)
                 .await
                 .map_err(|e| CallError::Token(e.to_string()))?;
             req = req.bearer_auth(token);

@@ -122,7 +122,7 @@ pub(crate) async fn begin(
     let script = Script::of(&message.message_id);
     let mut task = match &message.task_id {
         Some(task_id) => {
-            let (task, _) = agent.own(caller, task_id).await?;
+            let (task, _) = agent.own(&caller.subject, task_id).await?;
             if task.status.state.is_terminal() {
                 return Err(A2AError::unsupported_operation(format!(
                     "task {task_id} is in a terminal state and takes no more messages"
@@ -255,15 +255,7 @@ async fn run(
     match agent.put(&record, body, Cond::Version(version)).await {
         Ok(_) => {}
         Err(StoreError::Conflict) => {
-            let (stored, _) = agent
-                .own(
-                    &Principal {
-                        subject: record.caller.clone(),
-                        org: agent.org.clone(),
-                    },
-                    &record.task.id,
-                )
-                .await?;
+            let (stored, _) = agent.own(&record.caller, &record.task.id).await?;
             return Ok(stored);
         }
         Err(e) => return Err(tasks::store_failure(e)),

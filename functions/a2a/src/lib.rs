@@ -28,8 +28,8 @@ pub use auth::{
     TokenError, TokenSource,
 };
 pub use card::{
-    BEARER_SCHEME, CARD_PATH, CardError, CardSigner, Jwk, Jwks, PRINCIPAL_EXTENSION, build_card,
-    canonical_payload, verify_card,
+    APP_EXTENSION, BEARER_SCHEME, CARD_PATH, CardError, CardSigner, Jwk, Jwks, PRINCIPAL_EXTENSION,
+    app_links, build_card, canonical_payload, verify_card,
 };
 pub use client::{A2aClient, Binding, CallError, ClientOptions, EventStream};
 pub use push::{PUSH_KIND, PushOptions};
@@ -37,4 +37,4 @@ pub use server::{
     A2A_JSON, APPROVAL_ID_KEY, CALLER_LIMITS_EXTENSION, MAX_MESSAGE_ID, MAX_REQUEST_BYTES,
     ServerOptions, TASK_KIND, router, router_with,
 };
-pub use skills::{AgentSpec, Risk, SkillError, SkillSpec, Skills, agent_principal};
+pub use skills::{AgentSpec, AppLinks, Risk, SkillError, SkillSpec, Skills, agent_principal};

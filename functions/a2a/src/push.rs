@@ -289,7 +289,7 @@ pub(crate) async fn create(
     config: TaskPushNotificationConfig,
 ) -> Result<TaskPushNotificationConfig, A2AError> {
     let task_id = config.task_id.clone();
-    agent.own(caller, &task_id).await?;
+    agent.own(&caller.subject, &task_id).await?;
     create_config(agent, &task_id, config).await
 }
 
@@ -298,7 +298,7 @@ pub(crate) async fn get(
     caller: &Principal,
     req: &GetTaskPushNotificationConfigRequest,
 ) -> Result<TaskPushNotificationConfig, A2AError> {
-    agent.own(caller, &req.task_id).await?;
+    agent.own(&caller.subject, &req.task_id).await?;
     check_id("config id", &req.id)?;
     let item = agent
         .store
@@ -319,7 +319,7 @@ pub(crate) async fn list(
     caller: &Principal,
     req: &ListTaskPushNotificationConfigsRequest,
 ) -> Result<ListTaskPushNotificationConfigsResponse, A2AError> {
-    agent.own(caller, &req.task_id).await?;
+    agent.own(&caller.subject, &req.task_id).await?;
     // At most MAX_CONFIGS_PER_TASK exist, so one page always holds them all.
     Ok(ListTaskPushNotificationConfigsResponse {
         configs: agent.configs(&req.task_id).await?,
@@ -332,7 +332,7 @@ pub(crate) async fn delete(
     caller: &Principal,
     req: &DeleteTaskPushNotificationConfigRequest,
 ) -> Result<(), A2AError> {
-    agent.own(caller, &req.task_id).await?;
+    agent.own(&caller.subject, &req.task_id).await?;
     check_id("config id", &req.id)?;
     match agent
         .store

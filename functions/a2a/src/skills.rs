@@ -60,6 +60,19 @@ pub struct AgentSpec {
     pub description: String,
     pub version: String,
     pub skills: Vec<SkillSpec>,
+    /// The app the agent works on, published on the card ([`crate::APP_EXTENSION`]) for clients that link into it.
+    pub app: Option<AppLinks>,
+}
+
+/// How to link into an agent's app: nothing secret, the same addresses the agent's own answers carry.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AppLinks {
+    /// The app's kind (`zulip`, `plane`, `forgejo`, `glitchtip`, `openpanel`).
+    pub kind: String,
+    /// The app's web address.
+    pub web_url: String,
+    /// Web links to the app's pages by object kind (`issue`, `pull_request`, ...), with `{field}` placeholders.
+    pub deep_link_templates: std::collections::BTreeMap<String, String>,
 }
 
 /// A skill that did not produce an output. `retryable` tells the caller whether the same call may

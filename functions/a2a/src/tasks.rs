@@ -219,12 +219,8 @@ impl Agent {
 
     /// The store index of a caller's tasks on this agent (ListTasks reads it). The subject is hashed
     /// so any subject fits the store's key limits.
-    fn list_index(&self, caller: &Principal) -> String {
-        format!(
-            "{}:{}",
-            self.name,
-            &sha256_hex(caller.subject.as_bytes())[..32]
-        )
+    fn list_index(&self, subject: &str) -> String {
+        format!("{}:{}", self.name, &sha256_hex(subject.as_bytes())[..32])
     }
 
     async fn load(&self, task_id: &str) -> Result<Option<(StoredTask, u64)>, A2AError> {
@@ -240,17 +236,11 @@ impl Agent {
         Ok(Some((decode_task(&item.body)?, item.version)))
     }
 
-    /// The task `task_id` if `caller` created it, with its store version. Someone else's task
-    /// answers exactly as a missing one does, so task ids reveal nothing to other callers.
-    pub(crate) async fn own(
-        &self,
-        caller: &Principal,
-        task_id: &str,
-    ) -> Result<(Task, u64), A2AError> {
+    /// The task `task_id` if the caller `subject` created it, with its store version. Someone else's
+    /// task answers exactly as a missing one does, so task ids reveal nothing to other callers.
+    pub(crate) async fn own(&self, subject: &str, task_id: &str) -> Result<(Task, u64), A2AError> {
         match self.load(task_id).await? {
-            Some((stored, version)) if stored.caller == caller.subject => {
-                Ok((stored.task, version))
-            }
+            Some((stored, version)) if stored.caller == subject => Ok((stored.task, version)),
             _ => Err(A2AError::task_not_found(task_id)),
         }
     }
@@ -266,10 +256,7 @@ impl Agent {
             kind: TASK_KIND.to_string(),
             id: self.item_id(&record.task.id),
             version: 0,
-            index: Some(self.list_index(&Principal {
-                subject: record.caller.clone(),
-                org: self.org.clone(),
-            })),
+            index: Some(self.list_index(&record.caller)),
             body,
             expires_ms: None,
         };
@@ -386,23 +373,31 @@ fn approval_id(message: &Message) -> Result<Option<String>, A2AError> {
     }
 }
 
-/// Whether a call may run: a destructive skill needs an approval the host admits for exactly this
-/// call. `Ok(Err(_))` is a refusal (the task fails for good); `Err(_)` means nothing could be decided.
+/// Whether a call may run: the caller must hold every scope the skill requires, and a destructive
+/// skill needs an approval the host admits for exactly this call. `Ok(Err(_))` is a refusal (the
+/// task fails for good); `Err(_)` means nothing could be decided.
 async fn gate(
     agent: &Agent,
+    caller: &Principal,
     skill: &str,
     args: &Value,
     approval_id: Option<&str>,
 ) -> Result<Result<(), SkillError>, GateError> {
-    if agent.risks.get(skill) != Some(&Risk::Destructive) {
-        return Ok(Ok(()));
-    }
     let refused = |why: String| {
         Ok(Err(SkillError::permanent(format!(
             "{}.{skill} refused: {why}",
             agent.name
         ))))
     };
+    let Some(&risk) = agent.risks.get(skill) else {
+        return refused("unknown skill".into());
+    };
+    if let Some(scope) = caller.missing_scope(&agent.name, risk) {
+        return refused(format!("the caller's token does not grant {scope}"));
+    }
+    if risk != Risk::Destructive {
+        return Ok(Ok(()));
+    }
     let Some(approval_id) = approval_id else {
         return refused(format!(
             "a destructive skill needs a settled approval (message metadata {APPROVAL_ID_KEY})"
@@ -470,7 +465,7 @@ pub(crate) async fn begin(
     {
         // Every call is its own task (no multi-turn skills): continuing another task is not
         // offered. A task id that names no task of this caller is TaskNotFound (A2A §3.4.2).
-        agent.own(caller, task_id).await?;
+        agent.own(&caller.subject, task_id).await?;
         return Err(A2AError::unsupported_operation(
             "this agent does not continue tasks; send a new message without taskId",
         ));
@@ -524,7 +519,7 @@ pub(crate) async fn begin(
             return Ok(Begun::Elsewhere(task));
         }
     };
-    let admitted = match gate(agent, &skill, &args, approval_id.as_deref()).await {
+    let admitted = match gate(agent, caller, &skill, &args, approval_id.as_deref()).await {
         Ok(admitted) => admitted,
         Err(e) => {
             // Nothing ran: the same call can be decided again at once.
@@ -703,7 +698,7 @@ pub(crate) async fn get_task(
     history: Option<i32>,
 ) -> Result<Task, A2AError> {
     let history = history_length(history)?;
-    let (task, _) = agent.own(caller, task_id).await?;
+    let (task, _) = agent.own(&caller.subject, task_id).await?;
     Ok(trim_history(task, history))
 }
 
@@ -762,7 +757,7 @@ pub(crate) async fn subscribable(
     caller: &Principal,
     task_id: &str,
 ) -> Result<Task, A2AError> {
-    let (task, _) = agent.own(caller, task_id).await?;
+    let (task, _) = agent.own(&caller.subject, task_id).await?;
     if task.status.state.is_terminal() {
         return Err(A2AError::unsupported_operation(format!(
             "task {task_id} is in a terminal state and has no more updates"
@@ -823,7 +818,7 @@ pub(crate) async fn follow(agent: Arc<Agent>, caller: Principal, first: Task, tx
         if tx.is_closed() {
             return;
         }
-        let now = match agent.own(&caller, &last.id).await {
+        let now = match agent.own(&caller.subject, &last.id).await {
             Ok((task, _)) => task,
             Err(e) => {
                 let _ = tx.send(Err(e)).await;
@@ -933,7 +928,7 @@ pub(crate) async fn list_tasks(
     if let Some(ctx) = &req.context_id {
         check_id("contextId", ctx)?;
     }
-    let index = agent.list_index(caller);
+    let index = agent.list_index(&caller.subject);
     // The scan counts every match (totalSize) and keeps only the matches after the token's
     // position, cut back to the page from time to time, so the page needs no second read.
     let mut total = 0usize;

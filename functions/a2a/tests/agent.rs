@@ -40,6 +40,7 @@ impl Skills for Counter {
             name: "counter".into(),
             description: "counts its calls".into(),
             version: "1.0.0".into(),
+            app: None,
             skills: vec![
                 skill("count", Risk::Write),
                 skill("fail", Risk::Read),
@@ -70,8 +71,8 @@ impl Skills for Counter {
     }
 }
 
-/// Test tokens are `subject|org|audience`, accepted when the audience is the agent's; a real
-/// verifier (JWT) lives in loams-api's broker and is tested there.
+/// Test tokens are `subject|org|audience|scopes` (scopes space-separated), accepted when the
+/// audience is the agent's; a real verifier (JWT) lives in loams-api's broker and is tested there.
 struct TestAuth;
 
 #[async_trait]
@@ -79,17 +80,25 @@ impl CallerAuth for TestAuth {
     async fn verify(&self, bearer: Option<&str>, audience: &str) -> Result<Principal, AuthError> {
         let token = bearer.ok_or(AuthError::Missing)?;
         match token.split('|').collect::<Vec<_>>().as_slice() {
-            [subject, org, aud] if *aud == audience => Ok(Principal {
+            [subject, org, aud, scopes] if *aud == audience => Ok(Principal {
                 subject: subject.to_string(),
                 org: org.to_string(),
+                scopes: scopes.split_whitespace().map(str::to_owned).collect(),
             }),
             _ => Err(AuthError::Invalid),
         }
     }
 }
 
+/// Every scope of the test agent: what the factory holds.
+const ALL_SCOPES: &str = "counter:read counter:write counter:destructive";
+
 fn token(subject: &str, org: &str, audience: &str) -> String {
-    format!("{subject}|{org}|{audience}")
+    scoped_token(subject, org, audience, ALL_SCOPES)
+}
+
+fn scoped_token(subject: &str, org: &str, audience: &str, scopes: &str) -> String {
+    format!("{subject}|{org}|{audience}|{scopes}")
 }
 
 /// One question to the gate: org, agent, skill, args, approval id.
@@ -131,8 +140,9 @@ struct TestTokens(String);
 
 #[async_trait]
 impl TokenSource for TestTokens {
-    async fn token(&self, audience: &str) -> Result<String, TokenError> {
-        Ok(token(&self.0, "acme", audience))
+    async fn token(&self, audience: &str, agent: &str) -> Result<String, TokenError> {
+        let scopes = format!("{agent}:read {agent}:write {agent}:destructive");
+        Ok(scoped_token(&self.0, "acme", audience, &scopes))
     }
 }
 
@@ -1053,6 +1063,65 @@ async fn a_message_id_is_bound_to_its_call_and_its_caller() {
     // The creator still reads it.
     let own = agent.rpc("GetTask", json!({"id": "m-bound"})).await;
     assert_eq!(own["result"]["status"]["state"], "TASK_STATE_COMPLETED");
+}
+
+#[tokio::test]
+async fn a_skill_runs_only_for_a_caller_holding_its_scopes() {
+    let agent = start().await;
+    let reader = scoped_token("user:alice", "acme", &agent.base, "counter:read");
+    let send_as = |id: &str, skill: &str| {
+        json!({"jsonrpc": "2.0", "id": 3, "method": "SendMessage",
+               "params": send_params(id, json!({"skill": skill, "args": {}}))})
+        .to_string()
+    };
+    let read: Value = agent
+        .rpc_as(Some(&reader), Some("1.0"), send_as("m-read", "measure"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        read["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{read}"
+    );
+    assert_eq!(agent.calls(), 1);
+    // A write skill under a read-only token fails for good, naming the scope, and never runs.
+    let write: Value = agent
+        .rpc_as(Some(&reader), Some("1.0"), send_as("m-write", "count"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let status = &write["result"]["task"]["status"];
+    assert_eq!(status["state"], "TASK_STATE_FAILED", "{write}");
+    assert_eq!(status["message"]["parts"][1]["data"]["retryable"], false);
+    let why = status["message"]["parts"][0]["text"].as_str().unwrap();
+    assert!(why.contains("does not grant counter:write"), "{why}");
+    // A destructive skill names the write scope first (it needs both), before any approval is asked.
+    let wipe: Value = agent
+        .rpc_as(Some(&reader), Some("1.0"), send_as("m-wipe", "wipe"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let why = wipe["result"]["task"]["status"]["message"]["parts"][0]["text"]
+        .as_str()
+        .unwrap();
+    assert!(why.contains("does not grant counter:write"), "{why}");
+    assert!(agent.gate.asked.lock().unwrap().is_empty());
+    // Scopes of another agent grant nothing here.
+    let elsewhere = scoped_token("user:alice", "acme", &agent.base, "plane:read plane:write");
+    let other: Value = agent
+        .rpc_as(Some(&elsewhere), Some("1.0"), send_as("m-other", "measure"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        other["result"]["task"]["status"]["state"], "TASK_STATE_FAILED",
+        "{other}"
+    );
+    assert_eq!(agent.calls(), 1);
 }
 
 #[tokio::test]

@@ -220,6 +220,8 @@ impl Skills for AnalyticsAgent {
                           before and after a fix."
                 .into(),
             version: AGENT_VERSION.into(),
+            // OpenPanel's dashboards are reached from its home page; no page link shape is published.
+            app: Some(crate::app_links("openpanel", self.client.http.base(), &[])),
             skills: vec![skill(
                 "series",
                 "Event series",

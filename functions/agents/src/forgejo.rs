@@ -13,14 +13,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use base64::Engine;
-use loams_a2a::{AgentSpec, Risk, SkillError, Skills};
+use loams_a2a::{AgentSpec, AppLinks, Risk, SkillError, Skills};
 use reqwest::Method;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
 use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy, create_or_find};
-use crate::{AGENT_VERSION, AgentError, args, require, skill};
+use crate::{AGENT_VERSION, AgentError, args, found, require, skill};
 
 const MAX_FILES: usize = 100;
 const MAX_PATH: usize = 1024;
@@ -31,6 +31,8 @@ const MAX_BODY: usize = 65_536;
 const MAX_LABELS: usize = 10;
 /// CI log handed to the model for the next attempt; longer logs are cut at the end.
 const MAX_LOG_BYTES: usize = 64 * 1024;
+/// Checks listed per commit by `ci_status`; a commit has a handful, the cap keeps a runaway CI from filling a task.
+const MAX_CHECKS: usize = 100;
 const DRAFT_PREFIX: &str = "WIP: ";
 /// Colour of labels we have to create (Forgejo requires one).
 const LABEL_COLOR: &str = "#e4e669";
@@ -204,6 +206,19 @@ pub struct ForgejoClient {
 }
 
 impl ForgejoClient {
+    /// The repository's pull request and commit pages.
+    fn links(&self) -> AppLinks {
+        let repo = format!("/{}/{}", self.owner, self.repo);
+        crate::app_links(
+            "forgejo",
+            self.http.base(),
+            &[
+                ("pull_request", format!("{repo}/pulls/{{number}}")),
+                ("commit", format!("{repo}/commit/{{sha}}")),
+            ],
+        )
+    }
+
     pub fn new(config: &ForgejoConfig) -> Result<Self, AgentError> {
         if config.owner.is_empty() || config.repo.is_empty() {
             return Err(AgentError::Config(
@@ -740,6 +755,12 @@ struct MergeArgs {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct PrArgsByNumber {
+    number: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CloseArgs {
     number: u64,
     branch: String,
@@ -1149,11 +1170,21 @@ impl ForgejoAgent {
                 Ok(json!({"sha": sha}))
             }
             "open_pr" => self.open_pr(&args(skill, value)?).await,
+            "get_pr" => {
+                let a: PrArgsByNumber = args(skill, value)?;
+                found(self.client.get_pr(a.number).await.map(|pr| pr_panel(&pr)))
+            }
             "ci_status" => {
                 let a: CiArgs = args(skill, value)?;
                 check_sha("sha", &a.sha)?;
                 let status = self.client.combined_status(&a.sha).await?;
-                Ok(json!({"state": ci_state(&status), "log": ci_log(&status)}))
+                let checks: Vec<Value> = status
+                    .statuses
+                    .iter()
+                    .take(MAX_CHECKS)
+                    .map(|s| json!({"context": s.context, "state": s.status, "description": s.description, "url": s.target_url}))
+                    .collect();
+                Ok(json!({"state": ci_state(&status), "log": ci_log(&status), "checks": checks}))
             }
             "merge" => self.merge(args(skill, value)?).await,
             "close_pr" => self.close(args(skill, value)?).await,
@@ -1161,6 +1192,23 @@ impl ForgejoAgent {
             other => Err(AgentError::UnknownSkill(other.into())),
         }
     }
+}
+
+/// A pull request as its panel shows it.
+fn pr_panel(pr: &PullRequest) -> Value {
+    json!({
+        "number": pr.number,
+        "title": pr.title,
+        "body": pr.body.clone().unwrap_or_default(),
+        "state": pr.state,
+        "merged": pr.merged,
+        "merge_commit_sha": merged_sha(pr).unwrap_or_default(),
+        "head_branch": pr.head.name,
+        "head_sha": pr.head.sha,
+        "base_branch": pr.base.name,
+        "author": pr.user.as_ref().map(|u| u.login.as_str()).unwrap_or_default(),
+        "url": pr.html_url,
+    })
 }
 
 fn merged_sha(pr: &PullRequest) -> Option<String> {
@@ -1212,10 +1260,11 @@ impl Skills for ForgejoAgent {
     fn card(&self) -> AgentSpec {
         AgentSpec {
             name: "forgejo".into(),
-            description: "Code agent for Forgejo: reads files, commits patches on work branches, opens and updates \
-                          pull requests, reads CI status, merges, closes and reverts."
+            description: "Code agent for Forgejo: reads files, commits patches on work branches, opens, reads and \
+                          updates pull requests, reads CI status, merges, closes and reverts."
                 .into(),
             version: AGENT_VERSION.into(),
+            app: Some(self.client.links()),
             skills: vec![
                 skill("read_files", "Read files", "Read files at a ref (missing files come back with null content).", Risk::Read,
                     &[r#"{"paths":["src/checkout.js"],"ref":"main"}"#]),
@@ -1224,7 +1273,9 @@ impl Skills for ForgejoAgent {
                       r#"{"branch":"factory/r-0123456789abcdef","base":"main","expected_head":"3f786850e387550fdab836ed7e6dc881de23001b","files":[{"path":"src/checkout.js","content":"..."}],"message":"Fix attempt 2"}"#]),
                 skill("open_pr", "Open pull request", "Open a pull request for a branch, or update and return the open one; draft adds the WIP: prefix.", Risk::Write,
                     &[r#"{"branch":"factory/r-0123456789abcdef","base":"main","title":"Fix checkout","body":"...","draft":false,"labels":["factory"]}"#]),
-                skill("ci_status", "CI status", "Combined CI state of a commit (pending, success, failure, error) with the checks' log.", Risk::Read,
+                skill("get_pr", "Get pull request", "Read a pull request for its panel: title, body, state, merged and merge commit, head and base, author and link; {\"found\": false} if there is none.", Risk::Read,
+                    &[r#"{"number":12}"#]),
+                skill("ci_status", "CI status", "Combined CI state of a commit (pending, success, failure, error) with the checks' log and each check (context, state, description, link).", Risk::Read,
                     &[r#"{"sha":"3f786850e387550fdab836ed7e6dc881de23001b"}"#]),
                 skill("merge", "Merge", "Merge a pull request at the approved head commit; an already merged PR answers the same.", Risk::Destructive,
                     &[r#"{"number":12,"head_sha":"3f786850e387550fdab836ed7e6dc881de23001b"}"#]),

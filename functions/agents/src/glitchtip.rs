@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy};
 use crate::time::parse_rfc3339_ms;
-use crate::{AGENT_VERSION, AgentError, args, skill};
+use crate::{AGENT_VERSION, AgentError, args, found, skill};
 
 const PAGE_SIZE: u32 = 100;
 /// Pages read per `issue_events` call; past this the count is a lower bound (reported as `truncated`).
@@ -59,6 +59,26 @@ struct EventRow {
 #[derive(Debug, Deserialize)]
 struct IssueRow {
     status: String,
+}
+
+/// The fields of GlitchTip's `IssueSchema` an error panel shows.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct ErrorIssue {
+    pub id: String,
+    #[serde(rename = "shortId", default)]
+    pub short_id: String,
+    pub title: String,
+    #[serde(default)]
+    pub culprit: Option<String>,
+    #[serde(default)]
+    pub level: String,
+    pub status: String,
+    /// Sentry's wire shape: the event count as a decimal string.
+    pub count: String,
+    #[serde(rename = "firstSeen")]
+    pub first_seen: String,
+    #[serde(rename = "lastSeen")]
+    pub last_seen: String,
 }
 
 /// Result of counting an issue's events since a time.
@@ -169,6 +189,13 @@ impl GlitchTipClient {
         Ok(issue.status)
     }
 
+    /// `GET /api/0/issues/{id}/` (the issue as its list and detail pages show it).
+    pub async fn get_issue(&self, issue_id: u64) -> Result<ErrorIssue, AgentError> {
+        let id = issue_id.to_string();
+        let url = self.http.url(&["api", "0", "issues", &id, ""]);
+        self.http.json(self.http.request(Method::GET, url)).await
+    }
+
     /// The issue's page in the GlitchTip web UI.
     pub fn issue_url(&self, issue_id: u64) -> String {
         format!(
@@ -219,7 +246,7 @@ struct EventsArgs {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ResolveArgs {
+struct IssueArgs {
     issue_id: Value,
 }
 
@@ -241,6 +268,34 @@ impl GlitchTipAgent {
         Ok(self)
     }
 
+    async fn error_issue(&self, id: u64) -> Result<Value, AgentError> {
+        let issue = self.client.get_issue(id).await?;
+        let bad = |what: &str, value: &str| AgentError::BadResponse {
+            app: "glitchtip",
+            message: format!("issue {what} `{value}` does not parse"),
+        };
+        let count: u64 = issue
+            .count
+            .parse()
+            .map_err(|_| bad("count", &issue.count))?;
+        let first_seen_ms = parse_rfc3339_ms(&issue.first_seen)
+            .ok_or_else(|| bad("firstSeen", &issue.first_seen))?;
+        let last_seen_ms =
+            parse_rfc3339_ms(&issue.last_seen).ok_or_else(|| bad("lastSeen", &issue.last_seen))?;
+        Ok(json!({
+            "id": issue.id,
+            "short_id": issue.short_id,
+            "title": issue.title,
+            "culprit": issue.culprit.unwrap_or_default(),
+            "level": issue.level,
+            "status": issue.status,
+            "event_count": count,
+            "first_seen_ms": first_seen_ms,
+            "last_seen_ms": last_seen_ms,
+            "url": self.client.issue_url(id),
+        }))
+    }
+
     async fn run(&self, skill: &str, value: Value) -> Result<Value, AgentError> {
         match skill {
             "issue_events" => {
@@ -251,8 +306,13 @@ impl GlitchTipAgent {
                     json!({"count": c.count, "last_seen_ms": c.last_seen_ms, "truncated": c.truncated}),
                 )
             }
+            "get_issue" => {
+                let a: IssueArgs = args(skill, value)?;
+                let id = issue_id(&a.issue_id)?;
+                found(self.error_issue(id).await)
+            }
             "resolve" => {
-                let a: ResolveArgs = args(skill, value)?;
+                let a: IssueArgs = args(skill, value)?;
                 let id = issue_id(&a.issue_id)?;
                 let status = self.client.resolve(id).await?;
                 Ok(json!({"status": status, "url": self.client.issue_url(id)}))
@@ -267,10 +327,15 @@ impl Skills for GlitchTipAgent {
     fn card(&self) -> AgentSpec {
         AgentSpec {
             name: "glitchtip".into(),
-            description: "Errors agent for GlitchTip: counts an error issue's events since a time (to see whether a \
-                          fix worked) and resolves the issue."
+            description: "Errors agent for GlitchTip: reads an error issue, counts its events since a time (to see \
+                          whether a fix worked) and resolves it."
                 .into(),
             version: AGENT_VERSION.into(),
+            app: Some(crate::app_links(
+                "glitchtip",
+                self.client.http.base(),
+                &[("error_issue", format!("/{}/issues/{{issue_id}}", self.client.org_slug))],
+            )),
             skills: vec![
                 skill(
                     "issue_events",
@@ -278,6 +343,14 @@ impl Skills for GlitchTipAgent {
                     "Count the events of an error issue since a time (epoch ms) and report when it was last seen.",
                     Risk::Read,
                     &[r#"{"issue_id":"42","since_ms":1764500000000}"#],
+                ),
+                skill(
+                    "get_issue",
+                    "Get issue",
+                    "Read an error issue for its panel: title, culprit, level, status, event count, first and last \
+                     seen (epoch ms) and link; {\"found\": false} if there is none.",
+                    Risk::Read,
+                    &[r#"{"issue_id":"42"}"#],
                 ),
                 skill(
                     "resolve",

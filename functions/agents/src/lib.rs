@@ -21,8 +21,9 @@ pub use http::{DEFAULT_TIMEOUT, MAX_RESPONSE_BYTES, RetryPolicy};
 pub use plane::{PlaneAgent, PlaneClient, PlaneConfig};
 pub use zulip::{ZulipAgent, ZulipClient, ZulipConfig};
 
-use loams_a2a::{Risk, SkillSpec};
+use loams_a2a::{AppLinks, Risk, SkillSpec};
 use serde::de::DeserializeOwned;
+use serde_json::Value;
 
 /// Version advertised on every agent card.
 pub(crate) const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -88,6 +89,34 @@ pub(crate) fn require(field: &str, value: &str, max: usize) -> Result<(), AgentE
         )));
     }
     Ok(())
+}
+
+/// The app an agent works on, for its card: `kind`, the web address `base` (as configured, without a trailing
+/// slash) and its page links, each template given relative to that address.
+pub(crate) fn app_links(kind: &str, base: &reqwest::Url, templates: &[(&str, String)]) -> AppLinks {
+    let web = base.as_str().trim_end_matches('/');
+    AppLinks {
+        kind: kind.into(),
+        web_url: web.into(),
+        deep_link_templates: templates
+            .iter()
+            .map(|(object, path)| ((*object).to_string(), format!("{web}{path}")))
+            .collect(),
+    }
+}
+
+/// The answer of a panel read (`get_*` skills): the object with `"found": true`, or `{"found": false}` when the
+/// app answers 404, so a missing object is an answer the caller can show rather than a failed call.
+pub(crate) fn found(read: Result<Value, AgentError>) -> Result<Value, AgentError> {
+    match read {
+        Ok(Value::Object(mut fields)) => {
+            fields.insert("found".into(), Value::Bool(true));
+            Ok(Value::Object(fields))
+        }
+        Ok(other) => Ok(other),
+        Err(AgentError::Status { status: 404, .. }) => Ok(serde_json::json!({"found": false})),
+        Err(e) => Err(e),
+    }
 }
 
 /// Minimal HTML for Plane's `*_html` fields: the text escaped, one paragraph per line.

@@ -4,14 +4,14 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use loams_a2a::{AgentSpec, Risk, SkillError, Skills};
+use loams_a2a::{AgentSpec, AppLinks, Risk, SkillError, Skills};
 use reqwest::Method;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
 use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy, create_or_find};
-use crate::{AGENT_VERSION, AgentError, args, require, skill, text_to_html};
+use crate::{AGENT_VERSION, AgentError, args, found, require, skill, text_to_html};
 
 /// The `external_source` of everything the factory creates.
 pub const EXTERNAL_SOURCE: &str = "loams";
@@ -421,6 +421,19 @@ impl PlaneClient {
         self.http.json_idempotent(rb).await
     }
 
+    /// The work items' web links, as [`PlaneClient::key_and_url`] makes them.
+    fn links(&self) -> AppLinks {
+        AppLinks {
+            kind: "plane".into(),
+            web_url: self.web_url.clone(),
+            deep_link_templates: [(
+                "issue".to_string(),
+                format!("{}/{}/browse/{{key}}/", self.web_url, self.slug),
+            )]
+            .into(),
+        }
+    }
+
     /// `PROJ-12` and its web link (`/{slug}/browse/PROJ-12/`).
     pub async fn key_and_url(&self, item: &WorkItem) -> Result<(String, String), AgentError> {
         let ident = self.project_identifier().await?;
@@ -463,6 +476,12 @@ struct CommentArgs {
     /// Makes the comment create-once: a repeat with the same id returns the first comment.
     #[serde(default)]
     external_id: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct IssueArgs {
+    issue_id: String,
 }
 
 #[derive(Deserialize)]
@@ -534,9 +553,36 @@ impl PlaneAgent {
         Ok(json!({"id": item.id, "key": key, "url": url, "created": created}))
     }
 
+    /// A work item as its panel shows it: key, title, its state's name and group, and link.
+    async fn issue(&self, issue_id: &str) -> Result<Value, AgentError> {
+        let item = self.client.get_work_item(issue_id).await?;
+        // The state comes as a uuid (or, expanded, an object with one); its name and group are the project's.
+        let state_id = match &item.state {
+            Value::String(id) => id.clone(),
+            other => other["id"].as_str().unwrap_or_default().to_string(),
+        };
+        let states = self.client.list_states().await?;
+        let state = states.iter().find(|s| s.id == state_id);
+        let (key, url) = self.client.key_and_url(&item).await?;
+        Ok(json!({
+            "id": item.id,
+            "key": key,
+            "title": item.name,
+            "state": state.map(|s| s.name.as_str()).unwrap_or_default(),
+            "state_group": state.map(|s| s.group.as_str()).unwrap_or_default(),
+            "external_id": item.external_id.unwrap_or_default(),
+            "url": url,
+        }))
+    }
+
     async fn run(&self, skill: &str, value: Value) -> Result<Value, AgentError> {
         match skill {
             "create_issue" => self.create_issue(args(skill, value)?).await,
+            "get_issue" => {
+                let a: IssueArgs = args(skill, value)?;
+                require("issue_id", &a.issue_id, MAX_ID)?;
+                found(self.issue(&a.issue_id).await)
+            }
             "comment" => {
                 let a: CommentArgs = args(skill, value)?;
                 require("issue_id", &a.issue_id, MAX_ID)?;
@@ -583,10 +629,11 @@ impl Skills for PlaneAgent {
     fn card(&self) -> AgentSpec {
         AgentSpec {
             name: "plane".into(),
-            description: "Issues agent for Plane: creates the run's work item once (keyed by external id), comments \
-                          on it and moves it between state groups."
+            description: "Issues agent for Plane: creates the run's work item once (keyed by external id), reads it, \
+                          comments on it and moves it between state groups."
                 .into(),
             version: AGENT_VERSION.into(),
+            app: Some(self.client.links()),
             skills: vec![
                 skill(
                     "create_issue",
@@ -594,6 +641,14 @@ impl Skills for PlaneAgent {
                     "Create a work item for an external id unless one exists; returns its id, key and link.",
                     Risk::Write,
                     &[r#"{"external_id":"factory:r-0123456789abcdef","title":"checkout 500s","description":"TypeError in checkout"}"#],
+                ),
+                skill(
+                    "get_issue",
+                    "Get issue",
+                    "Read a work item for its panel: key, title, state name and group, external id and link; \
+                     {\"found\": false} if there is none.",
+                    Risk::Read,
+                    &[r#"{"issue_id":"5f0c..."}"#],
                 ),
                 skill(
                     "comment",

@@ -338,6 +338,11 @@ impl Skills for ZulipAgent {
                           and reads the discussion back."
                 .into(),
             version: AGENT_VERSION.into(),
+            app: Some(crate::app_links(
+                "zulip",
+                self.client.http.base(),
+                &[("thread", "/#narrow/channel/{channel}/topic/{topic}".into())],
+            )),
             skills: vec![
                 skill(
                     "open_thread",

@@ -51,6 +51,7 @@ fn cards_match_the_contract_table() {
         risks(&p),
         expect(&[
             ("create_issue", Write),
+            ("get_issue", Read),
             ("comment", Write),
             ("set_state", Write)
         ])
@@ -61,6 +62,7 @@ fn cards_match_the_contract_table() {
             ("read_files", Read),
             ("commit_patch", Write),
             ("open_pr", Write),
+            ("get_pr", Read),
             ("ci_status", Read),
             ("merge", Destructive),
             ("close_pr", Destructive),
@@ -69,7 +71,11 @@ fn cards_match_the_contract_table() {
     );
     assert_eq!(
         risks(&g),
-        expect(&[("issue_events", Read), ("resolve", Write)])
+        expect(&[
+            ("issue_events", Read),
+            ("get_issue", Read),
+            ("resolve", Write)
+        ])
     );
     assert_eq!(risks(&a), expect(&[("series", Read)]));
     for (agent, name) in [

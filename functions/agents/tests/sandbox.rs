@@ -197,6 +197,22 @@ async fn plane_create_is_create_if_absent_then_comment_and_state() {
     )
     .await;
     assert_eq!(s["state"], json!("completed"));
+    // The panel read: the item with its state's name and group, key and link as create_issue gave them.
+    let shown = ok(&agent, "get_issue", json!({"issue_id": id})).await;
+    assert_eq!(
+        shown,
+        json!({"found": true, "id": id, "key": first["key"], "title": "checkout 500s", "state": s["state_name"],
+               "state_group": "completed", "external_id": "factory:r-0123456789abcdef", "url": first["url"]})
+    );
+    assert_eq!(
+        ok(
+            &agent,
+            "get_issue",
+            json!({"issue_id": "0c2b1a9e-0000-4000-8000-000000000000"})
+        )
+        .await,
+        json!({"found": false})
+    );
     let err = agent
         .invoke("set_state", json!({"issue_id": id, "state": "done"}))
         .await
@@ -253,6 +269,41 @@ async fn forgejo_patch_pr_ci_merge_flow() {
         ["pending", "success", "failure", "error"].contains(&ci["state"].as_str().unwrap()),
         "{ci}"
     );
+    // Each check as a panel lists it, with the log the factory reads made of the same statuses.
+    for check in ci["checks"].as_array().unwrap() {
+        let context = check["context"].as_str().unwrap();
+        assert!(ci["log"].as_str().unwrap().contains(context), "{ci}");
+    }
+
+    // The panel read of the PR.
+    let shown = ok(&agent, "get_pr", json!({"number": number})).await;
+    assert_eq!(
+        (
+            &shown["found"],
+            &shown["state"],
+            &shown["merged"],
+            &shown["head_branch"],
+            &shown["head_sha"],
+            &shown["base_branch"]
+        ),
+        (
+            &json!(true),
+            &json!("open"),
+            &json!(false),
+            &json!(branch),
+            &c1["sha"],
+            &json!(base)
+        ),
+        "{shown}"
+    );
+    assert_eq!(
+        (&shown["title"], &shown["url"]),
+        (&json!("WIP: Fix checkout"), &pr["url"])
+    );
+    assert_eq!(
+        ok(&agent, "get_pr", json!({"number": 9999})).await,
+        json!({"found": false})
+    );
 
     // A draft (WIP) PR cannot be merged: the server refuses, and the error is permanent.
     let wip = agent
@@ -289,6 +340,15 @@ async fn forgejo_patch_pr_ci_merge_flow() {
     )
     .await;
     assert_eq!(again["merge_sha"], json!(merge_sha));
+    let shown = ok(&agent, "get_pr", json!({"number": number})).await;
+    assert_eq!(
+        (
+            &shown["state"],
+            &shown["merged"],
+            &shown["merge_commit_sha"]
+        ),
+        (&json!("closed"), &json!(true), &json!(merge_sha))
+    );
     // A merged PR cannot be closed: close_pr says so with the merge commit (a run that lost the merge's answer
     // reverts instead), and leaves the branch alone.
     let close = json!({"number": number, "branch": branch});
@@ -583,6 +643,27 @@ async fn glitchtip_counts_events_and_resolves() {
     )
     .await;
     assert!(recent["count"].as_u64().unwrap() < total.max(1), "{recent}");
+    let shown = ok(&agent, "get_issue", json!({"issue_id": id})).await;
+    assert_eq!(
+        (&shown["found"], &shown["id"], &shown["status"]),
+        (&json!(true), &json!(id), &json!("unresolved"))
+    );
+    assert!(shown["event_count"].as_u64().unwrap() >= total, "{shown}");
+    assert_eq!(shown["last_seen_ms"], json!(last));
+    assert!(shown["first_seen_ms"].as_i64().unwrap() <= last);
+    assert!(!shown["title"].as_str().unwrap().is_empty());
+    assert_eq!(
+        shown["url"],
+        json!(format!(
+            "{}/{}/issues/{id}",
+            info.urls.glitchtip.trim_end_matches('/'),
+            info.glitchtip_org
+        ))
+    );
+    assert_eq!(
+        ok(&agent, "get_issue", json!({"issue_id": 999_999})).await,
+        json!({"found": false})
+    );
     let r = ok(
         &agent,
         "resolve",

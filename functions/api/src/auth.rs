@@ -50,9 +50,10 @@ pub mod scope {
     pub const APPROVALS_DECIDE: &str = "approvals:decide";
     /// Register and revoke one's own devices.
     pub const DEVICES_WRITE: &str = "devices:write";
-    /// Every scope above, as a `scope` claim (what the `loams dev` issuer grants).
-    pub const ALL: &str =
-        "runs:read runs:kill runs:decide approvals:read approvals:decide devices:write";
+    /// Every scope above, and the read scope of each app's panels (CollabService), named as the app agent's card
+    /// names it (`plane:read`, ...), as a `scope` claim: what the `loams dev` issuer grants.
+    pub const ALL: &str = "runs:read runs:kill runs:decide approvals:read approvals:decide devices:write \
+                           zulip:read plane:read forgejo:read glitchtip:read analytics:read";
 }
 
 /// Who is calling: taken from a verified token only.

@@ -3,9 +3,12 @@
 //! moment of a destructive call.
 //!
 //! - [`AgentTokens`] mints, per agent, a short-lived ES256 JWT with `sub = agent:loams-factory`,
-//!   the run's organisation and `aud` = the agent's interface URL.
-//! - [`AgentAuth`] verifies such a token at an agent: signature, `iss`, `exp`, `aud` = that agent's
-//!   URL, and a lifetime of at most [`MAX_AGENT_TOKEN_TTL_S`].
+//!   the run's organisation, `aud` = the agent's interface URL and every scope of that agent.
+//! - [`on_behalf_token`] mints, with a key of its own, the token a panel read presents: the person as
+//!   subject, and only the agent's read scope (collab.rs).
+//! - [`AgentAuth`] verifies either at an agent: signature by the key of its kind, `iss`, `exp`,
+//!   `aud` = that agent's URL, and a lifetime of at most [`MAX_AGENT_TOKEN_TTL_S`]; the agent runs a
+//!   skill only for a token holding the scopes the skill requires.
 //! - [`ApprovalBroker`] admits a destructive call only under a settled, approved, unexpired
 //!   approval whose action hash is the hash of exactly this call.
 
@@ -15,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use aws_lc_rs::constant_time;
 use loams_a2a::{
-    ApprovalGate, AuthError, CallerAuth, GateError, Principal, TokenError, TokenSource,
+    ApprovalGate, AuthError, CallerAuth, GateError, Principal, Risk, TokenError, TokenSource,
 };
 use loams_factory::action_hash;
 use loams_factory::approval::{Approval, ApprovalAction, ApprovalState};
@@ -31,13 +34,15 @@ pub const AGENT_SUBJECT: &str = "agent:loams-factory";
 pub const MAX_AGENT_TOKEN_TTL_S: u64 = 15 * 60;
 /// Lifetime of the tokens minted here: long enough for one skill call (the agent's longest is 4 min).
 const AGENT_TOKEN_TTL_S: u64 = 5 * 60;
-/// Scope of agent tokens; agents decide by their own policy and the approval gate, not by scope.
-const AGENT_SCOPE: &str = "a2a";
+/// Lifetime of a token minted for one panel read.
+const ON_BEHALF_TTL_S: u64 = 60;
+/// Prefix of a person's subject at an agent, so no person's name can pass for an agent principal.
+const PERSON_PREFIX: &str = "user:";
 /// Item kind of approval records (docs/contracts.md).
 const APPROVAL_KIND: &str = "approval";
 
-/// Mints the bearer tokens for agent calls: `sub` = [`AGENT_SUBJECT`], `org`, `aud` = the agent's URL, valid for
-/// five minutes. A token is reused for calls to the same agent until it has less than [`REUSE_MARGIN_S`] left:
+/// Mints the bearer tokens for agent calls: `sub` = [`AGENT_SUBJECT`], `org`, `aud` = the agent's URL, every scope
+/// of that agent (the engine's policy and the approval gate decide what it may do), valid for five minutes. A token is reused for calls to the same agent until it has less than [`REUSE_MARGIN_S`] left:
 /// an ECDSA signature per call was a measurable part of a run's CPU, and the cache holds nothing the issuer's
 /// key beside it does not already grant.
 pub struct AgentTokens {
@@ -66,33 +71,67 @@ impl AgentTokens {
         }
     }
 
-    fn mint(&self, audience: &str, now: u64) -> Result<String, TokenError> {
+    fn mint(&self, audience: &str, agent: &str, now: u64) -> Result<String, TokenError> {
+        let scopes = [Risk::Read, Risk::Write, Risk::Destructive]
+            .iter()
+            .flat_map(|risk| risk.scopes(agent))
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>()
+            .join(" ");
         self.issuer
             .issue_for(
                 audience,
                 AGENT_SUBJECT,
                 &self.org,
-                AGENT_SCOPE,
+                &scopes,
                 now,
                 AGENT_TOKEN_TTL_S,
             )
-            .map_err(|e| TokenError {
-                audience: audience.chars().take(limits::MAX_KEY).collect(),
-                reason: e.to_string(),
-            })
+            .map_err(|e| token_error(audience, e))
     }
+}
+
+fn token_error(audience: &str, e: ApiError) -> TokenError {
+    TokenError {
+        audience: audience.chars().take(limits::MAX_KEY).collect(),
+        reason: e.to_string(),
+    }
+}
+
+/// The token a person's panel read presents to `agent` at `audience`, signed with the panel key `issuer`: the
+/// person (as `user:<sub>`) in their organisation, holding only the agent's read scope, for one minute. The caller
+/// checked that the person holds that scope; the agent checks it again where the skill runs.
+pub fn on_behalf_token(
+    issuer: &Issuer,
+    audience: &str,
+    agent: &str,
+    person: &crate::Caller,
+) -> Result<String, TokenError> {
+    let scope = Risk::Read.scopes(agent).join(" ");
+    issuer
+        .issue_for(
+            audience,
+            &format!("{PERSON_PREFIX}{}", person.user),
+            &person.org,
+            &scope,
+            jsonwebtoken::get_current_timestamp(),
+            ON_BEHALF_TTL_S,
+        )
+        .map_err(|e| token_error(audience, e))
 }
 
 #[async_trait]
 impl TokenSource for AgentTokens {
-    async fn token(&self, audience: &str) -> Result<String, TokenError> {
+    async fn token(&self, audience: &str, agent: &str) -> Result<String, TokenError> {
         let now = jsonwebtoken::get_current_timestamp();
+        // An audience is one agent's URL, so its cached token carries that agent's scopes.
         if let Some(minted) = lock(&self.minted).get(audience)
             && minted.exp >= now + REUSE_MARGIN_S
         {
             return Ok(minted.token.clone());
         }
-        let token = self.mint(audience, now)?;
+        let token = self.mint(audience, agent, now)?;
         let mut minted = lock(&self.minted);
         if minted.len() >= MAX_CACHED_TOKENS {
             minted.clear();
@@ -108,12 +147,16 @@ impl TokenSource for AgentTokens {
     }
 }
 
-/// Verifies agent tokens at an agent against the issuer's keys, with the agent's URL as audience. A token that
-/// passed is remembered, with its audience, until it expires: the worker reuses its tokens, and an ECDSA
-/// verification per call was as costly as the signature. Only the exact token string verified for the same
-/// audience is taken from memory, and its expiry is checked again on every use.
+/// Verifies agent tokens at an agent, with the agent's URL as audience, against two keys that never meet: the
+/// worker's (the factory, `sub` = [`AGENT_SUBJECT`]) and, when panels are served, the API's panel key (a person,
+/// `sub` = `user:<sub>`, read scopes only). Whoever holds one key cannot mint the other's tokens: the API cannot act
+/// as the factory, the worker cannot read as a person. A token that passed is remembered, with its audience, until
+/// it expires: the worker reuses its tokens, and an ECDSA verification per call was as costly as the signature.
+/// Only the exact token string verified for the same audience is taken from memory, and its expiry is checked
+/// again on every use.
 pub struct AgentAuth {
-    verifier: Verifier,
+    factory: Verifier,
+    panels: Option<Verifier>,
     verified: Mutex<HashMap<(String, String), Verified>>,
 }
 
@@ -125,25 +168,47 @@ struct Verified {
 /// Most verified tokens kept; past it the memory starts over (forged tokens never enter it).
 const MAX_VERIFIED_TOKENS: usize = 256;
 
+fn auth_error(e: ApiError) -> AuthError {
+    match e {
+        ApiError::Unavailable(why) | ApiError::Internal(why) => AuthError::Unavailable(why),
+        _ => AuthError::Invalid,
+    }
+}
+
 impl AgentAuth {
-    /// `verifier` carries the trusted keys and issuer; its audience is replaced per agent.
-    pub fn new(verifier: Verifier) -> Self {
+    /// `factory` carries the worker's key and issuer; its audience is replaced per agent.
+    pub fn new(factory: Verifier) -> Self {
         Self {
-            verifier,
+            factory,
+            panels: None,
             verified: Mutex::default(),
         }
     }
 
+    /// Also accepts the panel reads the API makes for people, signed with the panel key of `panels`.
+    pub fn with_panels(mut self, panels: Verifier) -> Self {
+        self.panels = Some(panels);
+        self
+    }
+
     async fn check(&self, token: &str, audience: &str, now: u64) -> Result<Verified, AuthError> {
-        let claims = self
-            .verifier
+        let (claims, for_person) = match self
+            .factory
             .for_audience(audience)
             .verify_claims(token)
             .await
-            .map_err(|e| match e {
-                ApiError::Unavailable(why) | ApiError::Internal(why) => AuthError::Unavailable(why),
-                _ => AuthError::Invalid,
-            })?;
+        {
+            Ok(claims) => (claims, false),
+            // Not the worker's: a person's panel read, or nothing.
+            Err(ApiError::Unauthenticated(_)) => match &self.panels {
+                Some(panels) => {
+                    let claims = panels.for_audience(audience).verify_claims(token).await;
+                    (claims.map_err(auth_error)?, true)
+                }
+                None => return Err(AuthError::Invalid),
+            },
+            Err(e) => return Err(auth_error(e)),
+        };
         // A long-lived token stolen once would open the agent for its whole life; refuse any that
         // was minted for longer than an agent token may live, or dated ahead to stretch that life.
         if claims.iat > claims.exp
@@ -152,15 +217,22 @@ impl AgentAuth {
         {
             return Err(AuthError::Invalid);
         }
-        // Only the factory calls agents; a user's token (or any other token of this issuer) that happens to name an
-        // agent as its audience must not open it.
-        if claims.sub != AGENT_SUBJECT {
+        let scopes: Vec<String> = claims.scope.split_whitespace().map(str::to_owned).collect();
+        // Each key mints for one kind of caller only; anything else under it is a token its holder should not
+        // have made. A person reads, and nothing more, whatever scopes the token lists.
+        let allowed = if for_person {
+            claims.sub.starts_with(PERSON_PREFIX) && scopes.iter().all(|s| s.ends_with(":read"))
+        } else {
+            claims.sub == AGENT_SUBJECT
+        };
+        if !allowed {
             return Err(AuthError::Invalid);
         }
         Ok(Verified {
             principal: Principal {
                 subject: claims.sub,
                 org: claims.org,
+                scopes,
             },
             // Remembered no longer than an agent token may live from now, whatever it claims.
             exp: claims.exp.min(now + MAX_AGENT_TOKEN_TTL_S),

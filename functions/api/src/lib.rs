@@ -1,4 +1,5 @@
-//! loams-api: the HTTP surface of the factory. Connect services (FactoryService, ApprovalService, DeviceService) on
+//! loams-api: the HTTP surface of the factory. Connect services (FactoryService, ApprovalService, DeviceService,
+//! CollabService) on
 //! loams-proto's Connect server, bearer-token auth (ES256 JWT, JWKS), the apps' webhooks (Forgejo, Plane, Zulip,
 //! GlitchTip) and the dev issuer's JWKS.
 //!
@@ -10,6 +11,7 @@ mod approvals;
 pub mod auth;
 pub mod broker;
 mod challenge;
+mod collab;
 mod convert;
 mod devices;
 mod error;
@@ -24,6 +26,7 @@ use loams_platform::{Clock, Queue, Store};
 
 pub use auth::{Caller, Claims, Issuer, Verifier, scope};
 pub use broker::{AGENT_SUBJECT, AgentAuth, AgentTokens, ApprovalBroker};
+pub use collab::{AgentLink, Collab, RegisteredApp};
 pub use devices::MAX_ACTIVE_DEVICES;
 pub use error::ApiError;
 pub use factory::KillSwitch;
@@ -80,6 +83,8 @@ pub struct ApiState {
     pub opener: Arc<dyn RunOpener>,
     /// Served at `/.well-known/jwks.json` when set (the `loams dev` issuer's keys).
     pub jwks: Option<Arc<jsonwebtoken::jwk::JwkSet>>,
+    /// The app registry and the agents panel reads go through (empty: no app configured).
+    pub collab: Arc<Collab>,
 }
 
 impl ApiState {
@@ -107,6 +112,7 @@ pub fn router(state: ApiState) -> axum::Router {
     let connect = factory::routes(state.clone(), loams_proto::connect::Router::new());
     let connect = approvals::routes(state.clone(), connect);
     let connect = devices::routes(state.clone(), connect);
+    let connect = collab::routes(state.clone(), connect);
     let mut extra = axum::Router::new().merge(webhooks::routes(state.clone()));
     if let Some(jwks) = state.jwks.clone() {
         extra = extra.route(

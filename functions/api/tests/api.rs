@@ -94,6 +94,7 @@ async fn start_with(config: ApiConfig, store: Option<WrapStore>) -> Env {
         }),
         opener: opener.clone(),
         jwks: Some(Arc::new(issuer.jwks())),
+        collab: Arc::default(),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());

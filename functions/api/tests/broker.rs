@@ -32,13 +32,18 @@ async fn agent_tokens_verify_for_their_agent_only() {
     let issuer = issuer();
     let auth = AgentAuth::new(issuer.verifier());
     let token = AgentTokens::new(issuer.clone(), "acme")
-        .token(AGENT_URL)
+        .token(AGENT_URL, "plane")
         .await
         .unwrap();
 
     let principal = auth.verify(Some(&token), AGENT_URL).await.unwrap();
     assert_eq!(principal.subject, AGENT_SUBJECT);
     assert_eq!(principal.org, "acme");
+    // The factory holds every scope of the agent it calls, and nothing of another.
+    assert_eq!(
+        principal.scopes,
+        ["plane:destructive", "plane:read", "plane:write"]
+    );
 
     assert_eq!(auth.verify(None, AGENT_URL).await, Err(AuthError::Missing));
     // Minted for another agent, or a user's API token: wrong audience.
@@ -120,13 +125,68 @@ async fn agent_tokens_verify_for_their_agent_only() {
 }
 
 #[tokio::test]
+async fn panel_reads_verify_for_people_with_read_scopes_only() {
+    let factory = issuer();
+    let panels = Issuer::generate("loams-panel-tokens", "loams-panel-tokens").unwrap();
+    let auth = AgentAuth::new(factory.verifier()).with_panels(panels.verifier());
+    let alice = loams_api::Caller {
+        user: "alice".into(),
+        org: "acme".into(),
+        scopes: vec!["plane:read".into(), "runs:read".into()],
+    };
+    let token = loams_api::broker::on_behalf_token(&panels, AGENT_URL, "plane", &alice).unwrap();
+    let principal = auth.verify(Some(&token), AGENT_URL).await.unwrap();
+    assert_eq!(
+        (principal.subject.as_str(), principal.org.as_str()),
+        ("user:alice", "acme")
+    );
+    // Only the agent's read scope travels, whatever else the person holds.
+    assert_eq!(principal.scopes, ["plane:read"]);
+    // For its agent only.
+    assert_eq!(
+        auth.verify(Some(&token), "http://127.0.0.1:4712").await,
+        Err(AuthError::Invalid)
+    );
+    // Without panels configured the agent takes no person's token.
+    assert_eq!(
+        AgentAuth::new(factory.verifier())
+            .verify(Some(&token), AGENT_URL)
+            .await,
+        Err(AuthError::Invalid)
+    );
+    // The panel key cannot mint the factory, nor a person with more than reads.
+    for (sub, scope) in [
+        (AGENT_SUBJECT, "plane:read"),
+        ("user:alice", "plane:read plane:write"),
+        ("alice", "plane:read"),
+    ] {
+        let forged = panels
+            .issue_for(AGENT_URL, sub, "acme", scope, now_s(), 60)
+            .unwrap();
+        assert_eq!(
+            auth.verify(Some(&forged), AGENT_URL).await,
+            Err(AuthError::Invalid),
+            "{sub} {scope}"
+        );
+    }
+    // Nor can the factory's key mint a person.
+    let person = factory
+        .issue_for(AGENT_URL, "user:alice", "acme", "plane:read", now_s(), 60)
+        .unwrap();
+    assert_eq!(
+        auth.verify(Some(&person), AGENT_URL).await,
+        Err(AuthError::Invalid)
+    );
+}
+
+#[tokio::test]
 async fn agent_tokens_are_reused_per_agent_and_remembered_only_verbatim() {
     let issuer = issuer();
     let tokens = AgentTokens::new(issuer.clone(), "acme");
-    let first = tokens.token(AGENT_URL).await.unwrap();
-    assert_eq!(tokens.token(AGENT_URL).await.unwrap(), first);
+    let first = tokens.token(AGENT_URL, "plane").await.unwrap();
+    assert_eq!(tokens.token(AGENT_URL, "plane").await.unwrap(), first);
     let other_agent = "http://127.0.0.1:4712";
-    assert_ne!(tokens.token(other_agent).await.unwrap(), first);
+    assert_ne!(tokens.token(other_agent, "forgejo").await.unwrap(), first);
 
     let auth = AgentAuth::new(issuer.verifier());
     assert!(auth.verify(Some(&first), AGENT_URL).await.is_ok());
@@ -376,6 +436,7 @@ impl Skills for Forge {
             name: "forgejo".into(),
             description: "forge".into(),
             version: "1.0.0".into(),
+            app: None,
             skills: vec![
                 skill("merge", Risk::Destructive),
                 skill("ci_status", Risk::Read),

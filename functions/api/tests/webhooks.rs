@@ -67,6 +67,7 @@ async fn start() -> Env {
         }),
         opener: Arc::new(NoOpener),
         jwks: None,
+        collab: Arc::default(),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());

@@ -25,8 +25,9 @@ impl Risk {
 pub fn risk_of(agent: &str, skill: &str) -> Risk {
     match (agent, skill) {
         ("zulip", "read")
-        | ("forgejo", "read_files" | "ci_status")
-        | ("glitchtip", "issue_events")
+        | ("plane", "get_issue")
+        | ("forgejo", "read_files" | "get_pr" | "ci_status")
+        | ("glitchtip", "get_issue" | "issue_events")
         | ("analytics", "series") => Risk::Read,
         ("zulip", "open_thread" | "post")
         | ("plane", "create_issue" | "comment" | "set_state")

@@ -17,10 +17,12 @@
 //! | `LOAMS_ISSUER_PUBLIC_KEY` | api | base64 SPKI DER of the people's token issuer (`loams token`'s key); its private key is in no function |
 //! | `LOAMS_AGENT_TOKEN_KEY` | worker | base64 PKCS#8 P-256 key the worker signs its agent tokens with |
 //! | `LOAMS_AGENT_TOKEN_PUBLIC_KEY` | agents | base64 SPKI DER of that key: the agents accept tokens it signed, and no others |
+//! | `LOAMS_PANEL_TOKEN_KEY` | api | base64 PKCS#8 P-256 key the API signs panel reads with (a person's, read scopes only) |
+//! | `LOAMS_PANEL_TOKEN_PUBLIC_KEY` | agents | base64 SPKI DER of that key: the agents accept its tokens for reads only |
 //! | `LOAMS_CARD_KEY` | agents | base64 PKCS#8 P-256 key the agents sign their cards with |
-//! | `LOAMS_CARD_PUBLIC_KEY` | worker | base64 SPKI DER of that key: the worker trusts cards it signed |
+//! | `LOAMS_CARD_PUBLIC_KEY` | api, worker | base64 SPKI DER of that key: the API and the worker trust cards it signed |
 //! | `LOAMS_APP_SECRET_ARN` | agents | the Secrets Manager secret with this agent's app settings (the JSON of `[apps.<name>]`), read at start |
-//! | `LOAMS_AGENT_URL_<NAME>` | worker | each agent's Function URL |
+//! | `LOAMS_AGENT_URL_<NAME>` | api, worker | each agent's Function URL |
 //! | `LOAMS_BASE_URL` | agents (optional) | the agent's own URL; unset: taken from the first request's `Host` |
 //! | `LOAMS_WEBHOOK_TOKEN`, `LOAMS_GLITCHTIP_ORIGIN` | api | the GlitchTip webhook's URL token and GlitchTip's URL |
 
@@ -36,7 +38,10 @@ use base64::Engine;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
 use jsonwebtoken::jwk::JwkSet;
 use loams_a2a::{A2aClient, CardSigner, Guards, Jwk, Jwks};
-use loams_api::{AgentAuth, AgentTokens, ApiState, ApprovalBroker, Issuer, Verifier};
+use loams_api::{
+    AgentAuth, AgentLink, AgentTokens, ApiState, ApprovalBroker, Collab, Issuer, RegisteredApp,
+    Verifier,
+};
 use loams_factory::Envelope;
 use loams_model::Replay;
 use loams_platform::aws::{
@@ -51,8 +56,8 @@ use tokio::time::Instant;
 
 use crate::config::{AGENTS, App, Config, ConfigError, QueueKind, Secret, StoreKind, is_http_url};
 use crate::stack::{
-    AGENT_TOKEN_ISSUER, Backend, DEV_AUDIENCE, DEV_ISSUER, RunStart, WorkerOpener, agent,
-    api_config, model, worker_deps,
+    AGENT_TOKEN_ISSUER, Backend, DEV_AUDIENCE, DEV_ISSUER, PANEL_TOKEN_ISSUER, RunStart,
+    WorkerOpener, agent, api_config, model, worker_deps,
 };
 
 /// Largest value accepted from one environment variable (Lambda allows 4 KiB for all of them together).
@@ -105,6 +110,9 @@ impl Function {
             "LOAMS_AGENT_TOKEN_KEY" if *self != Function::Worker => {
                 Some("only the worker signs agent tokens")
             }
+            "LOAMS_PANEL_TOKEN_KEY" if *self != Function::Api => {
+                Some("only the API signs panel-read tokens")
+            }
             "LOAMS_CARD_KEY" if !agent => Some("only the agents sign their cards"),
             "LOAMS_APP_SECRET_ARN" if !agent => Some("only an agent reads its app's credentials"),
             "LOAMS_WEBHOOK_TOKEN" if *self != Function::Api => {
@@ -119,9 +127,10 @@ impl Function {
 }
 
 /// The variables some function must not be given (see [`Function::must_not_hold`]).
-const GUARDED_VARS: [&str; 6] = [
+const GUARDED_VARS: [&str; 7] = [
     "LOAMS_ISSUER_KEY",
     "LOAMS_AGENT_TOKEN_KEY",
+    "LOAMS_PANEL_TOKEN_KEY",
     "LOAMS_CARD_KEY",
     "LOAMS_APP_SECRET_ARN",
     "LOAMS_WEBHOOK_TOKEN",
@@ -134,9 +143,11 @@ pub struct Settings {
     pub function: Function,
     pub config: Config,
     agent_token_key: Option<Secret>,
+    panel_token_key: Option<Secret>,
     card_key: Option<Secret>,
     issuer_public_key: Option<String>,
     agent_token_public_key: Option<String>,
+    panel_token_public_key: Option<String>,
     card_public_key: Option<String>,
     app_secret_arn: Option<String>,
     /// What a run starts with (API and worker): the repository's base branch and the analytics project. The
@@ -207,9 +218,11 @@ impl Settings {
             function: function.clone(),
             config,
             agent_token_key: None,
+            panel_token_key: None,
             card_key: None,
             issuer_public_key: None,
             agent_token_public_key: None,
+            panel_token_public_key: None,
             card_public_key: None,
             app_secret_arn: None,
             base_branch: None,
@@ -223,17 +236,15 @@ impl Settings {
                 settings.issuer_public_key = Some(need("LOAMS_ISSUER_PUBLIC_KEY")?);
                 settings.config.webhook_token = Some(Secret::new(need("LOAMS_WEBHOOK_TOKEN")?));
                 settings.glitchtip_origin = Some(need("LOAMS_GLITCHTIP_ORIGIN")?);
+                settings.panel_token_key = Some(Secret::new(need("LOAMS_PANEL_TOKEN_KEY")?));
             }
             Function::Worker => {
                 settings.agent_token_key = Some(Secret::new(need("LOAMS_AGENT_TOKEN_KEY")?));
-                settings.card_public_key = Some(need("LOAMS_CARD_PUBLIC_KEY")?);
-                for (agent, name) in AGENTS.into_iter().zip(AGENT_URL_VARS) {
-                    settings.agent_urls.insert(agent, need(name)?);
-                }
             }
             Function::Agent(_) => {
                 settings.app_secret_arn = Some(need("LOAMS_APP_SECRET_ARN")?);
                 settings.agent_token_public_key = Some(need("LOAMS_AGENT_TOKEN_PUBLIC_KEY")?);
+                settings.panel_token_public_key = Some(need("LOAMS_PANEL_TOKEN_PUBLIC_KEY")?);
                 settings.card_key = Some(Secret::new(need("LOAMS_CARD_KEY")?));
                 settings.base_url = get("LOAMS_BASE_URL")?;
             }
@@ -241,6 +252,13 @@ impl Settings {
         }
         // Both open runs (the API from webhooks), which start with these; the agent of each app checks it.
         let opens_runs = matches!(function, Function::Api | Function::Worker);
+        // Both call the agents: the worker for the runs, the API for the panels people read.
+        if opens_runs {
+            settings.card_public_key = Some(need("LOAMS_CARD_PUBLIC_KEY")?);
+            for (agent, name) in AGENTS.into_iter().zip(AGENT_URL_VARS) {
+                settings.agent_urls.insert(agent, need(name)?);
+            }
+        }
         if opens_runs || function == Function::Agent("forgejo") {
             settings.base_branch = Some(need("LOAMS_BASE_BRANCH")?);
         }
@@ -394,17 +412,52 @@ fn people_verifier(settings: &Settings) -> Result<(Verifier, JwkSet), ConfigErro
     ))
 }
 
-/// An agent's check of the worker's tokens: the agent-token public key only (the audience is set per call).
+/// An agent's check of the tokens it is called with: the worker's (the agent-token public key) and the API's panel
+/// reads (the panel-token public key), each key for its own kind of caller (the audience is set per call).
 fn agent_auth(settings: &Settings) -> Result<AgentAuth, ConfigError> {
-    let jwks = token_jwks(
+    let factory = token_jwks(
         "LOAMS_AGENT_TOKEN_PUBLIC_KEY",
         settings.agent_token_public_key.as_deref(),
     )?;
+    let panels = token_jwks(
+        "LOAMS_PANEL_TOKEN_PUBLIC_KEY",
+        settings.panel_token_public_key.as_deref(),
+    )?;
     Ok(AgentAuth::new(Verifier::from_keys(
-        jwks,
+        factory,
         AGENT_TOKEN_ISSUER,
         AGENT_TOKEN_ISSUER,
+    ))
+    .with_panels(Verifier::from_keys(
+        panels,
+        PANEL_TOKEN_ISSUER,
+        PANEL_TOKEN_ISSUER,
     )))
+}
+
+/// The API's app registry: every agent, connected on its first panel read, and the panel-token key.
+fn collab(settings: &Settings) -> anyhow::Result<Collab> {
+    let trusted = card_jwks("LOAMS_CARD_PUBLIC_KEY", settings.card_public_key.as_deref())?;
+    let der = key_bytes("LOAMS_PANEL_TOKEN_KEY", settings.panel_token_key.as_ref())?;
+    let panel_tokens = Issuer::from_pkcs8(&der, PANEL_TOKEN_ISSUER, PANEL_TOKEN_ISSUER)
+        .map_err(|e| anyhow!("setting `LOAMS_PANEL_TOKEN_KEY`: {e}"))?;
+    let apps = AGENTS
+        .iter()
+        .map(|name| RegisteredApp {
+            id: name.to_string(),
+            agent: settings
+                .agent_urls
+                .get(name)
+                .map(|url| AgentLink::new(url, trusted.clone())),
+        })
+        .collect();
+    let config = &settings.config;
+    Ok(Collab::new(
+        config.org.clone(),
+        config.env.clone(),
+        apps,
+        panel_tokens,
+    ))
 }
 
 /// The worker's agent tokens, signed with the agent-token key.
@@ -595,6 +648,7 @@ fn api_router(settings: &Settings, backend: Backend) -> anyhow::Result<axum::Rou
         )),
         opener: Arc::new(WorkerOpener(Arc::new(worker))),
         jwks: Some(Arc::new(jwks)),
+        collab: Arc::new(collab(settings)?),
     };
     Ok(loams_api::router(state))
 }
@@ -897,13 +951,23 @@ mod tests {
         api.push(("LOAMS_ISSUER_PUBLIC_KEY", "a2V5"));
         assert!(error(&api).contains("LOAMS_WEBHOOK_TOKEN"));
         api.push(("LOAMS_WEBHOOK_TOKEN", "0123456789abcdef0123456789abcdef"));
-        api.push(("LOAMS_GLITCHTIP_ORIGIN", "glitchtip.example.com"));
         assert!(error(&api).contains("LOAMS_GLITCHTIP_ORIGIN"));
-        api.pop();
+        api.push(("LOAMS_GLITCHTIP_ORIGIN", "glitchtip.example.com"));
+        assert!(error(&api).contains("LOAMS_PANEL_TOKEN_KEY"));
+        api.push(("LOAMS_PANEL_TOKEN_KEY", "a2V5"));
+        assert!(
+            error(&api).contains("LOAMS_CARD_PUBLIC_KEY"),
+            "the API reads panels through the agents"
+        );
+        api.extend(AGENT_LINKS);
+        assert!(error(&api).contains("LOAMS_GLITCHTIP_ORIGIN"), "not a URL");
+        api.retain(|(k, _)| *k != "LOAMS_GLITCHTIP_ORIGIN");
         api.push(("LOAMS_GLITCHTIP_ORIGIN", "https://glitchtip.example.com"));
         let read = Settings::read(vars(&api)).unwrap();
         let err = people_verifier(&read).err().unwrap().to_string();
         assert!(err.contains("LOAMS_ISSUER_PUBLIC_KEY"), "{err}");
+        let err = collab(&read).err().unwrap().to_string();
+        assert!(err.contains("LOAMS_CARD_PUBLIC_KEY"), "{err}");
         api.push(("LOAMS_CONFIG", "[factory]\nmax_attempts = 0\n"));
         assert!(error(&api).contains("factory.max_attempts"));
     }
@@ -930,48 +994,57 @@ mod tests {
                 ("LOAMS_ISSUER_PUBLIC_KEY", "a2V5"),
                 ("LOAMS_WEBHOOK_TOKEN", "0123456789abcdef0123456789abcdef"),
                 ("LOAMS_GLITCHTIP_ORIGIN", "https://glitchtip.example.com"),
+                ("LOAMS_PANEL_TOKEN_KEY", "a2V5"),
                 ("LOAMS_BASE_BRANCH", "main"),
                 ("LOAMS_ANALYTICS_PROJECT", "shop"),
             ],
             "worker" => &[
                 ("LOAMS_AGENT_TOKEN_KEY", "a2V5"),
-                ("LOAMS_CARD_PUBLIC_KEY", "a2V5"),
                 ("LOAMS_BASE_BRANCH", "main"),
                 ("LOAMS_ANALYTICS_PROJECT", "shop"),
-                (
-                    "LOAMS_AGENT_URL_ZULIP",
-                    "https://z.lambda-url.eu-west-1.on.aws/",
-                ),
-                (
-                    "LOAMS_AGENT_URL_PLANE",
-                    "https://p.lambda-url.eu-west-1.on.aws/",
-                ),
-                (
-                    "LOAMS_AGENT_URL_FORGEJO",
-                    "https://f.lambda-url.eu-west-1.on.aws/",
-                ),
-                (
-                    "LOAMS_AGENT_URL_GLITCHTIP",
-                    "https://g.lambda-url.eu-west-1.on.aws/",
-                ),
-                (
-                    "LOAMS_AGENT_URL_ANALYTICS",
-                    "https://a.lambda-url.eu-west-1.on.aws/",
-                ),
             ],
             "scheduler" => &[],
             _ => &[
                 ("LOAMS_APP_SECRET_ARN", SECRET_ARN),
                 ("LOAMS_AGENT_TOKEN_PUBLIC_KEY", "a2V5"),
+                ("LOAMS_PANEL_TOKEN_PUBLIC_KEY", "a2V5"),
                 ("LOAMS_CARD_KEY", "a2V5"),
             ],
         };
         pairs.extend_from_slice(own);
+        // The API and the worker call the agents.
+        if function == "api" || function == "worker" {
+            pairs.extend_from_slice(&AGENT_LINKS);
+        }
         if function == "agent:forgejo" {
             pairs.push(("LOAMS_BASE_BRANCH", "main"));
         }
         pairs
     }
+
+    const AGENT_LINKS: [(&str, &str); 6] = [
+        ("LOAMS_CARD_PUBLIC_KEY", "a2V5"),
+        (
+            "LOAMS_AGENT_URL_ZULIP",
+            "https://z.lambda-url.eu-west-1.on.aws/",
+        ),
+        (
+            "LOAMS_AGENT_URL_PLANE",
+            "https://p.lambda-url.eu-west-1.on.aws/",
+        ),
+        (
+            "LOAMS_AGENT_URL_FORGEJO",
+            "https://f.lambda-url.eu-west-1.on.aws/",
+        ),
+        (
+            "LOAMS_AGENT_URL_GLITCHTIP",
+            "https://g.lambda-url.eu-west-1.on.aws/",
+        ),
+        (
+            "LOAMS_AGENT_URL_ANALYTICS",
+            "https://a.lambda-url.eu-west-1.on.aws/",
+        ),
+    ];
 
     const SECRET_ARN: &str =
         "arn:aws:secretsmanager:eu-west-1:1:secret:loams-acme-production/forgejo-AbCdEf";
@@ -1029,7 +1102,14 @@ mod tests {
     fn each_function_refuses_the_keys_and_credentials_of_others() {
         // What each kind may hold, and nothing else of the guarded variables.
         let allowed: [(&str, &[&str]); 4] = [
-            ("api", &["LOAMS_WEBHOOK_TOKEN", "LOAMS_CONFIG"]),
+            (
+                "api",
+                &[
+                    "LOAMS_WEBHOOK_TOKEN",
+                    "LOAMS_PANEL_TOKEN_KEY",
+                    "LOAMS_CONFIG",
+                ],
+            ),
             ("worker", &["LOAMS_AGENT_TOKEN_KEY", "LOAMS_CONFIG"]),
             ("scheduler", &[]),
             ("agent:forgejo", &["LOAMS_CARD_KEY", "LOAMS_APP_SECRET_ARN"]),
@@ -1141,22 +1221,54 @@ mod tests {
         use loams_a2a::{CallerAuth, TokenSource};
         let (people_pkcs8, _, people_public) = key_pair();
         let (_, agent_key, agent_public) = key_pair();
+        let (_, panel_key, panel_public) = key_pair();
         let mut worker = environment("worker");
         worker.retain(|(k, _)| *k != "LOAMS_AGENT_TOKEN_KEY");
         worker.push(("LOAMS_AGENT_TOKEN_KEY", &agent_key));
         let worker = Settings::read(vars(&worker)).unwrap();
         let mut agent = environment("agent:forgejo");
-        agent.retain(|(k, _)| *k != "LOAMS_AGENT_TOKEN_PUBLIC_KEY");
+        agent.retain(|(k, _)| !k.ends_with("_TOKEN_PUBLIC_KEY"));
         agent.push(("LOAMS_AGENT_TOKEN_PUBLIC_KEY", &agent_public));
+        agent.push(("LOAMS_PANEL_TOKEN_PUBLIC_KEY", &panel_public));
         let agent = Settings::read(vars(&agent)).unwrap();
         let auth = agent_auth(&agent).unwrap();
         let url = "https://f.lambda-url.eu-west-1.on.aws/";
 
-        let token = agent_tokens(&worker).unwrap().token(url).await.unwrap();
+        let token = agent_tokens(&worker)
+            .unwrap()
+            .token(url, "forgejo")
+            .await
+            .unwrap();
         let principal = auth.verify(Some(&token), url).await.unwrap();
         assert_eq!(
             (principal.subject.as_str(), principal.org.as_str()),
             (loams_api::AGENT_SUBJECT, "acme")
+        );
+        // The API's panel reads, with its own key: a person, reading.
+        let mut api = environment("api");
+        api.retain(|(k, _)| *k != "LOAMS_PANEL_TOKEN_KEY");
+        api.push(("LOAMS_PANEL_TOKEN_KEY", &panel_key));
+        let api_settings = Settings::read(vars(&api)).unwrap();
+        let der = key_bytes(
+            "LOAMS_PANEL_TOKEN_KEY",
+            api_settings.panel_token_key.as_ref(),
+        )
+        .unwrap();
+        let panels = Issuer::from_pkcs8(&der, PANEL_TOKEN_ISSUER, PANEL_TOKEN_ISSUER).unwrap();
+        let alice = loams_api::Caller {
+            user: "alice".into(),
+            org: "acme".into(),
+            scopes: vec!["forgejo:read".into()],
+        };
+        let read = loams_api::broker::on_behalf_token(&panels, url, "forgejo", &alice).unwrap();
+        let reader = auth.verify(Some(&read), url).await.unwrap();
+        assert_eq!(
+            (reader.subject.as_str(), reader.scopes.as_slice()),
+            ("user:alice", ["forgejo:read".to_string()].as_slice())
+        );
+        assert!(
+            collab(&api_settings).is_err(),
+            "the test card key is no key"
         );
         // The people's issuer key signs nothing an agent accepts: not an agent token (even one naming the agent
         // token issuer), not a person's token for the agent's URL.
@@ -1165,9 +1277,12 @@ mod tests {
             Issuer::from_pkcs8(&people_pkcs8, AGENT_TOKEN_ISSUER, AGENT_TOKEN_ISSUER).unwrap();
         let now = jsonwebtoken::get_current_timestamp();
         for token in [
-            AgentTokens::new(forged, "acme").token(url).await.unwrap(),
+            AgentTokens::new(forged, "acme")
+                .token(url, "forgejo")
+                .await
+                .unwrap(),
             AgentTokens::new(people.clone(), "acme")
-                .token(url)
+                .token(url, "forgejo")
                 .await
                 .unwrap(),
             people

@@ -14,8 +14,8 @@ use loams_agents::{
     PlaneAgent, PlaneConfig, ZulipAgent, ZulipConfig,
 };
 use loams_api::{
-    AgentAuth, AgentTokens, ApiConfig, ApiError, ApiState, ApprovalBroker, GlitchtipHook, Issuer,
-    RunOpener,
+    AgentAuth, AgentLink, AgentTokens, ApiConfig, ApiError, ApiState, ApprovalBroker, Collab,
+    GlitchtipHook, Issuer, RegisteredApp, RunOpener,
 };
 use loams_factory::Signal;
 use loams_model::{ChatModel, ModelConfig, OpenAiCompatible, Replay};
@@ -44,6 +44,9 @@ pub const DEV_AUDIENCE: &str = "loams-api";
 /// people's issuer key: an agent then trusts only the worker, and whoever can mint agent tokens cannot mint a
 /// person's token (or the reverse).
 pub const AGENT_TOKEN_ISSUER: &str = "loams-agent-tokens";
+/// Issuer of the tokens the API presents to the agents when a person reads a panel. A key of its own again: the
+/// API cannot act as the worker, and the agents accept its tokens for reads only.
+pub const PANEL_TOKEN_ISSUER: &str = "loams-panel-tokens";
 
 /// The state the stack runs on: the ports, and the clock they share.
 #[derive(Clone)]
@@ -100,8 +103,12 @@ impl Stack {
         // process.
         let agent_tokens = Issuer::generate(AGENT_TOKEN_ISSUER, AGENT_TOKEN_ISSUER)
             .map_err(|e| anyhow!("agent token key: {e}"))?;
+        let panel_tokens = Issuer::generate(PANEL_TOKEN_ISSUER, PANEL_TOKEN_ISSUER)
+            .map_err(|e| anyhow!("panel token key: {e}"))?;
         let guards = Guards {
-            auth: Arc::new(AgentAuth::new(agent_tokens.verifier())),
+            auth: Arc::new(
+                AgentAuth::new(agent_tokens.verifier()).with_panels(panel_tokens.verifier()),
+            ),
             gate: Arc::new(ApprovalBroker::new(
                 backend.store.clone(),
                 backend.clock.clone(),
@@ -122,6 +129,21 @@ impl Stack {
             tasks.push(task);
             clients.insert(name.to_string(), url);
         }
+        let registry = AGENTS
+            .iter()
+            .map(|name| RegisteredApp {
+                id: name.to_string(),
+                agent: clients
+                    .get(*name)
+                    .map(|(url, jwks)| AgentLink::new(url, jwks.clone())),
+            })
+            .collect();
+        let collab = Collab::new(
+            config.org.clone(),
+            config.env.clone(),
+            registry,
+            panel_tokens,
+        );
         let mut directory = HashMap::new();
         for (name, (url, jwks)) in clients {
             let client = A2aClient::new(&url, &jwks)
@@ -172,6 +194,7 @@ impl Stack {
             )),
             opener: Arc::new(WorkerOpener(worker.clone())),
             jwks: Some(Arc::new(issuer.jwks())),
+            collab: Arc::new(collab),
         };
         let listener = TcpListener::bind(config.listen)
             .await
