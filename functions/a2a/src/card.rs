@@ -428,7 +428,6 @@ mod tests {
         let jwks = signer.jwks().unwrap();
         assert_eq!(app_links(&build_card(&spec(), "http://127.0.0.1:1")), None);
         let app = AppLinks {
-            kind: "forgejo".into(),
             web_url: "https://git.example".into(),
             deep_link_templates: [(
                 "pull_request".to_string(),

@@ -183,6 +183,7 @@ pub(crate) async fn begin(
         caller: caller.subject.clone(),
         // No skill runs for a scripted task, so it may be canceled at once.
         lease_until_ms: Some(0),
+        expires_ms: None,
     };
     let body = tasks::storable(&mut record)?;
     let version = agent

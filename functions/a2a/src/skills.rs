@@ -67,8 +67,6 @@ pub struct AgentSpec {
 /// How to link into an agent's app: nothing secret, the same addresses the agent's own answers carry.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct AppLinks {
-    /// The app's kind (`zulip`, `plane`, `forgejo`, `glitchtip`, `openpanel`).
-    pub kind: String,
     /// The app's web address.
     pub web_url: String,
     /// Web links to the app's pages by object kind (`issue`, `pull_request`, ...), with `{field}` placeholders.

@@ -168,7 +168,16 @@ pub(crate) struct StoredTask {
     /// agent's lease, which is when its claim would have lapsed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) lease_until_ms: Option<i64>,
+    /// When the stored task goes away; `None`: kept. A caller who may only read leaves no lasting record
+    /// (see [`READER_TASK_RETENTION_MS`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) expires_ms: Option<i64>,
 }
+
+/// How long the tasks of a caller who holds no write scope of the agent are kept: a person reading a panel asks
+/// with a fresh message id each time, and every read would otherwise stay stored, with a copy of what it read.
+/// Long enough to follow the task (GetTask, SubscribeToTask) and replay a lost answer.
+pub(crate) const READER_TASK_RETENTION_MS: i64 = 60 * 60 * 1000;
 
 impl StoredTask {
     fn bound_to(&self, call: &str, caller: &Principal) -> bool {
@@ -258,7 +267,7 @@ impl Agent {
             version: 0,
             index: Some(self.list_index(&record.caller)),
             body,
-            expires_ms: None,
+            expires_ms: record.expires_ms,
         };
         self.store.put_item(&item, cond).await
     }
@@ -500,6 +509,9 @@ pub(crate) async fn begin(
         call,
         caller: caller.subject.clone(),
         lease_until_ms: None,
+        expires_ms: caller
+            .missing_scope(&agent.name, Risk::Write)
+            .map(|_| started + READER_TASK_RETENTION_MS),
     };
 
     // A config the caller got wrong is refused before anything is stored.

@@ -11,7 +11,7 @@ use loams_a2a::{
     SkillSpec, Skills, TASK_KIND, TokenError, TokenSource, router_with,
 };
 use loams_platform::race::RaceBeforeWrite;
-use loams_platform::{Cond, Sqlite, Store, SystemClock};
+use loams_platform::{Clock, Cond, Sqlite, Store, SystemClock};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 
@@ -1067,7 +1067,8 @@ async fn a_message_id_is_bound_to_its_call_and_its_caller() {
 
 #[tokio::test]
 async fn a_skill_runs_only_for_a_caller_holding_its_scopes() {
-    let agent = start().await;
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let agent = start_with(store.clone(), ServerOptions::default()).await;
     let reader = scoped_token("user:alice", "acme", &agent.base, "counter:read");
     let send_as = |id: &str, skill: &str| {
         json!({"jsonrpc": "2.0", "id": 3, "method": "SendMessage",
@@ -1122,6 +1123,29 @@ async fn a_skill_runs_only_for_a_caller_holding_its_scopes() {
         "{other}"
     );
     assert_eq!(agent.calls(), 1);
+
+    // A reader's tasks go away within the hour; the factory's (write scope held) are kept.
+    agent.send("m-factory", "measure", json!({})).await;
+    let expiry = |id: &'static str| {
+        let store = store.clone();
+        async move {
+            let item = store
+                .get_item("acme", TASK_KIND, &format!("counter:{id}"))
+                .await
+                .unwrap()
+                .unwrap();
+            item.expires_ms
+        }
+    };
+    let now = SystemClock.now_ms();
+    for id in ["m-read", "m-write"] {
+        let expires = expiry(id).await.expect("a reader's task expires");
+        assert!(
+            (now..=now + 3_600_000).contains(&expires),
+            "{id}: {expires} vs {now}"
+        );
+    }
+    assert_eq!(expiry("m-factory").await, None);
 }
 
 #[tokio::test]

@@ -221,7 +221,7 @@ impl Skills for AnalyticsAgent {
                 .into(),
             version: AGENT_VERSION.into(),
             // OpenPanel's dashboards are reached from its home page; no page link shape is published.
-            app: Some(crate::app_links("openpanel", self.client.http.base(), &[])),
+            app: Some(crate::app_links(self.client.http.base(), &[])),
             skills: vec![skill(
                 "series",
                 "Event series",

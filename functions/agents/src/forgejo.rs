@@ -210,7 +210,6 @@ impl ForgejoClient {
     fn links(&self) -> AppLinks {
         let repo = format!("/{}/{}", self.owner, self.repo);
         crate::app_links(
-            "forgejo",
             self.http.base(),
             &[
                 ("pull_request", format!("{repo}/pulls/{{number}}")),

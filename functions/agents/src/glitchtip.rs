@@ -196,12 +196,17 @@ impl GlitchTipClient {
         self.http.json(self.http.request(Method::GET, url)).await
     }
 
+    /// The path of an issue's page in the GlitchTip web UI, `{id}` standing for the issue id.
+    fn issue_page(&self) -> String {
+        format!("/{}/issues/{{id}}", self.org_slug)
+    }
+
     /// The issue's page in the GlitchTip web UI.
     pub fn issue_url(&self, issue_id: u64) -> String {
+        let web = self.http.base().as_str().trim_end_matches('/');
         format!(
-            "{}/{}/issues/{issue_id}",
-            self.http.base().as_str().trim_end_matches('/'),
-            self.org_slug
+            "{web}{}",
+            self.issue_page().replace("{id}", &issue_id.to_string())
         )
     }
 }
@@ -332,9 +337,8 @@ impl Skills for GlitchTipAgent {
                 .into(),
             version: AGENT_VERSION.into(),
             app: Some(crate::app_links(
-                "glitchtip",
                 self.client.http.base(),
-                &[("error_issue", format!("/{}/issues/{{issue_id}}", self.client.org_slug))],
+                &[("error_issue", self.client.issue_page())],
             )),
             skills: vec![
                 skill(

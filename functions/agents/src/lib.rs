@@ -91,12 +91,12 @@ pub(crate) fn require(field: &str, value: &str, max: usize) -> Result<(), AgentE
     Ok(())
 }
 
-/// The app an agent works on, for its card: `kind`, the web address `base` (as configured, without a trailing
-/// slash) and its page links, each template given relative to that address.
-pub(crate) fn app_links(kind: &str, base: &reqwest::Url, templates: &[(&str, String)]) -> AppLinks {
+/// The app an agent works on, for its card: the web address `base` (as configured, without a trailing slash) and
+/// its page links, each template given relative to that address. A placeholder is named after the field of the
+/// panel object that fills it (loams.collab.v1).
+pub(crate) fn app_links(base: &reqwest::Url, templates: &[(&str, String)]) -> AppLinks {
     let web = base.as_str().trim_end_matches('/');
     AppLinks {
-        kind: kind.into(),
         web_url: web.into(),
         deep_link_templates: templates
             .iter()

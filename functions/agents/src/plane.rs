@@ -421,16 +421,16 @@ impl PlaneClient {
         self.http.json_idempotent(rb).await
     }
 
+    /// A work item's web page, `{key}` standing for its key (`PROJ-12`).
+    fn issue_page(&self) -> String {
+        format!("{}/{}/browse/{{key}}/", self.web_url, self.slug)
+    }
+
     /// The work items' web links, as [`PlaneClient::key_and_url`] makes them.
     fn links(&self) -> AppLinks {
         AppLinks {
-            kind: "plane".into(),
             web_url: self.web_url.clone(),
-            deep_link_templates: [(
-                "issue".to_string(),
-                format!("{}/{}/browse/{{key}}/", self.web_url, self.slug),
-            )]
-            .into(),
+            deep_link_templates: [("issue".to_string(), self.issue_page())].into(),
         }
     }
 
@@ -441,7 +441,7 @@ impl PlaneClient {
             .sequence_id
             .ok_or_else(|| self.http.bad("work item without sequence_id"))?;
         let key = format!("{ident}-{seq}");
-        let url = format!("{}/{}/browse/{key}/", self.web_url, self.slug);
+        let url = self.issue_page().replace("{key}", &key);
         Ok((key, url))
     }
 }

@@ -338,11 +338,8 @@ impl Skills for ZulipAgent {
                           and reads the discussion back."
                 .into(),
             version: AGENT_VERSION.into(),
-            app: Some(crate::app_links(
-                "zulip",
-                self.client.http.base(),
-                &[("thread", "/#narrow/channel/{channel}/topic/{topic}".into())],
-            )),
+            // Zulip encodes its links its own way (`hash_encode`), which a link template cannot say: none.
+            app: Some(crate::app_links(self.client.http.base(), &[])),
             skills: vec![
                 skill(
                     "open_thread",

@@ -36,6 +36,9 @@ pub const MAX_AGENT_TOKEN_TTL_S: u64 = 15 * 60;
 const AGENT_TOKEN_TTL_S: u64 = 5 * 60;
 /// Lifetime of a token minted for one panel read.
 const ON_BEHALF_TTL_S: u64 = 60;
+/// Longest lifetime of a panel-read token an agent accepts: a read is over in seconds, so a longer-lived one is
+/// not one this API minted.
+const MAX_ON_BEHALF_TTL_S: u64 = 2 * ON_BEHALF_TTL_S;
 /// Prefix of a person's subject at an agent, so no person's name can pass for an agent principal.
 const PERSON_PREFIX: &str = "user:";
 /// Item kind of approval records (docs/contracts.md).
@@ -221,7 +224,9 @@ impl AgentAuth {
         // Each key mints for one kind of caller only; anything else under it is a token its holder should not
         // have made. A person reads, and nothing more, whatever scopes the token lists.
         let allowed = if for_person {
-            claims.sub.starts_with(PERSON_PREFIX) && scopes.iter().all(|s| s.ends_with(":read"))
+            claims.sub.starts_with(PERSON_PREFIX)
+                && scopes.iter().all(|s| s.ends_with(":read"))
+                && claims.exp - claims.iat <= MAX_ON_BEHALF_TTL_S
         } else {
             claims.sub == AGENT_SUBJECT
         };

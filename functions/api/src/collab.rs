@@ -1,29 +1,32 @@
-//! CollabService (DESIGN.md section 4): the app registry, and the objects the native panels show (Issue,
+//! CollabService (DESIGN.md section 4): the app registry, and the objects of a run its native panels show (Issue,
 //! PullRequest, CheckRun, Thread, ErrorIssue, MetricSeries).
 //!
-//! A panel never calls an app. Each read here goes through the app's own agent over A2A, as the caller: the token
-//! it presents names the person (`user:<sub>`) and holds only that app's read scope (`plane:read`, ...,
-//! [`crate::broker::on_behalf_token`]), so the agent, which checks the scope where the skill runs, would refuse
-//! anything but a read even if this service asked. The caller's own token must grant the same scope.
+//! A panel never calls an app. Each read names a run of the caller's organisation and goes through the app's own
+//! agent over A2A, as the caller: the token it presents names the person (`user:<sub>`) and holds only that app's
+//! read scope ([`crate::broker::on_behalf_token`], signed with a key of its own), so the agent, which checks the
+//! scope where the skill runs, would refuse anything but a read even if this service asked. The caller's own token
+//! must grant `runs:read` and the same app scope. The object read is the one the run made (or was opened for), taken
+//! from the run's record: a person reads what the factory touched, not whatever the agent's credentials reach.
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use aws_lc_rs::rand::{SecureRandom, SystemRandom};
-use loams_a2a::{A2aClient, CallError, Jwks, Risk, TokenError, TokenSource};
+use loams_a2a::{A2aClient, AppLinks, CallError, Jwks, Risk, TokenError, TokenSource};
 use loams_proto::collab::v1 as pc;
 use loams_proto::connect::{CallContext, Router};
+use reqwest::Url;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::auth::Issuer;
-use crate::{ApiError, ApiState, Caller};
+use crate::factory::id_arg;
+use crate::{ApiError, ApiState, Caller, convert, scope};
 
 const SERVICE: &str = "/loams.collab.v1.CollabService/";
-/// Longest id, channel or event name passed on to an agent (the agents' own limits are of this order).
-const MAX_REF: usize = 256;
-/// Zulip's topic limit.
-const MAX_TOPIC_CHARS: usize = 60;
+const DAY_MS: i64 = 86_400_000;
+/// Longest look back of a metric series: a panel shows the run's neighbourhood, not the product's history.
+const MAX_LOOKBACK_MS: i64 = 90 * DAY_MS;
 
 /// One app of the registry: `id` is the name of the agent that owns it (`zulip`, `plane`, `forgejo`, `glitchtip`,
 /// `analytics`). Its web address and page links come from that agent's signed card ([`loams_a2a::APP_EXTENSION`]),
@@ -51,17 +54,29 @@ impl AgentLink {
         }
     }
 
-    async fn client(&self) -> Result<&A2aClient, ApiError> {
+    /// The agent of app `id`, once its card is verified, names that app, and sends calls where it was configured
+    /// to be (a card that points elsewhere would take the panel tokens with it).
+    async fn client(&self, id: &str) -> Result<&A2aClient, ApiError> {
         self.client
-            .get_or_try_init(|| A2aClient::new(&self.url, &self.trusted))
+            .get_or_try_init(|| async {
+                let client = A2aClient::new(&self.url, &self.trusted).await.map_err(|e| {
+                    tracing::warn!(app = id, error = %e, "app registry: agent unreachable");
+                    ApiError::Unavailable(format!("the {id} agent cannot be reached"))
+                })?;
+                if client.card().name != id || origin(client.endpoint()) != origin(&self.url) {
+                    tracing::error!(app = id, card = %client.card().name, endpoint = client.endpoint(),
+                        "app registry: the agent's card names another agent or address");
+                    return Err(ApiError::Internal(format!("the {id} agent's card does not match its configuration")));
+                }
+                Ok(client)
+            })
             .await
-            .map_err(|e| ApiError::Unavailable(format!("the app's agent cannot be reached: {e}")))
     }
 }
 
 /// The registry of one organisation's deployment, the environment its apps serve, and the key panel-read tokens
-/// are signed with (a key of its own: neither the people's nor the worker's). A caller of another organisation
-/// finds no app here, as a record of another organisation reads as a missing one.
+/// are signed with (neither the people's nor the worker's). A caller of another organisation finds no app here, as
+/// a record of another organisation reads as a missing one.
 #[derive(Default)]
 pub struct Collab {
     org: String,
@@ -79,6 +94,51 @@ fn kind_of(id: &str) -> pc::AppKind {
         "glitchtip" => pc::AppKind::Glitchtip,
         "analytics" => pc::AppKind::Openpanel,
         _ => pc::AppKind::Unspecified,
+    }
+}
+
+/// Scheme, host and port of a web address.
+type Origin = (String, String, u16);
+
+/// The origin of an absolute http(s) URL without credentials; `None` for anything else.
+fn origin(url: &str) -> Option<Origin> {
+    let url = Url::parse(url).ok()?;
+    if !matches!(url.scheme(), "http" | "https")
+        || !url.username().is_empty()
+        || url.password().is_some()
+    {
+        return None;
+    }
+    Some((
+        url.scheme().to_string(),
+        url.host_str()?.to_string(),
+        url.port_or_known_default()?,
+    ))
+}
+
+/// What of a card's links is shown: a plain http(s) web address, and only the templates under it.
+fn checked_links(links: AppLinks) -> AppLinks {
+    if origin(&links.web_url).is_none() {
+        return AppLinks::default();
+    }
+    let under = format!("{}/", links.web_url.trim_end_matches('/'));
+    AppLinks {
+        deep_link_templates: links
+            .deep_link_templates
+            .into_iter()
+            .filter(|(_, template)| template.starts_with(&under))
+            .collect(),
+        ..links
+    }
+}
+
+/// `link` if it is an http(s) address on the app's own web origin, else empty: links in app data are written by
+/// whoever can write there, and a panel must not become a way to send people elsewhere.
+fn own_link(link: String, web: &Option<Origin>) -> String {
+    if web.is_some() && origin(&link) == *web {
+        link
+    } else {
+        String::new()
     }
 }
 
@@ -108,16 +168,14 @@ impl Collab {
 
     async fn list(&self, caller: &Caller) -> pc::ListAppsResponse {
         let apps = self.apps_of(caller).iter().map(|app| async move {
-            let links = match &app.agent {
-                Some(link) => match link.client().await {
-                    Ok(client) => loams_a2a::app_links(client.card()),
-                    Err(e) => {
-                        // Listed all the same: the app is configured, its panels will say what is wrong.
-                        tracing::warn!(app = %app.id, error = %e, "app registry: agent unreachable");
-                        None
-                    }
+            let readable = may_read(caller, &app.id);
+            // Where an app lives is shown only to those who may read it.
+            let links = match (&app.agent, readable) {
+                (Some(link), true) => match link.client(&app.id).await {
+                    Ok(client) => loams_a2a::app_links(client.card()).map(checked_links),
+                    Err(_) => None,
                 },
-                None => None,
+                _ => None,
             }
             .unwrap_or_default();
             pc::App {
@@ -126,9 +184,7 @@ impl Collab {
                 base_url: links.web_url,
                 deep_link_templates: links.deep_link_templates.into_iter().collect(),
                 configured: app.agent.is_some(),
-                readable: read_scope(&app.id)
-                    .iter()
-                    .all(|s| caller.scopes.contains(s)),
+                readable,
                 environment: self.environment.clone(),
             }
         });
@@ -137,16 +193,20 @@ impl Collab {
         }
     }
 
-    /// Runs the read skill `skill` of app `app`'s agent as `caller`. `Ok(None)`: the app has no such object.
-    async fn read(
+    /// Runs the read skill `skill` of app `app`'s agent as `caller` and reads its answer as `T`, with the app's web
+    /// origin (for [`own_link`]). `what` names the object when the app has none.
+    async fn read<T: for<'de> Deserialize<'de>>(
         &self,
         caller: &Caller,
         app: &str,
         skill: &str,
         args: Value,
-    ) -> Result<Option<Value>, ApiError> {
-        for scope in read_scope(app) {
-            caller.require(&scope)?;
+        what: &str,
+    ) -> Result<(T, Option<Origin>), ApiError> {
+        if !may_read(caller, app) {
+            return Err(ApiError::PermissionDenied(format!(
+                "reading {app} panels needs the scope {app}:read"
+            )));
         }
         let registered = self
             .apps_of(caller)
@@ -158,7 +218,8 @@ impl Collab {
                 "this deployment has no {app} configured"
             )));
         };
-        let client = link.client().await?;
+        let client = link.client(app).await?;
+        let web = loams_a2a::app_links(client.card()).and_then(|l| origin(&l.web_url));
         let token = crate::broker::on_behalf_token(issuer, client.endpoint(), app, caller)
             .map_err(|e| ApiError::Internal(e.to_string()))?;
         let answer = client
@@ -167,16 +228,25 @@ impl Collab {
             .call(&panel_message_id()?, skill, args, None)
             .await
             .map_err(|e| refused(app, e))?;
-        Ok(match answer.get("found") {
-            Some(Value::Bool(false)) => None,
-            _ => Some(answer),
-        })
+        if answer.get("found") == Some(&Value::Bool(false)) {
+            return Err(ApiError::NotFound(format!(
+                "the run's {what} is not in {app} (any more)"
+            )));
+        }
+        let decoded = serde_json::from_value(answer).map_err(|e| {
+            tracing::error!(app, skill, error = %e, "panel read: the agent's answer does not decode");
+            ApiError::Internal(format!("the {app} agent's answer does not decode"))
+        })?;
+        Ok((decoded, web))
     }
 }
 
-/// The scopes a read of `app`'s panels needs: the agent's read scope, as its card names it.
-fn read_scope(app: &str) -> Vec<String> {
-    Risk::Read.scopes(app)
+/// Whether `caller` holds the agent's read scope of `app`, as its card names it.
+fn may_read(caller: &Caller, app: &str) -> bool {
+    Risk::Read
+        .scopes(app)
+        .iter()
+        .all(|s| caller.scopes.contains(s))
 }
 
 /// A fresh message id per read: reads are not deduplicated, every panel load asks again.
@@ -198,39 +268,41 @@ impl TokenSource for OneToken {
     }
 }
 
-/// An agent's failure as the caller should see it: the app's own words where the read failed for good.
+/// An agent's failure as the caller sees it: what to do, not the app's paths and words (those go to the log).
 fn refused(app: &str, e: CallError) -> ApiError {
+    tracing::warn!(app, error = %e, "panel read failed");
     match e {
         CallError::Skill {
-            message,
-            retryable: false,
-        } => ApiError::FailedPrecondition(message),
-        CallError::Skill { message, .. } => ApiError::Unavailable(message),
-        CallError::Transport(_) | CallError::InProgress(_) | CallError::Http(_) => {
-            ApiError::Unavailable(format!("the {app} agent did not answer: {e}"))
-        }
-        other => ApiError::Internal(format!("the {app} agent: {other}")),
+            retryable: false, ..
+        } => ApiError::FailedPrecondition(format!("{app} could not answer this read")),
+        CallError::Skill { .. }
+        | CallError::Transport(_)
+        | CallError::InProgress(_)
+        | CallError::Http(_) => ApiError::Unavailable(format!("{app} is not answering; try again")),
+        _ => ApiError::Internal(format!("the {app} agent answered outside the protocol")),
     }
 }
 
-fn not_found(what: &str) -> ApiError {
-    ApiError::NotFound(format!("{what} not found"))
+/// The run `run_id` of the caller's organisation, as the worker keeps it.
+async fn run_of(
+    s: &ApiState,
+    caller: &Caller,
+    run_id: &str,
+) -> Result<loams_factory::Run, ApiError> {
+    caller.require(scope::RUNS_READ)?;
+    id_arg("run_id", run_id)?;
+    // Keys start with the caller's org, so another org's run is simply not there.
+    let row = s
+        .store
+        .get_run(&caller.org, run_id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("run {run_id} not found")))?;
+    convert::snapshot(&row)
 }
 
-/// A reference the caller passes on to an agent: present, bounded, one line.
-fn reference(field: &str, value: &str) -> Result<(), ApiError> {
-    if value.is_empty() || value.len() > MAX_REF || value.chars().any(char::is_control) {
-        return Err(ApiError::InvalidArgument(format!(
-            "{field} must be 1..={MAX_REF} bytes without control characters"
-        )));
-    }
-    Ok(())
-}
-
-/// An agent's answer read as the panel message it was shaped for (proto3 JSON, unknown fields ignored).
-fn decode<T: for<'de> Deserialize<'de>>(app: &str, answer: Value) -> Result<T, ApiError> {
-    serde_json::from_value(answer)
-        .map_err(|e| ApiError::Internal(format!("the {app} agent's answer does not decode: {e}")))
+/// The run's reference to an object it made, or NotFound while it has not made it.
+fn made<T>(reference: Option<T>, run_id: &str, what: &str) -> Result<T, ApiError> {
+    reference.ok_or_else(|| ApiError::NotFound(format!("run {run_id} has no {what} (yet)")))
 }
 
 async fn get_issue(
@@ -238,18 +310,22 @@ async fn get_issue(
     caller: &Caller,
     req: pc::GetIssueRequest,
 ) -> Result<pc::Issue, ApiError> {
-    reference("issue_id", &req.issue_id)?;
-    let answer = s
+    let run = run_of(s, caller, &req.run_id).await?;
+    let issue_id = made(run.links.issue_id, &req.run_id, "issue")?;
+    let (issue, web): (pc::Issue, _) = s
         .collab
         .read(
             caller,
             "plane",
             "get_issue",
-            json!({"issue_id": req.issue_id}),
+            json!({"issue_id": issue_id}),
+            "issue",
         )
-        .await?
-        .ok_or_else(|| not_found("issue"))?;
-    decode("plane", answer)
+        .await?;
+    Ok(pc::Issue {
+        url: own_link(issue.url, &web),
+        ..issue
+    })
 }
 
 async fn get_pull_request(
@@ -257,15 +333,22 @@ async fn get_pull_request(
     caller: &Caller,
     req: pc::GetPullRequestRequest,
 ) -> Result<pc::PullRequest, ApiError> {
-    if req.number == 0 {
-        return Err(ApiError::InvalidArgument("number must be positive".into()));
-    }
-    let answer = s
+    let run = run_of(s, caller, &req.run_id).await?;
+    let number = made(run.links.pr_number, &req.run_id, "pull request")?;
+    let (pr, web): (pc::PullRequest, _) = s
         .collab
-        .read(caller, "forgejo", "get_pr", json!({"number": req.number}))
-        .await?
-        .ok_or_else(|| not_found("pull request"))?;
-    decode("forgejo", answer)
+        .read(
+            caller,
+            "forgejo",
+            "get_pr",
+            json!({"number": number}),
+            "pull request",
+        )
+        .await?;
+    Ok(pc::PullRequest {
+        url: own_link(pr.url, &web),
+        ..pr
+    })
 }
 
 #[derive(Deserialize)]
@@ -290,19 +373,20 @@ async fn list_check_runs(
     caller: &Caller,
     req: pc::ListCheckRunsRequest,
 ) -> Result<pc::ListCheckRunsResponse, ApiError> {
-    if req.sha.is_empty() || req.sha.len() > 64 || !req.sha.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(ApiError::InvalidArgument(
-            "sha must be a hex commit id of at most 64 digits".into(),
-        ));
-    }
-    let answer = s
+    let run = run_of(s, caller, &req.run_id).await?;
+    let sha = made(run.links.commit_sha, &req.run_id, "commit")?;
+    let (ci, web): (CiAnswer, _) = s
         .collab
-        .read(caller, "forgejo", "ci_status", json!({"sha": req.sha}))
-        .await?
-        .ok_or_else(|| not_found("commit"))?;
-    let ci: CiAnswer = decode("forgejo", answer)?;
+        .read(
+            caller,
+            "forgejo",
+            "ci_status",
+            json!({"sha": sha}),
+            "commit",
+        )
+        .await?;
     Ok(pc::ListCheckRunsResponse {
-        sha: req.sha,
+        sha,
         state: ci.state,
         check_runs: ci
             .checks
@@ -311,7 +395,7 @@ async fn list_check_runs(
                 name: c.context,
                 state: c.state,
                 description: c.description,
-                url: c.url,
+                url: own_link(c.url, &web),
             })
             .collect(),
     })
@@ -326,8 +410,6 @@ struct ThreadAnswer {
 struct ThreadMessage {
     id: u64,
     #[serde(default)]
-    sender: String,
-    #[serde(default)]
     sender_name: String,
     #[serde(default)]
     content: String,
@@ -338,34 +420,29 @@ async fn get_thread(
     caller: &Caller,
     req: pc::GetThreadRequest,
 ) -> Result<pc::Thread, ApiError> {
-    reference("channel", &req.channel)?;
-    reference("topic", &req.topic)?;
-    if req.topic.chars().count() > MAX_TOPIC_CHARS {
-        return Err(ApiError::InvalidArgument(format!(
-            "topic must be at most {MAX_TOPIC_CHARS} characters"
-        )));
-    }
-    let answer = s
+    let run = run_of(s, caller, &req.run_id).await?;
+    made(run.links.thread_message_id, &req.run_id, "thread")?;
+    let (channel, topic) = (run.config.channel.clone(), run.topic());
+    let (thread, _): (ThreadAnswer, _) = s
         .collab
         .read(
             caller,
             "zulip",
             "read",
-            json!({"channel": req.channel, "topic": req.topic}),
+            json!({"channel": channel, "topic": topic}),
+            "thread",
         )
-        .await?
-        .ok_or_else(|| not_found("thread"))?;
-    let thread: ThreadAnswer = decode("zulip", answer)?;
+        .await?;
     Ok(pc::Thread {
-        channel: req.channel,
-        topic: req.topic,
+        channel,
+        topic,
+        // Senders' addresses stay in Zulip, which decides who may see them.
         messages: thread
             .messages
             .into_iter()
             .map(|m| pc::ThreadMessage {
                 id: m.id,
                 sender_name: m.sender_name,
-                sender_email: m.sender,
                 content: m.content,
             })
             .collect(),
@@ -377,25 +454,26 @@ async fn get_error_issue(
     caller: &Caller,
     req: pc::GetErrorIssueRequest,
 ) -> Result<pc::ErrorIssue, ApiError> {
-    if req.issue_id.is_empty()
-        || req.issue_id.len() > 20
-        || !req.issue_id.bytes().all(|b| b.is_ascii_digit())
-    {
-        return Err(ApiError::InvalidArgument(
-            "issue_id must be GlitchTip's decimal issue id".into(),
-        ));
-    }
-    let answer = s
+    let run = run_of(s, caller, &req.run_id).await?;
+    let issue_id = made(
+        run.signal.glitchtip_issue_id,
+        &req.run_id,
+        "GlitchTip issue",
+    )?;
+    let (error, web): (pc::ErrorIssue, _) = s
         .collab
         .read(
             caller,
             "glitchtip",
             "get_issue",
-            json!({"issue_id": req.issue_id}),
+            json!({"issue_id": issue_id}),
+            "error issue",
         )
-        .await?
-        .ok_or_else(|| not_found("error issue"))?;
-    decode("glitchtip", answer)
+        .await?;
+    Ok(pc::ErrorIssue {
+        url: own_link(error.url, &web),
+        ..error
+    })
 }
 
 async fn get_metric_series(
@@ -403,30 +481,28 @@ async fn get_metric_series(
     caller: &Caller,
     req: pc::GetMetricSeriesRequest,
 ) -> Result<pc::MetricSeries, ApiError> {
-    reference("event", &req.event)?;
-    if req.since_ms < 0 {
-        return Err(ApiError::InvalidArgument(
-            "since_ms must not be negative".into(),
-        ));
-    }
-    let answer = s
+    let run = run_of(s, caller, &req.run_id).await?;
+    let now = s.now_ms();
+    let since_ms = match req.since_ms {
+        0 => (run.started_at_ms - DAY_MS).max(now - MAX_LOOKBACK_MS),
+        since if (now - MAX_LOOKBACK_MS..=now).contains(&since) => since,
+        _ => {
+            return Err(ApiError::InvalidArgument(format!(
+                "since_ms must be within the last {} days (or 0)",
+                MAX_LOOKBACK_MS / DAY_MS
+            )));
+        }
+    };
+    let event = run.config.analytics_event.clone();
+    let args = json!({"project_id": run.config.analytics_project_id, "event": event, "since_ms": since_ms});
+    let (series, _): (pc::MetricSeries, _) = s
         .collab
-        .read(
-            caller,
-            "analytics",
-            "series",
-            json!({"event": req.event, "since_ms": req.since_ms}),
-        )
-        .await?
-        .ok_or_else(|| not_found("metric"))?;
-    let series: pc::MetricSeries = decode("analytics", answer)?;
-    Ok(pc::MetricSeries {
-        event: req.event,
-        ..series
-    })
+        .read(caller, "analytics", "series", args, "metric")
+        .await?;
+    Ok(pc::MetricSeries { event, ..series })
 }
 
-/// Registers one panel read: any valid token, then the procedure checks the app's read scope itself.
+/// Registers one panel read: any valid token, then the procedure checks the scopes it needs itself.
 macro_rules! panel {
     ($router:expr, $state:expr, $name:literal, $handler:ident, $req:ty) => {{
         let s = $state.clone();
@@ -492,4 +568,74 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
         get_metric_series,
         pc::GetMetricSeriesRequest
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn origins_are_plain_http_addresses_only() {
+        assert_eq!(
+            origin("https://git.example/o/r/pulls/1"),
+            Some(("https".into(), "git.example".into(), 443))
+        );
+        assert_eq!(
+            origin("http://127.0.0.1:3000/x"),
+            Some(("http".into(), "127.0.0.1".into(), 3000))
+        );
+        for bad in [
+            "javascript:alert(1)",
+            "https://user:pw@git.example/",
+            "ftp://git.example/",
+            "/relative",
+            "",
+        ] {
+            assert_eq!(origin(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn app_links_keep_only_their_own_pages() {
+        let web = origin("https://git.example");
+        assert_eq!(
+            own_link("https://git.example/o/r/pulls/1".into(), &web),
+            "https://git.example/o/r/pulls/1"
+        );
+        for elsewhere in [
+            "https://git.example.evil/x",
+            "http://git.example/x",
+            "javascript:x",
+            "https://a@git.example/",
+        ] {
+            assert_eq!(own_link(elsewhere.into(), &web), "", "{elsewhere}");
+        }
+        assert_eq!(own_link("https://git.example/x".into(), &None), "");
+
+        let card = AppLinks {
+            web_url: "https://git.example".into(),
+            deep_link_templates: [
+                (
+                    "pull_request".to_string(),
+                    "https://git.example/o/r/pulls/{number}".to_string(),
+                ),
+                (
+                    "phish".to_string(),
+                    "https://git.example.evil/{number}".to_string(),
+                ),
+                ("script".to_string(), "javascript:{number}".to_string()),
+            ]
+            .into(),
+        };
+        let shown = checked_links(card);
+        assert_eq!(
+            shown.deep_link_templates.keys().collect::<Vec<_>>(),
+            ["pull_request"]
+        );
+        let bad_home = AppLinks {
+            web_url: "javascript:x".into(),
+            ..shown
+        };
+        assert_eq!(checked_links(bad_home), AppLinks::default());
+    }
 }

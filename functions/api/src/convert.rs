@@ -25,9 +25,14 @@ fn name_of<T: Serialize>(value: &T) -> String {
     }
 }
 
+/// The worker's run behind a stored row.
+pub(crate) fn snapshot(row: &RunRow) -> Result<loams_factory::Run, ApiError> {
+    serde_json::from_slice(&row.snapshot)
+        .map_err(|e| ApiError::Internal(format!("run {} has a malformed snapshot: {e}", row.id)))
+}
+
 pub(crate) fn run(row: &RunRow) -> Result<pf::Run, ApiError> {
-    let r: loams_factory::Run = serde_json::from_slice(&row.snapshot)
-        .map_err(|e| ApiError::Internal(format!("run {} has a malformed snapshot: {e}", row.id)))?;
+    let r = snapshot(row)?;
     let links = &r.links;
     let budget = &r.budget;
     Ok(pf::Run {
@@ -51,21 +56,6 @@ pub(crate) fn run(row: &RunRow) -> Result<pf::Run, ApiError> {
             issue: links.issue_url.clone().unwrap_or_default(),
             pr: links.pr_url.clone().unwrap_or_default(),
             deploy_ref: links.deploy_ref.clone().unwrap_or_default(),
-            // The thread is the run's topic in the configured channel once it is opened.
-            thread_channel: if links.thread_message_id.is_some() {
-                r.config.channel.clone()
-            } else {
-                String::new()
-            },
-            thread_topic: if links.thread_message_id.is_some() {
-                r.topic()
-            } else {
-                String::new()
-            },
-            issue_id: links.issue_id.clone().unwrap_or_default(),
-            pr_number: links.pr_number.unwrap_or_default(),
-            commit_sha: links.commit_sha.clone().unwrap_or_default(),
-            error_issue_id: r.signal.glitchtip_issue_id.clone().unwrap_or_default(),
         }),
         budget: Some(pf::Budget {
             limit_micros: i64::try_from(budget.limit_micros).unwrap_or(i64::MAX),
@@ -254,12 +244,8 @@ mod tests {
 
         r.stage = loams_factory::Stage::Observe;
         r.cursor = loams_factory::Cursor::AwaitVerdict;
-        r.links.thread_message_id = Some(5);
         r.links.thread_url = Some("https://z/t".into());
-        r.links.issue_id = Some("9b1f".into());
         r.links.issue_url = Some("https://plane/i".into());
-        r.links.pr_number = Some(7);
-        r.links.commit_sha = Some("def456".into());
         r.links.pr_url = Some("https://forgejo/pr/7".into());
         r.links.deploy_ref = Some("abc123".into());
         r.budget = loams_factory::Budget {
@@ -289,22 +275,7 @@ mod tests {
                 issue: "https://plane/i".into(),
                 pr: "https://forgejo/pr/7".into(),
                 deploy_ref: "abc123".into(),
-                thread_channel: r.config.channel.clone(),
-                thread_topic: r.topic(),
-                issue_id: "9b1f".into(),
-                pr_number: 7,
-                commit_sha: "def456".into(),
-                error_issue_id: "42".into(),
             }
-        );
-        assert!(!r.config.channel.is_empty() && !r.topic().is_empty());
-        // No thread yet: no thread reference either.
-        let mut without_thread = r.clone();
-        without_thread.links.thread_message_id = None;
-        let links = run(&row(&without_thread)).unwrap().links.unwrap();
-        assert_eq!(
-            (links.thread_channel.as_str(), links.thread_topic.as_str()),
-            ("", "")
         );
         // Spending past i64 saturates instead of wrapping negative.
         assert_eq!(

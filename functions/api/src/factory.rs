@@ -337,8 +337,7 @@ async fn decide_run(
         .get_run(&caller.org, run_id)
         .await?
         .ok_or_else(|| ApiError::NotFound(format!("run {run_id} not found")))?;
-    let run: loams_factory::Run = serde_json::from_slice(&row.snapshot)
-        .map_err(|e| ApiError::Internal(format!("run {run_id} has a malformed snapshot: {e}")))?;
+    let run = convert::snapshot(&row)?;
     // The engine ignores a decision the run does not wait for; refusing it here tells the person instead.
     if run.state.is_terminal() || run.ending.is_some() || run.cursor != wanted.cursor() {
         return Err(ApiError::FailedPrecondition(format!(

@@ -155,13 +155,15 @@ async fn panel_reads_verify_for_people_with_read_scopes_only() {
         Err(AuthError::Invalid)
     );
     // The panel key cannot mint the factory, nor a person with more than reads.
-    for (sub, scope) in [
-        (AGENT_SUBJECT, "plane:read"),
-        ("user:alice", "plane:read plane:write"),
-        ("alice", "plane:read"),
+    for (sub, scope, ttl) in [
+        (AGENT_SUBJECT, "plane:read", 60),
+        ("user:alice", "plane:read plane:write", 60),
+        ("alice", "plane:read", 60),
+        // A read takes seconds: a panel token living for minutes was not minted for one.
+        ("user:alice", "plane:read", 600),
     ] {
         let forged = panels
-            .issue_for(AGENT_URL, sub, "acme", scope, now_s(), 60)
+            .issue_for(AGENT_URL, sub, "acme", scope, now_s(), ttl)
             .unwrap();
         assert_eq!(
             auth.verify(Some(&forged), AGENT_URL).await,

@@ -67,6 +67,7 @@ async fn panels_read_what_the_run_made_through_the_agents_as_the_caller() {
     let links = run.links.clone().unwrap();
     let info = sandbox.info();
     let before = sandbox.counts();
+    let of_run = || run_id.clone();
 
     // The registry: the five apps, configured, readable, with their web addresses and links from the agents' cards.
     let apps: pc::ListAppsResponse = call(&oncall, "ListApps", &pc::ListAppsRequest {})
@@ -79,28 +80,41 @@ async fn panels_read_what_the_run_made_through_the_agents_as_the_caller() {
             .iter()
             .all(|a| a.configured && a.readable && a.environment == scenario.config.env)
     );
-    let forgejo = &apps.apps[2];
-    assert_eq!(forgejo.kind(), pc::AppKind::Forgejo);
-    assert_eq!(forgejo.base_url, info.urls.forgejo.trim_end_matches('/'));
-    let pr_link = forgejo.deep_link_templates["pull_request"]
-        .replace("{number}", &links.pr_number.to_string());
+    let [zulip, plane, forgejo, glitchtip, analytics] = &apps.apps[..] else {
+        panic!("{apps:?}")
+    };
     assert_eq!(
-        pr_link, links.pr,
-        "the template makes the run's own PR link"
+        (
+            zulip.kind(),
+            plane.kind(),
+            forgejo.kind(),
+            glitchtip.kind(),
+            analytics.kind()
+        ),
+        (
+            pc::AppKind::Zulip,
+            pc::AppKind::Plane,
+            pc::AppKind::Forgejo,
+            pc::AppKind::Glitchtip,
+            pc::AppKind::Openpanel
+        )
     );
-    let plane = &apps.apps[1];
+    assert_eq!(forgejo.base_url, info.urls.forgejo.trim_end_matches('/'));
+    assert_eq!(
+        glitchtip.base_url,
+        info.urls.glitchtip.trim_end_matches('/')
+    );
+    // Zulip's and OpenPanel's links cannot be written as templates: none.
+    assert!(zulip.deep_link_templates.is_empty() && analytics.deep_link_templates.is_empty());
 
-    // Plane: the run's work item.
+    // Plane: the run's work item; the registry's template makes the run's own link.
     let issue: pc::Issue = call(
         &oncall,
         "GetIssue",
-        &pc::GetIssueRequest {
-            issue_id: links.issue_id.clone(),
-        },
+        &pc::GetIssueRequest { run_id: of_run() },
     )
     .await
     .unwrap();
-    assert_eq!(issue.id, links.issue_id);
     assert_eq!(issue.url, links.issue);
     assert_eq!(
         plane.deep_link_templates["issue"].replace("{key}", &issue.key),
@@ -120,29 +134,29 @@ async fn panels_read_what_the_run_made_through_the_agents_as_the_caller() {
     let pr: pc::PullRequest = call(
         &oncall,
         "GetPullRequest",
-        &pc::GetPullRequestRequest {
-            number: links.pr_number,
-        },
+        &pc::GetPullRequestRequest { run_id: of_run() },
+    )
+    .await
+    .unwrap();
+    assert_eq!((pr.state.as_str(), pr.merged), ("open", false));
+    assert_eq!(pr.head_branch, format!("factory/{run_id}"));
+    assert_eq!(pr.base_branch, info.forgejo_base);
+    assert_eq!(pr.url, links.pr);
+    assert_eq!(
+        forgejo.deep_link_templates["pull_request"].replace("{number}", &pr.number.to_string()),
+        links.pr
+    );
+    let checks: pc::ListCheckRunsResponse = call(
+        &oncall,
+        "ListCheckRuns",
+        &pc::ListCheckRunsRequest { run_id: of_run() },
     )
     .await
     .unwrap();
     assert_eq!(
-        (pr.number, pr.state.as_str(), pr.merged),
-        (links.pr_number, "open", false)
+        checks.sha, pr.head_sha,
+        "the run's latest commit is its PR's head"
     );
-    assert_eq!(pr.head_branch, format!("factory/{run_id}"));
-    assert_eq!(pr.head_sha, links.commit_sha);
-    assert_eq!(pr.base_branch, info.forgejo_base);
-    assert_eq!(pr.url, links.pr);
-    let checks: pc::ListCheckRunsResponse = call(
-        &oncall,
-        "ListCheckRuns",
-        &pc::ListCheckRunsRequest {
-            sha: links.commit_sha.clone(),
-        },
-    )
-    .await
-    .unwrap();
     assert_eq!(
         checks.state, "success",
         "the second attempt passed CI: {checks:?}"
@@ -155,34 +169,34 @@ async fn panels_read_what_the_run_made_through_the_agents_as_the_caller() {
             .all(|c| c.state == "success" && !c.name.is_empty()),
         "{checks:?}"
     );
+    let commit = forgejo.deep_link_templates["commit"].replace("{sha}", &checks.sha);
+    assert!(
+        commit.starts_with(&forgejo.base_url) && commit.ends_with(&checks.sha),
+        "{commit}"
+    );
 
-    // Zulip: the run's triage thread.
+    // Zulip: the run's triage thread, where the issue link was posted.
     let thread: pc::Thread = call(
         &oncall,
         "GetThread",
-        &pc::GetThreadRequest {
-            channel: links.thread_channel.clone(),
-            topic: links.thread_topic.clone(),
-        },
+        &pc::GetThreadRequest { run_id: of_run() },
     )
     .await
     .unwrap();
-    assert!(!thread.messages.is_empty());
+    assert_eq!(thread.channel, info.zulip_channel);
     assert!(
         thread
             .messages
             .iter()
             .any(|m| m.content.contains(&issue.url)),
-        "the issue link was posted: {thread:?}"
+        "{thread:?}"
     );
 
-    // GlitchTip: the error issue that opened the run.
+    // GlitchTip: the error issue that opened the run, its link made by the registry's template too.
     let error: pc::ErrorIssue = call(
         &oncall,
         "GetErrorIssue",
-        &pc::GetErrorIssueRequest {
-            issue_id: links.error_issue_id.clone(),
-        },
+        &pc::GetErrorIssueRequest { run_id: of_run() },
     )
     .await
     .unwrap();
@@ -192,151 +206,87 @@ async fn panels_read_what_the_run_made_through_the_agents_as_the_caller() {
         error.event_count > 0 && error.first_seen_ms <= error.last_seen_ms,
         "{error:?}"
     );
-    assert_eq!(error.title, run.signal.unwrap().title);
+    let signal = run.signal.clone().unwrap();
+    assert_eq!(
+        (error.title.as_str(), error.url.as_str()),
+        (signal.title.as_str(), signal.link.as_str())
+    );
+    assert_eq!(
+        glitchtip.deep_link_templates["error_issue"].replace("{id}", &error.id),
+        error.url
+    );
 
-    // OpenPanel: the metric the factory watches, since a day ago.
+    // OpenPanel: the event the run watches, from a day before the run (the default) or a given time.
     let event = loams_factory::Config::default().analytics_event;
-    let since_ms = SystemClock.now_ms() - 86_400_000;
     let series: pc::MetricSeries = call(
         &oncall,
         "GetMetricSeries",
         &pc::GetMetricSeriesRequest {
-            event: event.clone(),
-            since_ms,
+            run_id: of_run(),
+            since_ms: 0,
         },
     )
     .await
     .unwrap();
     assert_eq!(series.event, event);
     assert!(series.total > 0 && !series.points.is_empty(), "{series:?}");
+    let now = SystemClock.now_ms();
+    for since_ms in [now - 91 * 86_400_000, now + 86_400_000, -1] {
+        let refused = call::<_, pc::MetricSeries>(
+            &oncall,
+            "GetMetricSeries",
+            &pc::GetMetricSeriesRequest {
+                run_id: of_run(),
+                since_ms,
+            },
+        )
+        .await;
+        assert_eq!(
+            refused.unwrap_err().code,
+            Code::InvalidArgument,
+            "{since_ms}"
+        );
+    }
 
     // Reading changed nothing in any app (GlitchTip's events are production's, which goes on meanwhile).
     let mut after = sandbox.counts();
     after.glitchtip.events = before.glitchtip.events;
     assert_eq!(after, before);
 
-    // What is missing is NotFound; bad references are refused before any agent is asked.
-    let missing = call::<_, pc::PullRequest>(
+    // A run that is not there (or not the caller's organisation's) has no panels; a malformed id is refused.
+    let missing = call::<_, pc::Issue>(
         &oncall,
-        "GetPullRequest",
-        &pc::GetPullRequestRequest { number: 9999 },
+        "GetIssue",
+        &pc::GetIssueRequest {
+            run_id: "r-0000000000000000".into(),
+        },
     )
     .await
     .unwrap_err();
     assert_eq!(missing.code, Code::NotFound, "{missing:?}");
-    let refusals = [
-        call::<_, pc::ErrorIssue>(
-            &oncall,
-            "GetErrorIssue",
-            &pc::GetErrorIssueRequest {
-                issue_id: "12ab".into(),
-            },
-        )
-        .await
-        .err()
-        .map(|e| e.code),
-        call::<_, pc::ErrorIssue>(
-            &oncall,
-            "GetErrorIssue",
-            &pc::GetErrorIssueRequest {
-                issue_id: "1".repeat(21),
-            },
-        )
-        .await
-        .err()
-        .map(|e| e.code),
-        call::<_, pc::Issue>(
-            &oncall,
-            "GetIssue",
-            &pc::GetIssueRequest {
-                issue_id: String::new(),
-            },
-        )
-        .await
-        .err()
-        .map(|e| e.code),
-        call::<_, pc::Issue>(
-            &oncall,
-            "GetIssue",
-            &pc::GetIssueRequest {
-                issue_id: "x".repeat(257),
-            },
-        )
-        .await
-        .err()
-        .map(|e| e.code),
-        call::<_, pc::PullRequest>(
-            &oncall,
-            "GetPullRequest",
-            &pc::GetPullRequestRequest { number: 0 },
-        )
-        .await
-        .err()
-        .map(|e| e.code),
-        call::<_, pc::MetricSeries>(
-            &oncall,
-            "GetMetricSeries",
-            &pc::GetMetricSeriesRequest {
-                event: "e\n".into(),
-                since_ms: 0,
-            },
-        )
-        .await
-        .err()
-        .map(|e| e.code),
-        call::<_, pc::MetricSeries>(
-            &oncall,
-            "GetMetricSeries",
-            &pc::GetMetricSeriesRequest {
-                event: "e".into(),
-                since_ms: -1,
-            },
-        )
-        .await
-        .err()
-        .map(|e| e.code),
-    ];
-    for (i, refused) in refusals.into_iter().enumerate() {
-        assert_eq!(refused, Some(Code::InvalidArgument), "refusal {i}");
-    }
-    let checks_refused = call::<_, pc::ListCheckRunsResponse>(
+    let malformed = call::<_, pc::Issue>(
         &oncall,
-        "ListCheckRuns",
-        &pc::ListCheckRunsRequest {
-            sha: "not-hex".into(),
+        "GetIssue",
+        &pc::GetIssueRequest {
+            run_id: String::new(),
         },
     )
-    .await;
-    assert_eq!(checks_refused.unwrap_err().code, Code::InvalidArgument);
-    let thread_refused = call::<_, pc::Thread>(
-        &oncall,
-        "GetThread",
-        &pc::GetThreadRequest {
-            channel: "c".into(),
-            topic: "t".repeat(61),
-        },
-    )
-    .await;
-    assert_eq!(thread_refused.unwrap_err().code, Code::InvalidArgument);
+    .await
+    .unwrap_err();
+    assert_eq!(malformed.code, Code::InvalidArgument, "{malformed:?}");
 
-    // The caller's rights: a token without `plane:read` reads no Plane panel, and the registry says so.
+    // The caller's rights: a token without `plane:read` reads no Plane panel, and the registry says so and shows
+    // it no address; without `runs:read` no panel at all.
+    let now_s = SystemClock.now_ms() as u64 / 1000;
     let narrow = stack
         .issuer
-        .issue(
-            "auditor",
-            &org,
-            "runs:read forgejo:read",
-            SystemClock.now_ms() as u64 / 1000,
-            600,
-        )
+        .issue("auditor", &org, "runs:read forgejo:read", now_s, 600)
         .unwrap();
     let auditor = client(&stack.api_url, &narrow);
     let denied = call::<_, pc::Issue>(
         &auditor,
         "GetIssue",
-        &pc::GetIssueRequest {
-            issue_id: links.issue_id.clone(),
-        },
+        &pc::GetIssueRequest { run_id: of_run() },
     )
     .await
     .unwrap_err();
@@ -351,33 +301,47 @@ async fn panels_read_what_the_run_made_through_the_agents_as_the_caller() {
         .map(|a| a.id.as_str())
         .collect();
     assert_eq!(readable, ["forgejo"]);
+    assert!(
+        seen.apps
+            .iter()
+            .filter(|a| !a.readable)
+            .all(|a| a.base_url.is_empty() && a.deep_link_templates.is_empty())
+    );
     let allowed: pc::PullRequest = call(
         &auditor,
         "GetPullRequest",
-        &pc::GetPullRequestRequest {
-            number: links.pr_number,
-        },
+        &pc::GetPullRequestRequest { run_id: of_run() },
     )
     .await
     .unwrap();
-    assert_eq!(allowed.number, links.pr_number);
+    assert_eq!(allowed.number, pr.number);
+    let no_runs = stack
+        .issuer
+        .issue("viewer", &org, "forgejo:read", now_s, 600)
+        .unwrap();
+    let refused = call::<_, pc::PullRequest>(
+        &client(&stack.api_url, &no_runs),
+        "GetPullRequest",
+        &pc::GetPullRequestRequest { run_id: of_run() },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(refused.code, Code::PermissionDenied, "{refused:?}");
 
-    // Another organisation's caller finds no app and reads nothing of this one.
+    // Another organisation's caller finds no app, and this organisation's run is not there for them.
     let outsider = client(&stack.api_url, &stack.token("mallory", "globex").unwrap());
     let none: pc::ListAppsResponse = call(&outsider, "ListApps", &pc::ListAppsRequest {})
         .await
         .unwrap();
     assert!(none.apps.is_empty());
-    let refused = call::<_, pc::Issue>(
+    let hidden = call::<_, pc::Issue>(
         &outsider,
         "GetIssue",
-        &pc::GetIssueRequest {
-            issue_id: links.issue_id.clone(),
-        },
+        &pc::GetIssueRequest { run_id: of_run() },
     )
     .await
     .unwrap_err();
-    assert_eq!(refused.code, Code::FailedPrecondition, "{refused:?}");
+    assert_eq!(hidden.code, Code::NotFound, "{hidden:?}");
 
     stack.shutdown().await;
     sandbox.shutdown().await;
