@@ -20,7 +20,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::auth::Issuer;
-use crate::factory::id_arg;
+use crate::factory::run_row;
 use crate::{ApiError, ApiState, Caller, convert, scope};
 
 const SERVICE: &str = "/loams.collab.v1.CollabService/";
@@ -290,14 +290,7 @@ async fn run_of(
     run_id: &str,
 ) -> Result<loams_factory::Run, ApiError> {
     caller.require(scope::RUNS_READ)?;
-    id_arg("run_id", run_id)?;
-    // Keys start with the caller's org, so another org's run is simply not there.
-    let row = s
-        .store
-        .get_run(&caller.org, run_id)
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("run {run_id} not found")))?;
-    convert::snapshot(&row)
+    convert::snapshot(&run_row(s, caller, run_id).await?)
 }
 
 /// The run's reference to an object it made, or NotFound while it has not made it.

@@ -13,7 +13,7 @@ use futures::Stream;
 use loams_factory::approval::{self, KillRequest, Refusal};
 use loams_factory::{Cursor, Envelope, Input, ObserveVerdict};
 use loams_platform::Claim;
-use loams_platform::{Cond, Item, Page, StoreError};
+use loams_platform::{Cond, Item, Page, RunRow, StoreError};
 use loams_proto::connect::{CallContext, ConnectError, Router};
 use loams_proto::factory::v1 as pf;
 use serde::{Deserialize, Serialize};
@@ -88,15 +88,23 @@ pub(crate) async fn enqueue(
     Ok(())
 }
 
-async fn load_run(state: &ApiState, caller: &Caller, id: &str) -> Result<pf::Run, ApiError> {
+/// The stored run `id` of the caller's organisation.
+pub(crate) async fn run_row(
+    state: &ApiState,
+    caller: &Caller,
+    id: &str,
+) -> Result<RunRow, ApiError> {
     id_arg("run_id", id)?;
     // Keys start with the caller's org, so another org's run is simply not there.
-    let row = state
+    state
         .store
         .get_run(&caller.org, id)
         .await?
-        .ok_or_else(|| ApiError::NotFound(format!("run {id} not found")))?;
-    convert::run(&row)
+        .ok_or_else(|| ApiError::NotFound(format!("run {id} not found")))
+}
+
+async fn load_run(state: &ApiState, caller: &Caller, id: &str) -> Result<pf::Run, ApiError> {
+    convert::run(&run_row(state, caller, id).await?)
 }
 
 async fn list_runs(
@@ -331,12 +339,7 @@ async fn decide_run(
     wanted: Wanted,
     input: Input,
 ) -> Result<pf::Run, ApiError> {
-    id_arg("run_id", run_id)?;
-    let row = state
-        .store
-        .get_run(&caller.org, run_id)
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("run {run_id} not found")))?;
+    let row = run_row(state, caller, run_id).await?;
     let run = convert::snapshot(&row)?;
     // The engine ignores a decision the run does not wait for; refusing it here tells the person instead.
     if run.state.is_terminal() || run.ending.is_some() || run.cursor != wanted.cursor() {
