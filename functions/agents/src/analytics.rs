@@ -220,8 +220,8 @@ impl Skills for AnalyticsAgent {
                           before and after a fix."
                 .into(),
             version: AGENT_VERSION.into(),
-            // OpenPanel's dashboards are reached from its home page; no page link shape is published.
-            app: Some(crate::app_links(self.client.http.base(), &[])),
+            // The agent knows OpenPanel's API address only, not where its dashboards are: it names no web address.
+            app: None,
             skills: vec![skill(
                 "series",
                 "Event series",

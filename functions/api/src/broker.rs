@@ -153,8 +153,9 @@ impl TokenSource for AgentTokens {
 /// Verifies agent tokens at an agent, with the agent's URL as audience, against two keys that never meet: the
 /// worker's (the factory, `sub` = [`AGENT_SUBJECT`]) and, when panels are served, the API's panel key (a person,
 /// `sub` = `user:<sub>`, read scopes only). Whoever holds one key cannot mint the other's tokens: the API cannot act
-/// as the factory, the worker cannot read as a person. A token that passed is remembered, with its audience, until
-/// it expires: the worker reuses its tokens, and an ECDSA verification per call was as costly as the signature.
+/// as the factory, the worker cannot read as a person. A worker's token that passed is remembered, with its
+/// audience, until it expires: the worker reuses its tokens, and an ECDSA verification per call was as costly as the
+/// signature (a panel token is used once, and not remembered).
 /// Only the exact token string verified for the same audience is taken from memory, and its expiry is checked
 /// again on every use.
 pub struct AgentAuth {
@@ -258,6 +259,10 @@ impl CallerAuth for AgentAuth {
         }
         let verified = self.check(token, audience, now).await?;
         let principal = verified.principal.clone();
+        // A panel token serves one read: remembering it would only push the worker's tokens out.
+        if principal.subject.starts_with(PERSON_PREFIX) {
+            return Ok(principal);
+        }
         let mut memory = lock(&self.verified);
         memory.retain(|_, v| v.exp > now);
         if memory.len() >= MAX_VERIFIED_TOKENS {

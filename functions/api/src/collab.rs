@@ -135,10 +135,10 @@ fn checked_links(links: AppLinks) -> AppLinks {
 /// `link` if it is an http(s) address on the app's own web origin, else empty: links in app data are written by
 /// whoever can write there, and a panel must not become a way to send people elsewhere.
 fn own_link(link: String, web: &Option<Origin>) -> String {
-    if web.is_some() && origin(&link) == *web {
-        link
-    } else {
-        String::new()
+    match Url::parse(&link) {
+        // Passed on as parsed: a client whose parser reads the raw text differently sees the same address.
+        Ok(url) if web.is_some() && origin(url.as_str()) == *web => url.into(),
+        _ => String::new(),
     }
 }
 
@@ -604,6 +604,11 @@ mod tests {
             assert_eq!(own_link(elsewhere.into(), &web), "", "{elsewhere}");
         }
         assert_eq!(own_link("https://git.example/x".into(), &None), "");
+        // What is passed on is the address as parsed, which every parser reads alike.
+        assert_eq!(
+            own_link("https://git.example\\@evil.com/".into(), &web),
+            "https://git.example/@evil.com/"
+        );
 
         let card = AppLinks {
             web_url: "https://git.example".into(),

@@ -104,8 +104,10 @@ async fn panels_read_what_the_run_made_through_the_agents_as_the_caller() {
         glitchtip.base_url,
         info.urls.glitchtip.trim_end_matches('/')
     );
-    // Zulip's and OpenPanel's links cannot be written as templates: none.
-    assert!(zulip.deep_link_templates.is_empty() && analytics.deep_link_templates.is_empty());
+    // Zulip's links cannot be written as templates: none. OpenPanel's agent knows only its API: no address at all.
+    assert_eq!(zulip.base_url, info.urls.zulip.trim_end_matches('/'));
+    assert!(zulip.deep_link_templates.is_empty());
+    assert!(analytics.base_url.is_empty() && analytics.deep_link_templates.is_empty());
 
     // Plane: the run's work item; the registry's template makes the run's own link.
     let issue: pc::Issue = call(

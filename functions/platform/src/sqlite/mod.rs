@@ -46,7 +46,10 @@ const MAX_GROUP: usize = 64;
 
 /// Numbered schema migrations; migration N (1-based) brings `PRAGMA user_version` from N-1 to N. Only ever
 /// append to this list: databases in the field have run the earlier entries.
-const MIGRATIONS: &[&str] = &[include_str!("001_init.sql")];
+const MIGRATIONS: &[&str] = &[
+    include_str!("001_init.sql"),
+    include_str!("002_item_expiry.sql"),
+];
 
 /// The SQLite adapter; implements `Store`, `Queue` and `Timers`. Cloning shares the connection.
 #[derive(Clone)]
@@ -75,6 +78,8 @@ struct Inner {
     /// Where the next read starts looking for a free reader.
     next_reader: AtomicUsize,
     clock: Arc<dyn Clock>,
+    /// Item puts so far; every `store::SWEEP_EVERY`th also removes expired items.
+    puts: std::sync::atomic::AtomicU64,
 }
 
 impl Sqlite {
@@ -151,6 +156,7 @@ impl Sqlite {
                 readers,
                 next_reader: AtomicUsize::new(0),
                 clock,
+                puts: std::sync::atomic::AtomicU64::new(0),
             }),
             max_receives: DEFAULT_MAX_RECEIVES,
         })
@@ -438,6 +444,49 @@ mod tests {
             drop(self.release);
             self.holder.await.expect("holder task")
         }
+    }
+
+    #[tokio::test]
+    async fn expired_items_are_removed_not_only_hidden() {
+        let dir = tempfile::TempDir::new().expect("temp dir");
+        let clock = Arc::new(ManualClock::new(1_000));
+        let db = Sqlite::open(dir.path().join("loams.db"), clock.clone()).expect("open");
+        let item = |id: &str, expires_ms: Option<i64>| crate::Item {
+            org: "o".into(),
+            kind: "k".into(),
+            id: id.into(),
+            version: 0,
+            index: None,
+            body: b"{}".to_vec(),
+            expires_ms,
+        };
+        db.put_item(&item("gone", Some(1_500)), crate::Cond::Any)
+            .await
+            .expect("put");
+        db.put_item(&item("kept", Some(10_000)), crate::Cond::Any)
+            .await
+            .expect("put");
+        clock.set(2_000);
+        let stored = |id: &'static str| {
+            let path = dir.path().join("loams.db");
+            move || -> i64 {
+                let conn = rusqlite::Connection::open(&path).expect("open raw");
+                conn.query_row("SELECT count(*) FROM items WHERE id = ?1", [id], |r| {
+                    r.get(0)
+                })
+                .expect("count")
+            }
+        };
+        // Hidden at once, still on disk until a sweep.
+        assert!(db.get_item("o", "k", "gone").await.expect("get").is_none());
+        assert_eq!(stored("gone")(), 1);
+        for n in 0..store::SWEEP_EVERY {
+            db.put_item(&item(&format!("filler-{n}"), None), crate::Cond::Any)
+                .await
+                .expect("put");
+        }
+        assert_eq!(stored("gone")(), 0, "the sweep removed the expired item");
+        assert_eq!(stored("kept")(), 1, "an item not yet expired stays");
     }
 
     #[tokio::test]

@@ -7,6 +7,22 @@ use crate::{Claim, Cond, EventRow, Item, Page, Paged, Result, RunRow, Store, Sto
 
 const RUN_COLUMNS: &str = "org, id, version, state, snapshot, updated_ms, created_ms";
 const ITEM_COLUMNS: &str = "org, kind, id, version, idx, body, expires_ms";
+/// Every this many item puts, one also removes expired items, as DynamoDB's TTL does: reads already skip them,
+/// but a store that only hides them keeps what they hold (an agent's answers to a reader, challenges) forever.
+pub(super) const SWEEP_EVERY: u64 = 256;
+/// Most expired items one sweep removes, so a backlog never makes one put slow.
+const SWEEP_BATCH: i64 = 512;
+
+/// Removes up to `SWEEP_BATCH` items expired at `now` (through the `items_by_expiry` index).
+fn remove_expired(conn: &rusqlite::Connection, now: i64) -> Result<()> {
+    exec(
+        conn,
+        "DELETE FROM items WHERE rowid IN
+           (SELECT rowid FROM items WHERE expires_ms IS NOT NULL AND expires_ms <= ?1 LIMIT ?2)",
+        params![now, SWEEP_BATCH],
+    )
+    .map(drop)
+}
 
 /// A run row plus its created_ms, which the list cursor needs.
 fn run_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(RunRow, i64, i64)> {
@@ -284,6 +300,12 @@ impl Store for Sqlite {
     }
 
     async fn put_item(&self, item: &Item, cond: Cond) -> Result<u64> {
+        let sweep = self
+            .inner
+            .puts
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            % SWEEP_EVERY
+            == SWEEP_EVERY - 1;
         limits::item(item)?;
         let expected = match cond {
             Cond::Version(v) => Some(to_i64("expected version", v)?),
@@ -319,6 +341,9 @@ impl Store for Sqlite {
                    expires_ms = excluded.expires_ms",
                 params![item.org, item.kind, item.id, version, item.index, item.body, item.expires_ms],
             )?;
+            if sweep {
+                remove_expired(conn, now)?;
+            }
             to_u64("item version", version)
         })
         .await
