@@ -1,5 +1,5 @@
 //! CollabService against real A2A agents whose registration is wrong: an agent whose card names another agent, or
-//! sends calls to another address than the one configured, gets no panel token and shows no address.
+//! one whose card sends calls to another address than the one configured, gets no panel token and shows no address.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -21,9 +21,9 @@ use serde_json::{Value, json};
 const RUN: &str = "r-0123456789abcdef";
 const WEB: &str = "http://127.0.0.1:9";
 
-/// A forgejo agent counting the skills it runs.
-#[derive(Default)]
+/// An agent named `name`, counting the skills it runs.
 struct Forge {
+    name: &'static str,
     calls: AtomicUsize,
 }
 
@@ -31,7 +31,7 @@ struct Forge {
 impl Skills for Forge {
     fn card(&self) -> AgentSpec {
         AgentSpec {
-            name: "forgejo".into(),
+            name: self.name.into(),
             description: "forge".into(),
             version: "1.0.0".into(),
             app: Some(AppLinks {
@@ -85,42 +85,54 @@ async fn an_agent_registered_under_another_name_or_address_gets_no_panel_read() 
     let worker = Issuer::generate("loams-agent-tokens", "loams-agent-tokens").unwrap();
     let panels = Issuer::generate("loams-panel-tokens", "loams-panel-tokens").unwrap();
 
-    // One forgejo agent, its card naming its own URL on 127.0.0.1.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let agent_url = format!("http://127.0.0.1:{port}");
+    // Two agents, a forgejo and a glitchtip, each card naming its own URL on 127.0.0.1.
     let signer = CardSigner::generate().unwrap();
     let trusted: Jwks = signer.jwks().unwrap();
-    let forge = Arc::new(Forge::default());
-    let guards = Guards {
-        auth: Arc::new(AgentAuth::new(worker.verifier()).with_panels(panels.verifier())),
-        gate: Arc::new(ApprovalBroker::new(db.clone(), Arc::new(SystemClock))),
+    let key = signer.to_pkcs8().unwrap();
+    let mut agents = Vec::new();
+    for name in ["forgejo", "glitchtip"] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let url = format!("http://127.0.0.1:{port}");
+        let skills = Arc::new(Forge {
+            name,
+            calls: AtomicUsize::new(0),
+        });
+        let guards = Guards {
+            auth: Arc::new(AgentAuth::new(worker.verifier()).with_panels(panels.verifier())),
+            gate: Arc::new(ApprovalBroker::new(db.clone(), Arc::new(SystemClock))),
+        };
+        let signer = CardSigner::from_pkcs8(&key).unwrap();
+        let agent = loams_a2a::router(
+            skills.clone(),
+            db.clone(),
+            "acme".into(),
+            signer,
+            url.clone(),
+            guards,
+        );
+        tokio::spawn(async move { axum::serve(listener, agent).await.unwrap() });
+        agents.push((skills, url, port));
+    }
+    let [(forge, forge_url, _), (glitchtip, _, glitchtip_port)] = &agents[..] else {
+        unreachable!()
     };
-    let agent = loams_a2a::router(
-        forge.clone(),
-        db.clone(),
-        "acme".into(),
-        signer,
-        agent_url.clone(),
-        guards,
-    );
-    tokio::spawn(async move { axum::serve(listener, agent).await.unwrap() });
 
-    // Registered rightly as forgejo; as plane (its card says forgejo); and as glitchtip at another address of the
-    // same server (its card sends calls to 127.0.0.1, not to localhost).
+    // Registered rightly: forgejo. Under another name: plane, at the forgejo agent (its card says forgejo). At
+    // another address: glitchtip, rightly named, registered as localhost while its card sends calls to 127.0.0.1.
     let link = |url: &str| Some(AgentLink::new(url, trusted.clone()));
     let registry = vec![
         RegisteredApp {
             id: "forgejo".into(),
-            agent: link(&agent_url),
+            agent: link(forge_url),
         },
         RegisteredApp {
             id: "plane".into(),
-            agent: link(&agent_url),
+            agent: link(forge_url),
         },
         RegisteredApp {
             id: "glitchtip".into(),
-            agent: link(&format!("http://localhost:{port}")),
+            agent: link(&format!("http://localhost:{glitchtip_port}")),
         },
     ];
     let people = Issuer::generate("https://loams.test", "loams-api").unwrap();
@@ -230,6 +242,11 @@ async fn an_agent_registered_under_another_name_or_address_gets_no_panel_read() 
     assert_eq!(
         forge.calls.load(Ordering::SeqCst),
         1,
+        "no read reached the agent"
+    );
+    assert_eq!(
+        glitchtip.calls.load(Ordering::SeqCst),
+        0,
         "no read reached the agent"
     );
     let tasks = db.list_items(
