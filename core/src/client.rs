@@ -17,6 +17,7 @@ use crate::bot::Bot;
 use crate::cache::Cache;
 use crate::devices::Devices;
 use crate::error::{Error, Result};
+use crate::panels::Panels;
 use crate::runs::Runs;
 use crate::signer::{self, DeviceSigner};
 use crate::types::Device;
@@ -162,6 +163,10 @@ impl Client {
 
     pub fn bot(&self) -> Bot {
         Bot::new(self.inner.clone())
+    }
+
+    pub fn panels(&self) -> Panels {
+        Panels::new(self.inner.clone())
     }
 
     /// The platform's network monitor (NWPathMonitor, ConnectivityManager) reports here. While `false`, every

@@ -15,9 +15,10 @@ use async_trait::async_trait;
 use loams_core as core;
 
 pub use loams_core::{
-    AllowedApp, Approval, ApprovalState, ApprovalUpdate, Budget, Decision, Device, Message, Risk,
-    Route, Run, RunLinks, RunSync, RunUpdate, Signal, SyncMode, Thread, ThreadUpdate,
-    TimelineEvent,
+    AllowedApp, App, Approval, ApprovalState, ApprovalUpdate, Budget, ChatMessage, ChatThread,
+    CheckRun, CheckRuns, Decision, Device, ErrorIssue, Issue, LinkTemplate, Message, MetricPoint,
+    MetricSeries, PullRequest, Risk, Route, Run, RunLinks, RunSync, RunUpdate, Signal, SyncMode,
+    Thread, ThreadUpdate, TimelineEvent,
 };
 
 uniffi::setup_scaffolding!();
@@ -280,6 +281,10 @@ impl Client {
         Arc::new(Bot(self.0.bot()))
     }
 
+    pub fn panels(&self) -> Arc<Panels> {
+        Arc::new(Panels(self.0.panels()))
+    }
+
     /// The platform's network monitor reports here; while false every request fails at once with `Offline`.
     pub fn set_network_available(&self, available: bool) {
         self.0.set_network_available(available)
@@ -395,6 +400,43 @@ impl Approvals {
     ) -> Result<Arc<TaskHandle>> {
         let handle = self.0.watch_pending(Arc::new(Listener(listener))).await?;
         Ok(Arc::new(TaskHandle(handle)))
+    }
+}
+
+/// A run's native panels, read through the server from the apps' agents as this person (never cached).
+#[derive(uniffi::Object)]
+pub struct Panels(core::Panels);
+
+#[uniffi::export(async_runtime = "tokio")]
+impl Panels {
+    /// The deployment's apps, and which of them this person may read.
+    pub async fn apps(&self) -> Result<Vec<App>> {
+        Ok(self.0.apps().await?)
+    }
+
+    pub async fn issue(&self, run_id: String) -> Result<Issue> {
+        Ok(self.0.issue(&run_id).await?)
+    }
+
+    pub async fn pull_request(&self, run_id: String) -> Result<PullRequest> {
+        Ok(self.0.pull_request(&run_id).await?)
+    }
+
+    pub async fn check_runs(&self, run_id: String) -> Result<CheckRuns> {
+        Ok(self.0.check_runs(&run_id).await?)
+    }
+
+    pub async fn thread(&self, run_id: String) -> Result<ChatThread> {
+        Ok(self.0.thread(&run_id).await?)
+    }
+
+    pub async fn error_issue(&self, run_id: String) -> Result<ErrorIssue> {
+        Ok(self.0.error_issue(&run_id).await?)
+    }
+
+    /// From `since_ms` (at most 90 days back; 0: a day before the run started).
+    pub async fn metric_series(&self, run_id: String, since_ms: i64) -> Result<MetricSeries> {
+        Ok(self.0.metric_series(&run_id, since_ms).await?)
     }
 }
 

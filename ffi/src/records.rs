@@ -3,9 +3,10 @@
 //! look-alike types.
 
 use loams_core::{
-    AllowedApp, Approval, ApprovalState, ApprovalUpdate, Budget, Decision, Device, Message, Risk,
-    Route, Run, RunLinks, RunSync, RunUpdate, Signal, SyncMode, Thread, ThreadUpdate,
-    TimelineEvent,
+    AllowedApp, App, Approval, ApprovalState, ApprovalUpdate, Budget, ChatMessage, ChatThread,
+    CheckRun, CheckRuns, Decision, Device, ErrorIssue, Issue, LinkTemplate, Message, MetricPoint,
+    MetricSeries, PullRequest, Risk, Route, Run, RunLinks, RunSync, RunUpdate, Signal, SyncMode,
+    Thread, ThreadUpdate, TimelineEvent,
 };
 
 #[uniffi::remote(Enum)]
@@ -213,4 +214,107 @@ pub enum Route {
         app: String,
         path: String,
     },
+}
+
+#[uniffi::remote(Record)]
+pub struct LinkTemplate {
+    pub object: String,
+    pub template: String,
+}
+
+#[uniffi::remote(Record)]
+pub struct App {
+    pub id: String,
+    pub base_url: String,
+    pub deep_link_templates: Vec<LinkTemplate>,
+    pub configured: bool,
+    pub readable: bool,
+    pub environment: String,
+}
+
+#[uniffi::remote(Record)]
+pub struct Issue {
+    pub id: String,
+    pub key: String,
+    pub title: String,
+    pub state: String,
+    pub state_group: String,
+    pub url: String,
+    pub read_at_ms: i64,
+}
+
+#[uniffi::remote(Record)]
+pub struct PullRequest {
+    pub number: u64,
+    pub title: String,
+    pub body: String,
+    pub state: String,
+    pub merged: bool,
+    pub merge_commit_sha: String,
+    pub head_branch: String,
+    pub head_sha: String,
+    pub base_branch: String,
+    pub author: String,
+    pub url: String,
+    pub read_at_ms: i64,
+}
+
+#[uniffi::remote(Record)]
+pub struct CheckRun {
+    pub name: String,
+    pub state: String,
+    pub description: String,
+    pub url: String,
+}
+
+#[uniffi::remote(Record)]
+pub struct CheckRuns {
+    pub sha: String,
+    pub state: String,
+    pub checks: Vec<CheckRun>,
+    pub read_at_ms: i64,
+}
+
+#[uniffi::remote(Record)]
+pub struct ChatMessage {
+    pub id: u64,
+    pub sender_name: String,
+    pub content: String,
+}
+
+#[uniffi::remote(Record)]
+pub struct ChatThread {
+    pub channel: String,
+    pub topic: String,
+    pub messages: Vec<ChatMessage>,
+    pub read_at_ms: i64,
+}
+
+#[uniffi::remote(Record)]
+pub struct ErrorIssue {
+    pub id: String,
+    pub short_id: String,
+    pub title: String,
+    pub culprit: String,
+    pub level: String,
+    pub status: String,
+    pub event_count: u64,
+    pub first_seen_ms: i64,
+    pub last_seen_ms: i64,
+    pub url: String,
+    pub read_at_ms: i64,
+}
+
+#[uniffi::remote(Record)]
+pub struct MetricPoint {
+    pub date: String,
+    pub count: f64,
+}
+
+#[uniffi::remote(Record)]
+pub struct MetricSeries {
+    pub event: String,
+    pub points: Vec<MetricPoint>,
+    pub total: u64,
+    pub read_at_ms: i64,
 }

@@ -565,6 +565,8 @@ def _uniffi_check_api_checksums(lib):
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_client_org() != 16965:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    if lib.uniffi_loams_ffi_checksum_method_client_panels() != 46405:
+        raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_client_runs() != 60492:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_client_set_network_available() != 44696:
@@ -580,6 +582,20 @@ def _uniffi_check_api_checksums(lib):
     if lib.uniffi_loams_ffi_checksum_method_devices_register() != 38521:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_devices_revoke() != 55437:
+        raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    if lib.uniffi_loams_ffi_checksum_method_panels_apps() != 56901:
+        raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    if lib.uniffi_loams_ffi_checksum_method_panels_check_runs() != 12791:
+        raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    if lib.uniffi_loams_ffi_checksum_method_panels_error_issue() != 29182:
+        raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    if lib.uniffi_loams_ffi_checksum_method_panels_issue() != 55469:
+        raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    if lib.uniffi_loams_ffi_checksum_method_panels_metric_series() != 27644:
+        raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    if lib.uniffi_loams_ffi_checksum_method_panels_pull_request() != 15252:
+        raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    if lib.uniffi_loams_ffi_checksum_method_panels_thread() != 57053:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_runlistener_on_update() != 6904:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
@@ -694,6 +710,9 @@ _UniffiLib.uniffi_loams_ffi_checksum_method_client_devices.restype = ctypes.c_ui
 _UniffiLib.uniffi_loams_ffi_checksum_method_client_org.argtypes = (
 )
 _UniffiLib.uniffi_loams_ffi_checksum_method_client_org.restype = ctypes.c_uint16
+_UniffiLib.uniffi_loams_ffi_checksum_method_client_panels.argtypes = (
+)
+_UniffiLib.uniffi_loams_ffi_checksum_method_client_panels.restype = ctypes.c_uint16
 _UniffiLib.uniffi_loams_ffi_checksum_method_client_runs.argtypes = (
 )
 _UniffiLib.uniffi_loams_ffi_checksum_method_client_runs.restype = ctypes.c_uint16
@@ -718,6 +737,27 @@ _UniffiLib.uniffi_loams_ffi_checksum_method_devices_register.restype = ctypes.c_
 _UniffiLib.uniffi_loams_ffi_checksum_method_devices_revoke.argtypes = (
 )
 _UniffiLib.uniffi_loams_ffi_checksum_method_devices_revoke.restype = ctypes.c_uint16
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_apps.argtypes = (
+)
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_apps.restype = ctypes.c_uint16
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_check_runs.argtypes = (
+)
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_check_runs.restype = ctypes.c_uint16
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_error_issue.argtypes = (
+)
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_error_issue.restype = ctypes.c_uint16
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_issue.argtypes = (
+)
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_issue.restype = ctypes.c_uint16
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_metric_series.argtypes = (
+)
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_metric_series.restype = ctypes.c_uint16
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_pull_request.argtypes = (
+)
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_pull_request.restype = ctypes.c_uint16
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_thread.argtypes = (
+)
+_UniffiLib.uniffi_loams_ffi_checksum_method_panels_thread.restype = ctypes.c_uint16
 _UniffiLib.uniffi_loams_ffi_checksum_method_runlistener_on_update.argtypes = (
 )
 _UniffiLib.uniffi_loams_ffi_checksum_method_runlistener_on_update.restype = ctypes.c_uint16
@@ -869,6 +909,11 @@ _UniffiLib.uniffi_loams_ffi_fn_method_client_org.argtypes = (
     ctypes.POINTER(_UniffiRustCallStatus),
 )
 _UniffiLib.uniffi_loams_ffi_fn_method_client_org.restype = _UniffiRustBuffer
+_UniffiLib.uniffi_loams_ffi_fn_method_client_panels.argtypes = (
+    ctypes.c_uint64,
+    ctypes.POINTER(_UniffiRustCallStatus),
+)
+_UniffiLib.uniffi_loams_ffi_fn_method_client_panels.restype = ctypes.c_uint64
 _UniffiLib.uniffi_loams_ffi_fn_method_client_runs.argtypes = (
     ctypes.c_uint64,
     ctypes.POINTER(_UniffiRustCallStatus),
@@ -911,6 +956,41 @@ _UniffiLib.uniffi_loams_ffi_fn_method_devices_revoke.argtypes = (
     ctypes.c_uint64,
 )
 _UniffiLib.uniffi_loams_ffi_fn_method_devices_revoke.restype = ctypes.c_uint64
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_apps.argtypes = (
+    ctypes.c_uint64,
+)
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_apps.restype = ctypes.c_uint64
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_check_runs.argtypes = (
+    ctypes.c_uint64,
+    _UniffiRustBuffer,
+)
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_check_runs.restype = ctypes.c_uint64
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_error_issue.argtypes = (
+    ctypes.c_uint64,
+    _UniffiRustBuffer,
+)
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_error_issue.restype = ctypes.c_uint64
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_issue.argtypes = (
+    ctypes.c_uint64,
+    _UniffiRustBuffer,
+)
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_issue.restype = ctypes.c_uint64
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_metric_series.argtypes = (
+    ctypes.c_uint64,
+    _UniffiRustBuffer,
+    ctypes.c_int64,
+)
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_metric_series.restype = ctypes.c_uint64
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_pull_request.argtypes = (
+    ctypes.c_uint64,
+    _UniffiRustBuffer,
+)
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_pull_request.restype = ctypes.c_uint64
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_thread.argtypes = (
+    ctypes.c_uint64,
+    _UniffiRustBuffer,
+)
+_UniffiLib.uniffi_loams_ffi_fn_method_panels_thread.restype = ctypes.c_uint64
 _UniffiLib.uniffi_loams_ffi_fn_method_runlistener_on_update.argtypes = (
     ctypes.c_uint64,
     _UniffiRustBuffer,
@@ -1038,6 +1118,16 @@ _UniffiLib.uniffi_loams_ffi_fn_free_devices.argtypes = (
     ctypes.POINTER(_UniffiRustCallStatus),
 )
 _UniffiLib.uniffi_loams_ffi_fn_free_devices.restype = None
+_UniffiLib.uniffi_loams_ffi_fn_clone_panels.argtypes = (
+    ctypes.c_uint64,
+    ctypes.POINTER(_UniffiRustCallStatus),
+)
+_UniffiLib.uniffi_loams_ffi_fn_clone_panels.restype = ctypes.c_uint64
+_UniffiLib.uniffi_loams_ffi_fn_free_panels.argtypes = (
+    ctypes.c_uint64,
+    ctypes.POINTER(_UniffiRustCallStatus),
+)
+_UniffiLib.uniffi_loams_ffi_fn_free_panels.restype = None
 _UniffiLib.uniffi_loams_ffi_fn_clone_runlistener.argtypes = (
     ctypes.c_uint64,
     ctypes.POINTER(_UniffiRustCallStatus),
@@ -1619,6 +1709,146 @@ class _UniffiFfiConverterTypeAllowedApp(_UniffiConverterRustBuffer):
         _UniffiFfiConverterString.write(value.env, buf)
         _UniffiFfiConverterString.write(value.app, buf)
 
+@dataclass
+class LinkTemplate:
+    def __init__(self, *, object:str, template:str):
+        self.object = object
+        self.template = template
+        
+        
+
+    
+    def __str__(self):
+        return "LinkTemplate(object={}, template={})".format(self.object, self.template)
+    def __eq__(self, other):
+        if self.object != other.object:
+            return False
+        if self.template != other.template:
+            return False
+        return True
+
+class _UniffiFfiConverterTypeLinkTemplate(_UniffiConverterRustBuffer):
+    @staticmethod
+    def read(buf):
+        return LinkTemplate(
+            object=_UniffiFfiConverterString.read(buf),
+            template=_UniffiFfiConverterString.read(buf),
+        )
+
+    @staticmethod
+    def check_lower(value):
+        _UniffiFfiConverterString.check_lower(value.object)
+        _UniffiFfiConverterString.check_lower(value.template)
+
+    @staticmethod
+    def write(value, buf):
+        _UniffiFfiConverterString.write(value.object, buf)
+        _UniffiFfiConverterString.write(value.template, buf)
+
+class _UniffiFfiConverterSequenceTypeLinkTemplate(_UniffiConverterRustBuffer):
+    @classmethod
+    def check_lower(cls, value):
+        for item in value:
+            _UniffiFfiConverterTypeLinkTemplate.check_lower(item)
+
+    @classmethod
+    def write(cls, value, buf):
+        items = len(value)
+        buf.write_i32(items)
+        for item in value:
+            _UniffiFfiConverterTypeLinkTemplate.write(item, buf)
+
+    @classmethod
+    def read(cls, buf):
+        count = buf.read_i32()
+        if count < 0:
+            raise InternalError("Unexpected negative sequence length")
+
+        return [
+            _UniffiFfiConverterTypeLinkTemplate.read(buf) for i in range(count)
+        ]
+
+class _UniffiFfiConverterBoolean:
+    @classmethod
+    def check_lower(cls, value):
+        return not not value
+
+    @classmethod
+    def lower(cls, value):
+        return 1 if value else 0
+
+    @staticmethod
+    def lift(value):
+        return value != 0
+
+    @classmethod
+    def read(cls, buf):
+        return cls.lift(buf.read_u8())
+
+    @classmethod
+    def write(cls, value, buf):
+        buf.write_u8(value)
+
+@dataclass
+class App:
+    def __init__(self, *, id:str, base_url:str, deep_link_templates:typing.List[LinkTemplate], configured:bool, readable:bool, environment:str):
+        self.id = id
+        self.base_url = base_url
+        self.deep_link_templates = deep_link_templates
+        self.configured = configured
+        self.readable = readable
+        self.environment = environment
+        
+        
+
+    
+    def __str__(self):
+        return "App(id={}, base_url={}, deep_link_templates={}, configured={}, readable={}, environment={})".format(self.id, self.base_url, self.deep_link_templates, self.configured, self.readable, self.environment)
+    def __eq__(self, other):
+        if self.id != other.id:
+            return False
+        if self.base_url != other.base_url:
+            return False
+        if self.deep_link_templates != other.deep_link_templates:
+            return False
+        if self.configured != other.configured:
+            return False
+        if self.readable != other.readable:
+            return False
+        if self.environment != other.environment:
+            return False
+        return True
+
+class _UniffiFfiConverterTypeApp(_UniffiConverterRustBuffer):
+    @staticmethod
+    def read(buf):
+        return App(
+            id=_UniffiFfiConverterString.read(buf),
+            base_url=_UniffiFfiConverterString.read(buf),
+            deep_link_templates=_UniffiFfiConverterSequenceTypeLinkTemplate.read(buf),
+            configured=_UniffiFfiConverterBoolean.read(buf),
+            readable=_UniffiFfiConverterBoolean.read(buf),
+            environment=_UniffiFfiConverterString.read(buf),
+        )
+
+    @staticmethod
+    def check_lower(value):
+        _UniffiFfiConverterString.check_lower(value.id)
+        _UniffiFfiConverterString.check_lower(value.base_url)
+        _UniffiFfiConverterSequenceTypeLinkTemplate.check_lower(value.deep_link_templates)
+        _UniffiFfiConverterBoolean.check_lower(value.configured)
+        _UniffiFfiConverterBoolean.check_lower(value.readable)
+        _UniffiFfiConverterString.check_lower(value.environment)
+
+    @staticmethod
+    def write(value, buf):
+        _UniffiFfiConverterString.write(value.id, buf)
+        _UniffiFfiConverterString.write(value.base_url, buf)
+        _UniffiFfiConverterSequenceTypeLinkTemplate.write(value.deep_link_templates, buf)
+        _UniffiFfiConverterBoolean.write(value.configured, buf)
+        _UniffiFfiConverterBoolean.write(value.readable, buf)
+        _UniffiFfiConverterString.write(value.environment, buf)
+
 class _UniffiFfiConverterBytes(_UniffiConverterRustBuffer):
     @staticmethod
     def read(buf):
@@ -2055,6 +2285,238 @@ class _UniffiFfiConverterTypeBudget(_UniffiConverterRustBuffer):
         _UniffiFfiConverterUInt64.write(value.tokens_limit, buf)
         _UniffiFfiConverterUInt64.write(value.tokens_spent, buf)
 
+@dataclass
+class ChatMessage:
+    def __init__(self, *, id:int, sender_name:str, content:str):
+        self.id = id
+        self.sender_name = sender_name
+        self.content = content
+        
+        
+
+    
+    def __str__(self):
+        return "ChatMessage(id={}, sender_name={}, content={})".format(self.id, self.sender_name, self.content)
+    def __eq__(self, other):
+        if self.id != other.id:
+            return False
+        if self.sender_name != other.sender_name:
+            return False
+        if self.content != other.content:
+            return False
+        return True
+
+class _UniffiFfiConverterTypeChatMessage(_UniffiConverterRustBuffer):
+    @staticmethod
+    def read(buf):
+        return ChatMessage(
+            id=_UniffiFfiConverterUInt64.read(buf),
+            sender_name=_UniffiFfiConverterString.read(buf),
+            content=_UniffiFfiConverterString.read(buf),
+        )
+
+    @staticmethod
+    def check_lower(value):
+        _UniffiFfiConverterUInt64.check_lower(value.id)
+        _UniffiFfiConverterString.check_lower(value.sender_name)
+        _UniffiFfiConverterString.check_lower(value.content)
+
+    @staticmethod
+    def write(value, buf):
+        _UniffiFfiConverterUInt64.write(value.id, buf)
+        _UniffiFfiConverterString.write(value.sender_name, buf)
+        _UniffiFfiConverterString.write(value.content, buf)
+
+class _UniffiFfiConverterSequenceTypeChatMessage(_UniffiConverterRustBuffer):
+    @classmethod
+    def check_lower(cls, value):
+        for item in value:
+            _UniffiFfiConverterTypeChatMessage.check_lower(item)
+
+    @classmethod
+    def write(cls, value, buf):
+        items = len(value)
+        buf.write_i32(items)
+        for item in value:
+            _UniffiFfiConverterTypeChatMessage.write(item, buf)
+
+    @classmethod
+    def read(cls, buf):
+        count = buf.read_i32()
+        if count < 0:
+            raise InternalError("Unexpected negative sequence length")
+
+        return [
+            _UniffiFfiConverterTypeChatMessage.read(buf) for i in range(count)
+        ]
+
+@dataclass
+class ChatThread:
+    def __init__(self, *, channel:str, topic:str, messages:typing.List[ChatMessage], read_at_ms:int):
+        self.channel = channel
+        self.topic = topic
+        self.messages = messages
+        self.read_at_ms = read_at_ms
+        
+        
+
+    
+    def __str__(self):
+        return "ChatThread(channel={}, topic={}, messages={}, read_at_ms={})".format(self.channel, self.topic, self.messages, self.read_at_ms)
+    def __eq__(self, other):
+        if self.channel != other.channel:
+            return False
+        if self.topic != other.topic:
+            return False
+        if self.messages != other.messages:
+            return False
+        if self.read_at_ms != other.read_at_ms:
+            return False
+        return True
+
+class _UniffiFfiConverterTypeChatThread(_UniffiConverterRustBuffer):
+    @staticmethod
+    def read(buf):
+        return ChatThread(
+            channel=_UniffiFfiConverterString.read(buf),
+            topic=_UniffiFfiConverterString.read(buf),
+            messages=_UniffiFfiConverterSequenceTypeChatMessage.read(buf),
+            read_at_ms=_UniffiFfiConverterInt64.read(buf),
+        )
+
+    @staticmethod
+    def check_lower(value):
+        _UniffiFfiConverterString.check_lower(value.channel)
+        _UniffiFfiConverterString.check_lower(value.topic)
+        _UniffiFfiConverterSequenceTypeChatMessage.check_lower(value.messages)
+        _UniffiFfiConverterInt64.check_lower(value.read_at_ms)
+
+    @staticmethod
+    def write(value, buf):
+        _UniffiFfiConverterString.write(value.channel, buf)
+        _UniffiFfiConverterString.write(value.topic, buf)
+        _UniffiFfiConverterSequenceTypeChatMessage.write(value.messages, buf)
+        _UniffiFfiConverterInt64.write(value.read_at_ms, buf)
+
+@dataclass
+class CheckRun:
+    def __init__(self, *, name:str, state:str, description:str, url:str):
+        self.name = name
+        self.state = state
+        self.description = description
+        self.url = url
+        
+        
+
+    
+    def __str__(self):
+        return "CheckRun(name={}, state={}, description={}, url={})".format(self.name, self.state, self.description, self.url)
+    def __eq__(self, other):
+        if self.name != other.name:
+            return False
+        if self.state != other.state:
+            return False
+        if self.description != other.description:
+            return False
+        if self.url != other.url:
+            return False
+        return True
+
+class _UniffiFfiConverterTypeCheckRun(_UniffiConverterRustBuffer):
+    @staticmethod
+    def read(buf):
+        return CheckRun(
+            name=_UniffiFfiConverterString.read(buf),
+            state=_UniffiFfiConverterString.read(buf),
+            description=_UniffiFfiConverterString.read(buf),
+            url=_UniffiFfiConverterString.read(buf),
+        )
+
+    @staticmethod
+    def check_lower(value):
+        _UniffiFfiConverterString.check_lower(value.name)
+        _UniffiFfiConverterString.check_lower(value.state)
+        _UniffiFfiConverterString.check_lower(value.description)
+        _UniffiFfiConverterString.check_lower(value.url)
+
+    @staticmethod
+    def write(value, buf):
+        _UniffiFfiConverterString.write(value.name, buf)
+        _UniffiFfiConverterString.write(value.state, buf)
+        _UniffiFfiConverterString.write(value.description, buf)
+        _UniffiFfiConverterString.write(value.url, buf)
+
+class _UniffiFfiConverterSequenceTypeCheckRun(_UniffiConverterRustBuffer):
+    @classmethod
+    def check_lower(cls, value):
+        for item in value:
+            _UniffiFfiConverterTypeCheckRun.check_lower(item)
+
+    @classmethod
+    def write(cls, value, buf):
+        items = len(value)
+        buf.write_i32(items)
+        for item in value:
+            _UniffiFfiConverterTypeCheckRun.write(item, buf)
+
+    @classmethod
+    def read(cls, buf):
+        count = buf.read_i32()
+        if count < 0:
+            raise InternalError("Unexpected negative sequence length")
+
+        return [
+            _UniffiFfiConverterTypeCheckRun.read(buf) for i in range(count)
+        ]
+
+@dataclass
+class CheckRuns:
+    def __init__(self, *, sha:str, state:str, checks:typing.List[CheckRun], read_at_ms:int):
+        self.sha = sha
+        self.state = state
+        self.checks = checks
+        self.read_at_ms = read_at_ms
+        
+        
+
+    
+    def __str__(self):
+        return "CheckRuns(sha={}, state={}, checks={}, read_at_ms={})".format(self.sha, self.state, self.checks, self.read_at_ms)
+    def __eq__(self, other):
+        if self.sha != other.sha:
+            return False
+        if self.state != other.state:
+            return False
+        if self.checks != other.checks:
+            return False
+        if self.read_at_ms != other.read_at_ms:
+            return False
+        return True
+
+class _UniffiFfiConverterTypeCheckRuns(_UniffiConverterRustBuffer):
+    @staticmethod
+    def read(buf):
+        return CheckRuns(
+            sha=_UniffiFfiConverterString.read(buf),
+            state=_UniffiFfiConverterString.read(buf),
+            checks=_UniffiFfiConverterSequenceTypeCheckRun.read(buf),
+            read_at_ms=_UniffiFfiConverterInt64.read(buf),
+        )
+
+    @staticmethod
+    def check_lower(value):
+        _UniffiFfiConverterString.check_lower(value.sha)
+        _UniffiFfiConverterString.check_lower(value.state)
+        _UniffiFfiConverterSequenceTypeCheckRun.check_lower(value.checks)
+        _UniffiFfiConverterInt64.check_lower(value.read_at_ms)
+
+    @staticmethod
+    def write(value, buf):
+        _UniffiFfiConverterString.write(value.sha, buf)
+        _UniffiFfiConverterString.write(value.state, buf)
+        _UniffiFfiConverterSequenceTypeCheckRun.write(value.checks, buf)
+        _UniffiFfiConverterInt64.write(value.read_at_ms, buf)
+
 
 
 
@@ -2231,6 +2693,162 @@ class _UniffiFfiConverterTypeDevice(_UniffiConverterRustBuffer):
         _UniffiFfiConverterInt64.write(value.confirmed_at_ms, buf)
 
 @dataclass
+class ErrorIssue:
+    def __init__(self, *, id:str, short_id:str, title:str, culprit:str, level:str, status:str, event_count:int, first_seen_ms:int, last_seen_ms:int, url:str, read_at_ms:int):
+        self.id = id
+        self.short_id = short_id
+        self.title = title
+        self.culprit = culprit
+        self.level = level
+        self.status = status
+        self.event_count = event_count
+        self.first_seen_ms = first_seen_ms
+        self.last_seen_ms = last_seen_ms
+        self.url = url
+        self.read_at_ms = read_at_ms
+        
+        
+
+    
+    def __str__(self):
+        return "ErrorIssue(id={}, short_id={}, title={}, culprit={}, level={}, status={}, event_count={}, first_seen_ms={}, last_seen_ms={}, url={}, read_at_ms={})".format(self.id, self.short_id, self.title, self.culprit, self.level, self.status, self.event_count, self.first_seen_ms, self.last_seen_ms, self.url, self.read_at_ms)
+    def __eq__(self, other):
+        if self.id != other.id:
+            return False
+        if self.short_id != other.short_id:
+            return False
+        if self.title != other.title:
+            return False
+        if self.culprit != other.culprit:
+            return False
+        if self.level != other.level:
+            return False
+        if self.status != other.status:
+            return False
+        if self.event_count != other.event_count:
+            return False
+        if self.first_seen_ms != other.first_seen_ms:
+            return False
+        if self.last_seen_ms != other.last_seen_ms:
+            return False
+        if self.url != other.url:
+            return False
+        if self.read_at_ms != other.read_at_ms:
+            return False
+        return True
+
+class _UniffiFfiConverterTypeErrorIssue(_UniffiConverterRustBuffer):
+    @staticmethod
+    def read(buf):
+        return ErrorIssue(
+            id=_UniffiFfiConverterString.read(buf),
+            short_id=_UniffiFfiConverterString.read(buf),
+            title=_UniffiFfiConverterString.read(buf),
+            culprit=_UniffiFfiConverterString.read(buf),
+            level=_UniffiFfiConverterString.read(buf),
+            status=_UniffiFfiConverterString.read(buf),
+            event_count=_UniffiFfiConverterUInt64.read(buf),
+            first_seen_ms=_UniffiFfiConverterInt64.read(buf),
+            last_seen_ms=_UniffiFfiConverterInt64.read(buf),
+            url=_UniffiFfiConverterString.read(buf),
+            read_at_ms=_UniffiFfiConverterInt64.read(buf),
+        )
+
+    @staticmethod
+    def check_lower(value):
+        _UniffiFfiConverterString.check_lower(value.id)
+        _UniffiFfiConverterString.check_lower(value.short_id)
+        _UniffiFfiConverterString.check_lower(value.title)
+        _UniffiFfiConverterString.check_lower(value.culprit)
+        _UniffiFfiConverterString.check_lower(value.level)
+        _UniffiFfiConverterString.check_lower(value.status)
+        _UniffiFfiConverterUInt64.check_lower(value.event_count)
+        _UniffiFfiConverterInt64.check_lower(value.first_seen_ms)
+        _UniffiFfiConverterInt64.check_lower(value.last_seen_ms)
+        _UniffiFfiConverterString.check_lower(value.url)
+        _UniffiFfiConverterInt64.check_lower(value.read_at_ms)
+
+    @staticmethod
+    def write(value, buf):
+        _UniffiFfiConverterString.write(value.id, buf)
+        _UniffiFfiConverterString.write(value.short_id, buf)
+        _UniffiFfiConverterString.write(value.title, buf)
+        _UniffiFfiConverterString.write(value.culprit, buf)
+        _UniffiFfiConverterString.write(value.level, buf)
+        _UniffiFfiConverterString.write(value.status, buf)
+        _UniffiFfiConverterUInt64.write(value.event_count, buf)
+        _UniffiFfiConverterInt64.write(value.first_seen_ms, buf)
+        _UniffiFfiConverterInt64.write(value.last_seen_ms, buf)
+        _UniffiFfiConverterString.write(value.url, buf)
+        _UniffiFfiConverterInt64.write(value.read_at_ms, buf)
+
+@dataclass
+class Issue:
+    def __init__(self, *, id:str, key:str, title:str, state:str, state_group:str, url:str, read_at_ms:int):
+        self.id = id
+        self.key = key
+        self.title = title
+        self.state = state
+        self.state_group = state_group
+        self.url = url
+        self.read_at_ms = read_at_ms
+        
+        
+
+    
+    def __str__(self):
+        return "Issue(id={}, key={}, title={}, state={}, state_group={}, url={}, read_at_ms={})".format(self.id, self.key, self.title, self.state, self.state_group, self.url, self.read_at_ms)
+    def __eq__(self, other):
+        if self.id != other.id:
+            return False
+        if self.key != other.key:
+            return False
+        if self.title != other.title:
+            return False
+        if self.state != other.state:
+            return False
+        if self.state_group != other.state_group:
+            return False
+        if self.url != other.url:
+            return False
+        if self.read_at_ms != other.read_at_ms:
+            return False
+        return True
+
+class _UniffiFfiConverterTypeIssue(_UniffiConverterRustBuffer):
+    @staticmethod
+    def read(buf):
+        return Issue(
+            id=_UniffiFfiConverterString.read(buf),
+            key=_UniffiFfiConverterString.read(buf),
+            title=_UniffiFfiConverterString.read(buf),
+            state=_UniffiFfiConverterString.read(buf),
+            state_group=_UniffiFfiConverterString.read(buf),
+            url=_UniffiFfiConverterString.read(buf),
+            read_at_ms=_UniffiFfiConverterInt64.read(buf),
+        )
+
+    @staticmethod
+    def check_lower(value):
+        _UniffiFfiConverterString.check_lower(value.id)
+        _UniffiFfiConverterString.check_lower(value.key)
+        _UniffiFfiConverterString.check_lower(value.title)
+        _UniffiFfiConverterString.check_lower(value.state)
+        _UniffiFfiConverterString.check_lower(value.state_group)
+        _UniffiFfiConverterString.check_lower(value.url)
+        _UniffiFfiConverterInt64.check_lower(value.read_at_ms)
+
+    @staticmethod
+    def write(value, buf):
+        _UniffiFfiConverterString.write(value.id, buf)
+        _UniffiFfiConverterString.write(value.key, buf)
+        _UniffiFfiConverterString.write(value.title, buf)
+        _UniffiFfiConverterString.write(value.state, buf)
+        _UniffiFfiConverterString.write(value.state_group, buf)
+        _UniffiFfiConverterString.write(value.url, buf)
+        _UniffiFfiConverterInt64.write(value.read_at_ms, buf)
+
+@dataclass
 class Message:
     def __init__(self, *, id:str, thread_id:str, seq:int, role:str, author:str, content:str, created_at_ms:int, run_id:str, confirmed_at_ms:int):
         self.id = id
@@ -2307,6 +2925,218 @@ class _UniffiFfiConverterTypeMessage(_UniffiConverterRustBuffer):
         _UniffiFfiConverterInt64.write(value.created_at_ms, buf)
         _UniffiFfiConverterString.write(value.run_id, buf)
         _UniffiFfiConverterInt64.write(value.confirmed_at_ms, buf)
+
+class _UniffiFfiConverterFloat64(_UniffiConverterPrimitiveFloat):
+    @staticmethod
+    def read(buf):
+        return buf.read_double()
+
+    @staticmethod
+    def write(value, buf):
+        buf.write_double(value)
+
+@dataclass
+class MetricPoint:
+    def __init__(self, *, date:str, count:float):
+        self.date = date
+        self.count = count
+        
+        
+
+    
+    def __str__(self):
+        return "MetricPoint(date={}, count={})".format(self.date, self.count)
+    def __eq__(self, other):
+        if self.date != other.date:
+            return False
+        if self.count != other.count:
+            return False
+        return True
+
+class _UniffiFfiConverterTypeMetricPoint(_UniffiConverterRustBuffer):
+    @staticmethod
+    def read(buf):
+        return MetricPoint(
+            date=_UniffiFfiConverterString.read(buf),
+            count=_UniffiFfiConverterFloat64.read(buf),
+        )
+
+    @staticmethod
+    def check_lower(value):
+        _UniffiFfiConverterString.check_lower(value.date)
+        _UniffiFfiConverterFloat64.check_lower(value.count)
+
+    @staticmethod
+    def write(value, buf):
+        _UniffiFfiConverterString.write(value.date, buf)
+        _UniffiFfiConverterFloat64.write(value.count, buf)
+
+class _UniffiFfiConverterSequenceTypeMetricPoint(_UniffiConverterRustBuffer):
+    @classmethod
+    def check_lower(cls, value):
+        for item in value:
+            _UniffiFfiConverterTypeMetricPoint.check_lower(item)
+
+    @classmethod
+    def write(cls, value, buf):
+        items = len(value)
+        buf.write_i32(items)
+        for item in value:
+            _UniffiFfiConverterTypeMetricPoint.write(item, buf)
+
+    @classmethod
+    def read(cls, buf):
+        count = buf.read_i32()
+        if count < 0:
+            raise InternalError("Unexpected negative sequence length")
+
+        return [
+            _UniffiFfiConverterTypeMetricPoint.read(buf) for i in range(count)
+        ]
+
+@dataclass
+class MetricSeries:
+    def __init__(self, *, event:str, points:typing.List[MetricPoint], total:int, read_at_ms:int):
+        self.event = event
+        self.points = points
+        self.total = total
+        self.read_at_ms = read_at_ms
+        
+        
+
+    
+    def __str__(self):
+        return "MetricSeries(event={}, points={}, total={}, read_at_ms={})".format(self.event, self.points, self.total, self.read_at_ms)
+    def __eq__(self, other):
+        if self.event != other.event:
+            return False
+        if self.points != other.points:
+            return False
+        if self.total != other.total:
+            return False
+        if self.read_at_ms != other.read_at_ms:
+            return False
+        return True
+
+class _UniffiFfiConverterTypeMetricSeries(_UniffiConverterRustBuffer):
+    @staticmethod
+    def read(buf):
+        return MetricSeries(
+            event=_UniffiFfiConverterString.read(buf),
+            points=_UniffiFfiConverterSequenceTypeMetricPoint.read(buf),
+            total=_UniffiFfiConverterUInt64.read(buf),
+            read_at_ms=_UniffiFfiConverterInt64.read(buf),
+        )
+
+    @staticmethod
+    def check_lower(value):
+        _UniffiFfiConverterString.check_lower(value.event)
+        _UniffiFfiConverterSequenceTypeMetricPoint.check_lower(value.points)
+        _UniffiFfiConverterUInt64.check_lower(value.total)
+        _UniffiFfiConverterInt64.check_lower(value.read_at_ms)
+
+    @staticmethod
+    def write(value, buf):
+        _UniffiFfiConverterString.write(value.event, buf)
+        _UniffiFfiConverterSequenceTypeMetricPoint.write(value.points, buf)
+        _UniffiFfiConverterUInt64.write(value.total, buf)
+        _UniffiFfiConverterInt64.write(value.read_at_ms, buf)
+
+@dataclass
+class PullRequest:
+    def __init__(self, *, number:int, title:str, body:str, state:str, merged:bool, merge_commit_sha:str, head_branch:str, head_sha:str, base_branch:str, author:str, url:str, read_at_ms:int):
+        self.number = number
+        self.title = title
+        self.body = body
+        self.state = state
+        self.merged = merged
+        self.merge_commit_sha = merge_commit_sha
+        self.head_branch = head_branch
+        self.head_sha = head_sha
+        self.base_branch = base_branch
+        self.author = author
+        self.url = url
+        self.read_at_ms = read_at_ms
+        
+        
+
+    
+    def __str__(self):
+        return "PullRequest(number={}, title={}, body={}, state={}, merged={}, merge_commit_sha={}, head_branch={}, head_sha={}, base_branch={}, author={}, url={}, read_at_ms={})".format(self.number, self.title, self.body, self.state, self.merged, self.merge_commit_sha, self.head_branch, self.head_sha, self.base_branch, self.author, self.url, self.read_at_ms)
+    def __eq__(self, other):
+        if self.number != other.number:
+            return False
+        if self.title != other.title:
+            return False
+        if self.body != other.body:
+            return False
+        if self.state != other.state:
+            return False
+        if self.merged != other.merged:
+            return False
+        if self.merge_commit_sha != other.merge_commit_sha:
+            return False
+        if self.head_branch != other.head_branch:
+            return False
+        if self.head_sha != other.head_sha:
+            return False
+        if self.base_branch != other.base_branch:
+            return False
+        if self.author != other.author:
+            return False
+        if self.url != other.url:
+            return False
+        if self.read_at_ms != other.read_at_ms:
+            return False
+        return True
+
+class _UniffiFfiConverterTypePullRequest(_UniffiConverterRustBuffer):
+    @staticmethod
+    def read(buf):
+        return PullRequest(
+            number=_UniffiFfiConverterUInt64.read(buf),
+            title=_UniffiFfiConverterString.read(buf),
+            body=_UniffiFfiConverterString.read(buf),
+            state=_UniffiFfiConverterString.read(buf),
+            merged=_UniffiFfiConverterBoolean.read(buf),
+            merge_commit_sha=_UniffiFfiConverterString.read(buf),
+            head_branch=_UniffiFfiConverterString.read(buf),
+            head_sha=_UniffiFfiConverterString.read(buf),
+            base_branch=_UniffiFfiConverterString.read(buf),
+            author=_UniffiFfiConverterString.read(buf),
+            url=_UniffiFfiConverterString.read(buf),
+            read_at_ms=_UniffiFfiConverterInt64.read(buf),
+        )
+
+    @staticmethod
+    def check_lower(value):
+        _UniffiFfiConverterUInt64.check_lower(value.number)
+        _UniffiFfiConverterString.check_lower(value.title)
+        _UniffiFfiConverterString.check_lower(value.body)
+        _UniffiFfiConverterString.check_lower(value.state)
+        _UniffiFfiConverterBoolean.check_lower(value.merged)
+        _UniffiFfiConverterString.check_lower(value.merge_commit_sha)
+        _UniffiFfiConverterString.check_lower(value.head_branch)
+        _UniffiFfiConverterString.check_lower(value.head_sha)
+        _UniffiFfiConverterString.check_lower(value.base_branch)
+        _UniffiFfiConverterString.check_lower(value.author)
+        _UniffiFfiConverterString.check_lower(value.url)
+        _UniffiFfiConverterInt64.check_lower(value.read_at_ms)
+
+    @staticmethod
+    def write(value, buf):
+        _UniffiFfiConverterUInt64.write(value.number, buf)
+        _UniffiFfiConverterString.write(value.title, buf)
+        _UniffiFfiConverterString.write(value.body, buf)
+        _UniffiFfiConverterString.write(value.state, buf)
+        _UniffiFfiConverterBoolean.write(value.merged, buf)
+        _UniffiFfiConverterString.write(value.merge_commit_sha, buf)
+        _UniffiFfiConverterString.write(value.head_branch, buf)
+        _UniffiFfiConverterString.write(value.head_sha, buf)
+        _UniffiFfiConverterString.write(value.base_branch, buf)
+        _UniffiFfiConverterString.write(value.author, buf)
+        _UniffiFfiConverterString.write(value.url, buf)
+        _UniffiFfiConverterInt64.write(value.read_at_ms, buf)
 
 class _UniffiFfiConverterUInt32(_UniffiConverterPrimitiveInt):
     CLASS_NAME = "u32"
@@ -2744,27 +3574,6 @@ class _UniffiFfiConverterSequenceTypeApproval(_UniffiConverterRustBuffer):
         return [
             _UniffiFfiConverterTypeApproval.read(buf) for i in range(count)
         ]
-
-class _UniffiFfiConverterBoolean:
-    @classmethod
-    def check_lower(cls, value):
-        return not not value
-
-    @classmethod
-    def lower(cls, value):
-        return 1 if value else 0
-
-    @staticmethod
-    def lift(value):
-        return value != 0
-
-    @classmethod
-    def read(cls, buf):
-        return cls.lift(buf.read_u8())
-
-    @classmethod
-    def write(cls, value, buf):
-        buf.write_u8(value)
 
 
 
@@ -4899,6 +5708,238 @@ class _UniffiFfiConverterTypeDevices:
     def write(cls, value: Devices, buf: _UniffiRustBuffer):
         buf.write_u64(cls.lower(value))
 
+class _UniffiFfiConverterSequenceTypeApp(_UniffiConverterRustBuffer):
+    @classmethod
+    def check_lower(cls, value):
+        for item in value:
+            _UniffiFfiConverterTypeApp.check_lower(item)
+
+    @classmethod
+    def write(cls, value, buf):
+        items = len(value)
+        buf.write_i32(items)
+        for item in value:
+            _UniffiFfiConverterTypeApp.write(item, buf)
+
+    @classmethod
+    def read(cls, buf):
+        count = buf.read_i32()
+        if count < 0:
+            raise InternalError("Unexpected negative sequence length")
+
+        return [
+            _UniffiFfiConverterTypeApp.read(buf) for i in range(count)
+        ]
+
+
+class PanelsProtocol(typing.Protocol):
+    """
+    A run's native panels, read through the server from the apps' agents as this person (never cached).
+"""
+    
+    async def apps(self, ) -> typing.List[App]:
+        """
+        The deployment's apps, and which of them this person may read.
+"""
+        raise NotImplementedError
+    async def check_runs(self, run_id: str) -> CheckRuns:
+        raise NotImplementedError
+    async def error_issue(self, run_id: str) -> ErrorIssue:
+        raise NotImplementedError
+    async def issue(self, run_id: str) -> Issue:
+        raise NotImplementedError
+    async def metric_series(self, run_id: str,since_ms: int) -> MetricSeries:
+        """
+        From `since_ms` (at most 90 days back; 0: a day before the run started).
+"""
+        raise NotImplementedError
+    async def pull_request(self, run_id: str) -> PullRequest:
+        raise NotImplementedError
+    async def thread(self, run_id: str) -> ChatThread:
+        raise NotImplementedError
+
+class Panels(PanelsProtocol):
+    """
+    A run's native panels, read through the server from the apps' agents as this person (never cached).
+"""
+    
+    _handle: ctypes.c_uint64
+    
+    def __init__(self, *args, **kwargs):
+        raise ValueError("This class has no default constructor")
+
+    def __del__(self):
+        # In case of partial initialization of instances.
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            _uniffi_rust_call(_UniffiLib.uniffi_loams_ffi_fn_free_panels, handle)
+
+    def _uniffi_clone_handle(self):
+        return _uniffi_rust_call(_UniffiLib.uniffi_loams_ffi_fn_clone_panels, self._handle)
+
+    # Used by alternative constructors or any methods which return this type.
+    @classmethod
+    def _uniffi_make_instance(cls, handle):
+        # Lightly yucky way to bypass the usual __init__ logic
+        # and just create a new instance with the required handle.
+        inst = cls.__new__(cls)
+        inst._handle = handle
+        return inst
+    async def apps(self, ) -> typing.List[App]:
+        """
+        The deployment's apps, and which of them this person may read.
+"""
+        _uniffi_lowered_args = (
+            self._uniffi_clone_handle(),
+        )
+        _uniffi_lift_return = _UniffiFfiConverterSequenceTypeApp.lift
+        _uniffi_error_converter = _UniffiFfiConverterTypeLoamsError
+        return await _uniffi_rust_call_async(
+            _UniffiLib.uniffi_loams_ffi_fn_method_panels_apps(*_uniffi_lowered_args),
+            _UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer,
+            _uniffi_lift_return,
+            _uniffi_error_converter,
+        )
+    async def check_runs(self, run_id: str) -> CheckRuns:
+        
+        _UniffiFfiConverterString.check_lower(run_id)
+        _uniffi_lowered_args = (
+            self._uniffi_clone_handle(),
+            _UniffiFfiConverterString.lower(run_id),
+        )
+        _uniffi_lift_return = _UniffiFfiConverterTypeCheckRuns.lift
+        _uniffi_error_converter = _UniffiFfiConverterTypeLoamsError
+        return await _uniffi_rust_call_async(
+            _UniffiLib.uniffi_loams_ffi_fn_method_panels_check_runs(*_uniffi_lowered_args),
+            _UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer,
+            _uniffi_lift_return,
+            _uniffi_error_converter,
+        )
+    async def error_issue(self, run_id: str) -> ErrorIssue:
+        
+        _UniffiFfiConverterString.check_lower(run_id)
+        _uniffi_lowered_args = (
+            self._uniffi_clone_handle(),
+            _UniffiFfiConverterString.lower(run_id),
+        )
+        _uniffi_lift_return = _UniffiFfiConverterTypeErrorIssue.lift
+        _uniffi_error_converter = _UniffiFfiConverterTypeLoamsError
+        return await _uniffi_rust_call_async(
+            _UniffiLib.uniffi_loams_ffi_fn_method_panels_error_issue(*_uniffi_lowered_args),
+            _UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer,
+            _uniffi_lift_return,
+            _uniffi_error_converter,
+        )
+    async def issue(self, run_id: str) -> Issue:
+        
+        _UniffiFfiConverterString.check_lower(run_id)
+        _uniffi_lowered_args = (
+            self._uniffi_clone_handle(),
+            _UniffiFfiConverterString.lower(run_id),
+        )
+        _uniffi_lift_return = _UniffiFfiConverterTypeIssue.lift
+        _uniffi_error_converter = _UniffiFfiConverterTypeLoamsError
+        return await _uniffi_rust_call_async(
+            _UniffiLib.uniffi_loams_ffi_fn_method_panels_issue(*_uniffi_lowered_args),
+            _UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer,
+            _uniffi_lift_return,
+            _uniffi_error_converter,
+        )
+    async def metric_series(self, run_id: str,since_ms: int) -> MetricSeries:
+        """
+        From `since_ms` (at most 90 days back; 0: a day before the run started).
+"""
+        
+        _UniffiFfiConverterString.check_lower(run_id)
+
+        _UniffiFfiConverterInt64.check_lower(since_ms)
+        _uniffi_lowered_args = (
+            self._uniffi_clone_handle(),
+            _UniffiFfiConverterString.lower(run_id),
+            _UniffiFfiConverterInt64.lower(since_ms),
+        )
+        _uniffi_lift_return = _UniffiFfiConverterTypeMetricSeries.lift
+        _uniffi_error_converter = _UniffiFfiConverterTypeLoamsError
+        return await _uniffi_rust_call_async(
+            _UniffiLib.uniffi_loams_ffi_fn_method_panels_metric_series(*_uniffi_lowered_args),
+            _UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer,
+            _uniffi_lift_return,
+            _uniffi_error_converter,
+        )
+    async def pull_request(self, run_id: str) -> PullRequest:
+        
+        _UniffiFfiConverterString.check_lower(run_id)
+        _uniffi_lowered_args = (
+            self._uniffi_clone_handle(),
+            _UniffiFfiConverterString.lower(run_id),
+        )
+        _uniffi_lift_return = _UniffiFfiConverterTypePullRequest.lift
+        _uniffi_error_converter = _UniffiFfiConverterTypeLoamsError
+        return await _uniffi_rust_call_async(
+            _UniffiLib.uniffi_loams_ffi_fn_method_panels_pull_request(*_uniffi_lowered_args),
+            _UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer,
+            _uniffi_lift_return,
+            _uniffi_error_converter,
+        )
+    async def thread(self, run_id: str) -> ChatThread:
+        
+        _UniffiFfiConverterString.check_lower(run_id)
+        _uniffi_lowered_args = (
+            self._uniffi_clone_handle(),
+            _UniffiFfiConverterString.lower(run_id),
+        )
+        _uniffi_lift_return = _UniffiFfiConverterTypeChatThread.lift
+        _uniffi_error_converter = _UniffiFfiConverterTypeLoamsError
+        return await _uniffi_rust_call_async(
+            _UniffiLib.uniffi_loams_ffi_fn_method_panels_thread(*_uniffi_lowered_args),
+            _UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer,
+            _UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer,
+            _uniffi_lift_return,
+            _uniffi_error_converter,
+        )
+
+
+
+
+
+class _UniffiFfiConverterTypePanels:
+    @staticmethod
+    def lift(value: int) -> Panels:
+        return Panels._uniffi_make_instance(value)
+
+    @staticmethod
+    def check_lower(value: Panels):
+        if not isinstance(value, Panels):
+            raise TypeError("Expected Panels instance, {} found".format(type(value).__name__))
+
+    @staticmethod
+    def lower(value: Panels) -> ctypes.c_uint64:
+        return value._uniffi_clone_handle()
+
+    @classmethod
+    def read(cls, buf: _UniffiRustBuffer) -> Panels:
+        ptr = buf.read_u64()
+        if ptr == 0:
+            raise InternalError("Raw handle value was null")
+        return cls.lift(ptr)
+
+    @classmethod
+    def write(cls, value: Panels, buf: _UniffiRustBuffer):
+        buf.write_u64(cls.lower(value))
+
 class _UniffiFfiConverterSequenceTypeRun(_UniffiConverterRustBuffer):
     @classmethod
     def check_lower(cls, value):
@@ -5278,6 +6319,8 @@ class ClientProtocol(typing.Protocol):
         raise NotImplementedError
     def org(self, ) -> str:
         raise NotImplementedError
+    def panels(self, ) -> Panels:
+        raise NotImplementedError
     def runs(self, ) -> Runs:
         raise NotImplementedError
     def set_network_available(self, available: bool) -> None:
@@ -5378,6 +6421,18 @@ class Client(ClientProtocol):
         _uniffi_ffi_result = _uniffi_rust_call_with_error(
             _uniffi_error_converter,
             _UniffiLib.uniffi_loams_ffi_fn_method_client_org,
+            *_uniffi_lowered_args,
+        )
+        return _uniffi_lift_return(_uniffi_ffi_result)
+    def panels(self, ) -> Panels:
+        _uniffi_lowered_args = (
+            self._uniffi_clone_handle(),
+        )
+        _uniffi_lift_return = _UniffiFfiConverterTypePanels.lift
+        _uniffi_error_converter = None
+        _uniffi_ffi_result = _uniffi_rust_call_with_error(
+            _uniffi_error_converter,
+            _UniffiLib.uniffi_loams_ffi_fn_method_client_panels,
             *_uniffi_lowered_args,
         )
         return _uniffi_lift_return(_uniffi_ffi_result)
@@ -5913,11 +6968,22 @@ __all__ = [
     "RunUpdate",
     "ThreadUpdate",
     "AllowedApp",
+    "LinkTemplate",
+    "App",
     "Approval",
     "Budget",
+    "ChatMessage",
+    "ChatThread",
+    "CheckRun",
+    "CheckRuns",
     "ClientSettings",
     "Device",
+    "ErrorIssue",
+    "Issue",
     "Message",
+    "MetricPoint",
+    "MetricSeries",
+    "PullRequest",
     "Signal",
     "RunLinks",
     "Run",
@@ -5939,6 +7005,8 @@ __all__ = [
     "BotProtocol",
     "Devices",
     "DevicesProtocol",
+    "Panels",
+    "PanelsProtocol",
     "RunListenerImpl",
     "RunListener",
     "Runs",

@@ -519,6 +519,22 @@ fileprivate struct FfiConverterInt64: FfiConverterPrimitive {
 #if swift(>=5.8)
 @_documentation(visibility: private)
 #endif
+fileprivate struct FfiConverterDouble: FfiConverterPrimitive {
+    typealias FfiType = Double
+    typealias SwiftType = Double
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> Double {
+        return try lift(readDouble(&buf))
+    }
+
+    public static func write(_ value: Double, into buf: inout [UInt8]) {
+        writeDouble(&buf, lower(value))
+    }
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
 fileprivate struct FfiConverterBool : FfiConverter {
     typealias FfiType = Int8
     typealias SwiftType = Bool
@@ -1242,6 +1258,8 @@ public protocol ClientProtocol: AnyObject, Sendable {
     
     func org()  -> String
     
+    func panels()  -> Panels
+    
     func runs()  -> Runs
     
     /**
@@ -1351,6 +1369,15 @@ open func org() -> String  {
     return try!  FfiConverterString.lift(try! rustCall() {
         uniffiCallStatus in
     uniffi_loams_ffi_fn_method_client_org(
+            self.uniffiCloneHandle(),uniffiCallStatus
+    )
+})
+}
+    
+open func panels() -> Panels  {
+    return try!  FfiConverterTypePanels_lift(try! rustCall() {
+        uniffiCallStatus in
+    uniffi_loams_ffi_fn_method_client_panels(
             self.uniffiCloneHandle(),uniffiCallStatus
     )
 })
@@ -1882,6 +1909,256 @@ public func FfiConverterTypeDevices_lift(_ handle: UInt64) throws -> Devices {
 #endif
 public func FfiConverterTypeDevices_lower(_ value: Devices) -> UInt64 {
     return FfiConverterTypeDevices.lower(value)
+}
+
+
+
+
+
+
+/**
+ * A run's native panels, read through the server from the apps' agents as this person (never cached).
+ */
+public protocol PanelsProtocol: AnyObject, Sendable {
+    
+    /**
+     * The deployment's apps, and which of them this person may read.
+     */
+    func apps() async throws  -> [App]
+    
+    func checkRuns(runId: String) async throws  -> CheckRuns
+    
+    func errorIssue(runId: String) async throws  -> ErrorIssue
+    
+    func issue(runId: String) async throws  -> Issue
+    
+    /**
+     * From `since_ms` (at most 90 days back; 0: a day before the run started).
+     */
+    func metricSeries(runId: String, sinceMs: Int64) async throws  -> MetricSeries
+    
+    func pullRequest(runId: String) async throws  -> PullRequest
+    
+    func thread(runId: String) async throws  -> ChatThread
+    
+}
+/**
+ * A run's native panels, read through the server from the apps' agents as this person (never cached).
+ */
+open class Panels: PanelsProtocol, @unchecked Sendable {
+    fileprivate let handle: UInt64
+
+    /// Used to instantiate a [FFIObject] without an actual handle, for fakes in tests, mostly.
+#if swift(>=5.8)
+    @_documentation(visibility: private)
+#endif
+    public struct NoHandle {
+        public init() {}
+    }
+
+    // TODO: We'd like this to be `private` but for Swifty reasons,
+    // we can't implement `FfiConverter` without making this `required` and we can't
+    // make it `required` without making it `public`.
+#if swift(>=5.8)
+    @_documentation(visibility: private)
+#endif
+    required public init(unsafeFromHandle handle: UInt64) {
+        self.handle = handle
+    }
+
+    // This constructor can be used to instantiate a fake object.
+    // - Parameter noHandle: Placeholder value so we can have a constructor separate from the default empty one that may be implemented for classes extending [FFIObject].
+    //
+    // - Warning:
+    //     Any object instantiated with this constructor cannot be passed to an actual Rust-backed object. Since there isn't a backing handle the FFI lower functions will crash.
+#if swift(>=5.8)
+    @_documentation(visibility: private)
+#endif
+    public init(noHandle: NoHandle) {
+        self.handle = 0
+    }
+
+#if swift(>=5.8)
+    @_documentation(visibility: private)
+#endif
+    public func uniffiCloneHandle() -> UInt64 {
+        return try! rustCall { uniffi_loams_ffi_fn_clone_panels(self.handle, $0) }
+    }
+    // No primary constructor declared for this class.
+
+    deinit {
+        if handle == 0 {
+            // Mock objects have handle=0 don't try to free them
+            return
+        }
+
+        try! rustCall { uniffi_loams_ffi_fn_free_panels(handle, $0) }
+    }
+
+    
+
+    
+    /**
+     * The deployment's apps, and which of them this person may read.
+     */
+open func apps()async throws  -> [App]  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_loams_ffi_fn_method_panels_apps(
+                        self.uniffiCloneHandle()
+                )
+            },
+            pollFunc: ffi_loams_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_loams_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_loams_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterSequenceTypeApp.lift,
+            errorHandler: FfiConverterTypeLoamsError_lift
+        )
+}
+    
+open func checkRuns(runId: String)async throws  -> CheckRuns  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_loams_ffi_fn_method_panels_check_runs(
+                        self.uniffiCloneHandle(),FfiConverterString.lower(runId)
+                )
+            },
+            pollFunc: ffi_loams_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_loams_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_loams_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterTypeCheckRuns_lift,
+            errorHandler: FfiConverterTypeLoamsError_lift
+        )
+}
+    
+open func errorIssue(runId: String)async throws  -> ErrorIssue  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_loams_ffi_fn_method_panels_error_issue(
+                        self.uniffiCloneHandle(),FfiConverterString.lower(runId)
+                )
+            },
+            pollFunc: ffi_loams_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_loams_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_loams_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterTypeErrorIssue_lift,
+            errorHandler: FfiConverterTypeLoamsError_lift
+        )
+}
+    
+open func issue(runId: String)async throws  -> Issue  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_loams_ffi_fn_method_panels_issue(
+                        self.uniffiCloneHandle(),FfiConverterString.lower(runId)
+                )
+            },
+            pollFunc: ffi_loams_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_loams_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_loams_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterTypeIssue_lift,
+            errorHandler: FfiConverterTypeLoamsError_lift
+        )
+}
+    
+    /**
+     * From `since_ms` (at most 90 days back; 0: a day before the run started).
+     */
+open func metricSeries(runId: String, sinceMs: Int64)async throws  -> MetricSeries  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_loams_ffi_fn_method_panels_metric_series(
+                        self.uniffiCloneHandle(),FfiConverterString.lower(runId),FfiConverterInt64.lower(sinceMs)
+                )
+            },
+            pollFunc: ffi_loams_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_loams_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_loams_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterTypeMetricSeries_lift,
+            errorHandler: FfiConverterTypeLoamsError_lift
+        )
+}
+    
+open func pullRequest(runId: String)async throws  -> PullRequest  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_loams_ffi_fn_method_panels_pull_request(
+                        self.uniffiCloneHandle(),FfiConverterString.lower(runId)
+                )
+            },
+            pollFunc: ffi_loams_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_loams_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_loams_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterTypePullRequest_lift,
+            errorHandler: FfiConverterTypeLoamsError_lift
+        )
+}
+    
+open func thread(runId: String)async throws  -> ChatThread  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_loams_ffi_fn_method_panels_thread(
+                        self.uniffiCloneHandle(),FfiConverterString.lower(runId)
+                )
+            },
+            pollFunc: ffi_loams_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_loams_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_loams_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterTypeChatThread_lift,
+            errorHandler: FfiConverterTypeLoamsError_lift
+        )
+}
+    
+
+    
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypePanels: FfiConverter {
+    typealias FfiType = UInt64
+    typealias SwiftType = Panels
+
+    public static func lift(_ handle: UInt64) throws -> Panels {
+        return Panels(unsafeFromHandle: handle)
+    }
+
+    public static func lower(_ value: Panels) -> UInt64 {
+        return value.uniffiCloneHandle()
+    }
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> Panels {
+        let handle: UInt64 = try readInt(&buf)
+        return try lift(handle)
+    }
+
+    public static func write(_ value: Panels, into buf: inout [UInt8]) {
+        writeInt(&buf, lower(value))
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypePanels_lift(_ handle: UInt64) throws -> Panels {
+    return try FfiConverterTypePanels.lift(handle)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypePanels_lower(_ value: Panels) -> UInt64 {
+    return FfiConverterTypePanels.lower(value)
 }
 
 
@@ -2934,6 +3211,76 @@ public func FfiConverterTypeAllowedApp_lower(_ value: AllowedApp) -> RustBuffer 
 }
 
 
+public struct App: Equatable, Hashable {
+    public var id: String
+    public var baseUrl: String
+    public var deepLinkTemplates: [LinkTemplate]
+    public var configured: Bool
+    public var readable: Bool
+    public var environment: String
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(id: String, baseUrl: String, deepLinkTemplates: [LinkTemplate], configured: Bool, readable: Bool, environment: String) {
+        self.id = id
+        self.baseUrl = baseUrl
+        self.deepLinkTemplates = deepLinkTemplates
+        self.configured = configured
+        self.readable = readable
+        self.environment = environment
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension App: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeApp: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> App {
+        return
+            try App(
+                id: FfiConverterString.read(from: &buf), 
+                baseUrl: FfiConverterString.read(from: &buf), 
+                deepLinkTemplates: FfiConverterSequenceTypeLinkTemplate.read(from: &buf), 
+                configured: FfiConverterBool.read(from: &buf), 
+                readable: FfiConverterBool.read(from: &buf), 
+                environment: FfiConverterString.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: App, into buf: inout [UInt8]) {
+        FfiConverterString.write(value.id, into: &buf)
+        FfiConverterString.write(value.baseUrl, into: &buf)
+        FfiConverterSequenceTypeLinkTemplate.write(value.deepLinkTemplates, into: &buf)
+        FfiConverterBool.write(value.configured, into: &buf)
+        FfiConverterBool.write(value.readable, into: &buf)
+        FfiConverterString.write(value.environment, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeApp_lift(_ buf: RustBuffer) throws -> App {
+    return try FfiConverterTypeApp.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeApp_lower(_ value: App) -> RustBuffer {
+    return FfiConverterTypeApp.lower(value)
+}
+
+
 public struct Approval: Equatable, Hashable {
     public var id: String
     public var runId: String
@@ -3114,6 +3461,250 @@ public func FfiConverterTypeBudget_lower(_ value: Budget) -> RustBuffer {
 }
 
 
+public struct ChatMessage: Equatable, Hashable {
+    public var id: UInt64
+    public var senderName: String
+    public var content: String
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(id: UInt64, senderName: String, content: String) {
+        self.id = id
+        self.senderName = senderName
+        self.content = content
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension ChatMessage: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeChatMessage: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> ChatMessage {
+        return
+            try ChatMessage(
+                id: FfiConverterUInt64.read(from: &buf), 
+                senderName: FfiConverterString.read(from: &buf), 
+                content: FfiConverterString.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: ChatMessage, into buf: inout [UInt8]) {
+        FfiConverterUInt64.write(value.id, into: &buf)
+        FfiConverterString.write(value.senderName, into: &buf)
+        FfiConverterString.write(value.content, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeChatMessage_lift(_ buf: RustBuffer) throws -> ChatMessage {
+    return try FfiConverterTypeChatMessage.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeChatMessage_lower(_ value: ChatMessage) -> RustBuffer {
+    return FfiConverterTypeChatMessage.lower(value)
+}
+
+
+public struct ChatThread: Equatable, Hashable {
+    public var channel: String
+    public var topic: String
+    public var messages: [ChatMessage]
+    public var readAtMs: Int64
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(channel: String, topic: String, messages: [ChatMessage], readAtMs: Int64) {
+        self.channel = channel
+        self.topic = topic
+        self.messages = messages
+        self.readAtMs = readAtMs
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension ChatThread: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeChatThread: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> ChatThread {
+        return
+            try ChatThread(
+                channel: FfiConverterString.read(from: &buf), 
+                topic: FfiConverterString.read(from: &buf), 
+                messages: FfiConverterSequenceTypeChatMessage.read(from: &buf), 
+                readAtMs: FfiConverterInt64.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: ChatThread, into buf: inout [UInt8]) {
+        FfiConverterString.write(value.channel, into: &buf)
+        FfiConverterString.write(value.topic, into: &buf)
+        FfiConverterSequenceTypeChatMessage.write(value.messages, into: &buf)
+        FfiConverterInt64.write(value.readAtMs, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeChatThread_lift(_ buf: RustBuffer) throws -> ChatThread {
+    return try FfiConverterTypeChatThread.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeChatThread_lower(_ value: ChatThread) -> RustBuffer {
+    return FfiConverterTypeChatThread.lower(value)
+}
+
+
+public struct CheckRun: Equatable, Hashable {
+    public var name: String
+    public var state: String
+    public var description: String
+    public var url: String
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(name: String, state: String, description: String, url: String) {
+        self.name = name
+        self.state = state
+        self.description = description
+        self.url = url
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension CheckRun: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeCheckRun: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> CheckRun {
+        return
+            try CheckRun(
+                name: FfiConverterString.read(from: &buf), 
+                state: FfiConverterString.read(from: &buf), 
+                description: FfiConverterString.read(from: &buf), 
+                url: FfiConverterString.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: CheckRun, into buf: inout [UInt8]) {
+        FfiConverterString.write(value.name, into: &buf)
+        FfiConverterString.write(value.state, into: &buf)
+        FfiConverterString.write(value.description, into: &buf)
+        FfiConverterString.write(value.url, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeCheckRun_lift(_ buf: RustBuffer) throws -> CheckRun {
+    return try FfiConverterTypeCheckRun.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeCheckRun_lower(_ value: CheckRun) -> RustBuffer {
+    return FfiConverterTypeCheckRun.lower(value)
+}
+
+
+public struct CheckRuns: Equatable, Hashable {
+    public var sha: String
+    public var state: String
+    public var checks: [CheckRun]
+    public var readAtMs: Int64
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(sha: String, state: String, checks: [CheckRun], readAtMs: Int64) {
+        self.sha = sha
+        self.state = state
+        self.checks = checks
+        self.readAtMs = readAtMs
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension CheckRuns: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeCheckRuns: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> CheckRuns {
+        return
+            try CheckRuns(
+                sha: FfiConverterString.read(from: &buf), 
+                state: FfiConverterString.read(from: &buf), 
+                checks: FfiConverterSequenceTypeCheckRun.read(from: &buf), 
+                readAtMs: FfiConverterInt64.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: CheckRuns, into buf: inout [UInt8]) {
+        FfiConverterString.write(value.sha, into: &buf)
+        FfiConverterString.write(value.state, into: &buf)
+        FfiConverterSequenceTypeCheckRun.write(value.checks, into: &buf)
+        FfiConverterInt64.write(value.readAtMs, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeCheckRuns_lift(_ buf: RustBuffer) throws -> CheckRuns {
+    return try FfiConverterTypeCheckRuns.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeCheckRuns_lower(_ value: CheckRuns) -> RustBuffer {
+    return FfiConverterTypeCheckRuns.lower(value)
+}
+
+
 /**
  * How the client is set up; durations in milliseconds.
  */
@@ -3271,6 +3862,224 @@ public func FfiConverterTypeDevice_lower(_ value: Device) -> RustBuffer {
 }
 
 
+public struct ErrorIssue: Equatable, Hashable {
+    public var id: String
+    public var shortId: String
+    public var title: String
+    public var culprit: String
+    public var level: String
+    public var status: String
+    public var eventCount: UInt64
+    public var firstSeenMs: Int64
+    public var lastSeenMs: Int64
+    public var url: String
+    public var readAtMs: Int64
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(id: String, shortId: String, title: String, culprit: String, level: String, status: String, eventCount: UInt64, firstSeenMs: Int64, lastSeenMs: Int64, url: String, readAtMs: Int64) {
+        self.id = id
+        self.shortId = shortId
+        self.title = title
+        self.culprit = culprit
+        self.level = level
+        self.status = status
+        self.eventCount = eventCount
+        self.firstSeenMs = firstSeenMs
+        self.lastSeenMs = lastSeenMs
+        self.url = url
+        self.readAtMs = readAtMs
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension ErrorIssue: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeErrorIssue: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> ErrorIssue {
+        return
+            try ErrorIssue(
+                id: FfiConverterString.read(from: &buf), 
+                shortId: FfiConverterString.read(from: &buf), 
+                title: FfiConverterString.read(from: &buf), 
+                culprit: FfiConverterString.read(from: &buf), 
+                level: FfiConverterString.read(from: &buf), 
+                status: FfiConverterString.read(from: &buf), 
+                eventCount: FfiConverterUInt64.read(from: &buf), 
+                firstSeenMs: FfiConverterInt64.read(from: &buf), 
+                lastSeenMs: FfiConverterInt64.read(from: &buf), 
+                url: FfiConverterString.read(from: &buf), 
+                readAtMs: FfiConverterInt64.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: ErrorIssue, into buf: inout [UInt8]) {
+        FfiConverterString.write(value.id, into: &buf)
+        FfiConverterString.write(value.shortId, into: &buf)
+        FfiConverterString.write(value.title, into: &buf)
+        FfiConverterString.write(value.culprit, into: &buf)
+        FfiConverterString.write(value.level, into: &buf)
+        FfiConverterString.write(value.status, into: &buf)
+        FfiConverterUInt64.write(value.eventCount, into: &buf)
+        FfiConverterInt64.write(value.firstSeenMs, into: &buf)
+        FfiConverterInt64.write(value.lastSeenMs, into: &buf)
+        FfiConverterString.write(value.url, into: &buf)
+        FfiConverterInt64.write(value.readAtMs, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeErrorIssue_lift(_ buf: RustBuffer) throws -> ErrorIssue {
+    return try FfiConverterTypeErrorIssue.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeErrorIssue_lower(_ value: ErrorIssue) -> RustBuffer {
+    return FfiConverterTypeErrorIssue.lower(value)
+}
+
+
+public struct Issue: Equatable, Hashable {
+    public var id: String
+    public var key: String
+    public var title: String
+    public var state: String
+    public var stateGroup: String
+    public var url: String
+    public var readAtMs: Int64
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(id: String, key: String, title: String, state: String, stateGroup: String, url: String, readAtMs: Int64) {
+        self.id = id
+        self.key = key
+        self.title = title
+        self.state = state
+        self.stateGroup = stateGroup
+        self.url = url
+        self.readAtMs = readAtMs
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension Issue: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeIssue: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> Issue {
+        return
+            try Issue(
+                id: FfiConverterString.read(from: &buf), 
+                key: FfiConverterString.read(from: &buf), 
+                title: FfiConverterString.read(from: &buf), 
+                state: FfiConverterString.read(from: &buf), 
+                stateGroup: FfiConverterString.read(from: &buf), 
+                url: FfiConverterString.read(from: &buf), 
+                readAtMs: FfiConverterInt64.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: Issue, into buf: inout [UInt8]) {
+        FfiConverterString.write(value.id, into: &buf)
+        FfiConverterString.write(value.key, into: &buf)
+        FfiConverterString.write(value.title, into: &buf)
+        FfiConverterString.write(value.state, into: &buf)
+        FfiConverterString.write(value.stateGroup, into: &buf)
+        FfiConverterString.write(value.url, into: &buf)
+        FfiConverterInt64.write(value.readAtMs, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeIssue_lift(_ buf: RustBuffer) throws -> Issue {
+    return try FfiConverterTypeIssue.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeIssue_lower(_ value: Issue) -> RustBuffer {
+    return FfiConverterTypeIssue.lower(value)
+}
+
+
+public struct LinkTemplate: Equatable, Hashable {
+    public var object: String
+    public var template: String
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(object: String, template: String) {
+        self.object = object
+        self.template = template
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension LinkTemplate: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeLinkTemplate: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> LinkTemplate {
+        return
+            try LinkTemplate(
+                object: FfiConverterString.read(from: &buf), 
+                template: FfiConverterString.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: LinkTemplate, into buf: inout [UInt8]) {
+        FfiConverterString.write(value.object, into: &buf)
+        FfiConverterString.write(value.template, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeLinkTemplate_lift(_ buf: RustBuffer) throws -> LinkTemplate {
+    return try FfiConverterTypeLinkTemplate.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeLinkTemplate_lower(_ value: LinkTemplate) -> RustBuffer {
+    return FfiConverterTypeLinkTemplate.lower(value)
+}
+
+
 public struct Message: Equatable, Hashable {
     public var id: String
     public var threadId: String
@@ -3350,6 +4159,216 @@ public func FfiConverterTypeMessage_lift(_ buf: RustBuffer) throws -> Message {
 #endif
 public func FfiConverterTypeMessage_lower(_ value: Message) -> RustBuffer {
     return FfiConverterTypeMessage.lower(value)
+}
+
+
+public struct MetricPoint: Equatable, Hashable {
+    public var date: String
+    public var count: Double
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(date: String, count: Double) {
+        self.date = date
+        self.count = count
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension MetricPoint: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeMetricPoint: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> MetricPoint {
+        return
+            try MetricPoint(
+                date: FfiConverterString.read(from: &buf), 
+                count: FfiConverterDouble.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: MetricPoint, into buf: inout [UInt8]) {
+        FfiConverterString.write(value.date, into: &buf)
+        FfiConverterDouble.write(value.count, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeMetricPoint_lift(_ buf: RustBuffer) throws -> MetricPoint {
+    return try FfiConverterTypeMetricPoint.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeMetricPoint_lower(_ value: MetricPoint) -> RustBuffer {
+    return FfiConverterTypeMetricPoint.lower(value)
+}
+
+
+public struct MetricSeries: Equatable, Hashable {
+    public var event: String
+    public var points: [MetricPoint]
+    public var total: UInt64
+    public var readAtMs: Int64
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(event: String, points: [MetricPoint], total: UInt64, readAtMs: Int64) {
+        self.event = event
+        self.points = points
+        self.total = total
+        self.readAtMs = readAtMs
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension MetricSeries: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeMetricSeries: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> MetricSeries {
+        return
+            try MetricSeries(
+                event: FfiConverterString.read(from: &buf), 
+                points: FfiConverterSequenceTypeMetricPoint.read(from: &buf), 
+                total: FfiConverterUInt64.read(from: &buf), 
+                readAtMs: FfiConverterInt64.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: MetricSeries, into buf: inout [UInt8]) {
+        FfiConverterString.write(value.event, into: &buf)
+        FfiConverterSequenceTypeMetricPoint.write(value.points, into: &buf)
+        FfiConverterUInt64.write(value.total, into: &buf)
+        FfiConverterInt64.write(value.readAtMs, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeMetricSeries_lift(_ buf: RustBuffer) throws -> MetricSeries {
+    return try FfiConverterTypeMetricSeries.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeMetricSeries_lower(_ value: MetricSeries) -> RustBuffer {
+    return FfiConverterTypeMetricSeries.lower(value)
+}
+
+
+public struct PullRequest: Equatable, Hashable {
+    public var number: UInt64
+    public var title: String
+    public var body: String
+    public var state: String
+    public var merged: Bool
+    public var mergeCommitSha: String
+    public var headBranch: String
+    public var headSha: String
+    public var baseBranch: String
+    public var author: String
+    public var url: String
+    public var readAtMs: Int64
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(number: UInt64, title: String, body: String, state: String, merged: Bool, mergeCommitSha: String, headBranch: String, headSha: String, baseBranch: String, author: String, url: String, readAtMs: Int64) {
+        self.number = number
+        self.title = title
+        self.body = body
+        self.state = state
+        self.merged = merged
+        self.mergeCommitSha = mergeCommitSha
+        self.headBranch = headBranch
+        self.headSha = headSha
+        self.baseBranch = baseBranch
+        self.author = author
+        self.url = url
+        self.readAtMs = readAtMs
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension PullRequest: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypePullRequest: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> PullRequest {
+        return
+            try PullRequest(
+                number: FfiConverterUInt64.read(from: &buf), 
+                title: FfiConverterString.read(from: &buf), 
+                body: FfiConverterString.read(from: &buf), 
+                state: FfiConverterString.read(from: &buf), 
+                merged: FfiConverterBool.read(from: &buf), 
+                mergeCommitSha: FfiConverterString.read(from: &buf), 
+                headBranch: FfiConverterString.read(from: &buf), 
+                headSha: FfiConverterString.read(from: &buf), 
+                baseBranch: FfiConverterString.read(from: &buf), 
+                author: FfiConverterString.read(from: &buf), 
+                url: FfiConverterString.read(from: &buf), 
+                readAtMs: FfiConverterInt64.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: PullRequest, into buf: inout [UInt8]) {
+        FfiConverterUInt64.write(value.number, into: &buf)
+        FfiConverterString.write(value.title, into: &buf)
+        FfiConverterString.write(value.body, into: &buf)
+        FfiConverterString.write(value.state, into: &buf)
+        FfiConverterBool.write(value.merged, into: &buf)
+        FfiConverterString.write(value.mergeCommitSha, into: &buf)
+        FfiConverterString.write(value.headBranch, into: &buf)
+        FfiConverterString.write(value.headSha, into: &buf)
+        FfiConverterString.write(value.baseBranch, into: &buf)
+        FfiConverterString.write(value.author, into: &buf)
+        FfiConverterString.write(value.url, into: &buf)
+        FfiConverterInt64.write(value.readAtMs, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypePullRequest_lift(_ buf: RustBuffer) throws -> PullRequest {
+    return try FfiConverterTypePullRequest.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypePullRequest_lower(_ value: PullRequest) -> RustBuffer {
+    return FfiConverterTypePullRequest.lower(value)
 }
 
 
@@ -4819,6 +5838,31 @@ fileprivate struct FfiConverterSequenceTypeAllowedApp: FfiConverterRustBuffer {
 #if swift(>=5.8)
 @_documentation(visibility: private)
 #endif
+fileprivate struct FfiConverterSequenceTypeApp: FfiConverterRustBuffer {
+    typealias SwiftType = [App]
+
+    public static func write(_ value: [App], into buf: inout [UInt8]) {
+        let len = Int32(value.count)
+        writeInt(&buf, len)
+        for item in value {
+            FfiConverterTypeApp.write(item, into: &buf)
+        }
+    }
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> [App] {
+        let len: Int32 = try readInt(&buf)
+        var seq = [App]()
+        seq.reserveCapacity(Int(len))
+        for _ in 0 ..< len {
+            seq.append(try FfiConverterTypeApp.read(from: &buf))
+        }
+        return seq
+    }
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
 fileprivate struct FfiConverterSequenceTypeApproval: FfiConverterRustBuffer {
     typealias SwiftType = [Approval]
 
@@ -4844,6 +5888,81 @@ fileprivate struct FfiConverterSequenceTypeApproval: FfiConverterRustBuffer {
 #if swift(>=5.8)
 @_documentation(visibility: private)
 #endif
+fileprivate struct FfiConverterSequenceTypeChatMessage: FfiConverterRustBuffer {
+    typealias SwiftType = [ChatMessage]
+
+    public static func write(_ value: [ChatMessage], into buf: inout [UInt8]) {
+        let len = Int32(value.count)
+        writeInt(&buf, len)
+        for item in value {
+            FfiConverterTypeChatMessage.write(item, into: &buf)
+        }
+    }
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> [ChatMessage] {
+        let len: Int32 = try readInt(&buf)
+        var seq = [ChatMessage]()
+        seq.reserveCapacity(Int(len))
+        for _ in 0 ..< len {
+            seq.append(try FfiConverterTypeChatMessage.read(from: &buf))
+        }
+        return seq
+    }
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+fileprivate struct FfiConverterSequenceTypeCheckRun: FfiConverterRustBuffer {
+    typealias SwiftType = [CheckRun]
+
+    public static func write(_ value: [CheckRun], into buf: inout [UInt8]) {
+        let len = Int32(value.count)
+        writeInt(&buf, len)
+        for item in value {
+            FfiConverterTypeCheckRun.write(item, into: &buf)
+        }
+    }
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> [CheckRun] {
+        let len: Int32 = try readInt(&buf)
+        var seq = [CheckRun]()
+        seq.reserveCapacity(Int(len))
+        for _ in 0 ..< len {
+            seq.append(try FfiConverterTypeCheckRun.read(from: &buf))
+        }
+        return seq
+    }
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+fileprivate struct FfiConverterSequenceTypeLinkTemplate: FfiConverterRustBuffer {
+    typealias SwiftType = [LinkTemplate]
+
+    public static func write(_ value: [LinkTemplate], into buf: inout [UInt8]) {
+        let len = Int32(value.count)
+        writeInt(&buf, len)
+        for item in value {
+            FfiConverterTypeLinkTemplate.write(item, into: &buf)
+        }
+    }
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> [LinkTemplate] {
+        let len: Int32 = try readInt(&buf)
+        var seq = [LinkTemplate]()
+        seq.reserveCapacity(Int(len))
+        for _ in 0 ..< len {
+            seq.append(try FfiConverterTypeLinkTemplate.read(from: &buf))
+        }
+        return seq
+    }
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
 fileprivate struct FfiConverterSequenceTypeMessage: FfiConverterRustBuffer {
     typealias SwiftType = [Message]
 
@@ -4861,6 +5980,31 @@ fileprivate struct FfiConverterSequenceTypeMessage: FfiConverterRustBuffer {
         seq.reserveCapacity(Int(len))
         for _ in 0 ..< len {
             seq.append(try FfiConverterTypeMessage.read(from: &buf))
+        }
+        return seq
+    }
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+fileprivate struct FfiConverterSequenceTypeMetricPoint: FfiConverterRustBuffer {
+    typealias SwiftType = [MetricPoint]
+
+    public static func write(_ value: [MetricPoint], into buf: inout [UInt8]) {
+        let len = Int32(value.count)
+        writeInt(&buf, len)
+        for item in value {
+            FfiConverterTypeMetricPoint.write(item, into: &buf)
+        }
+    }
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> [MetricPoint] {
+        let len: Int32 = try readInt(&buf)
+        var seq = [MetricPoint]()
+        seq.reserveCapacity(Int(len))
+        for _ in 0 ..< len {
+            seq.append(try FfiConverterTypeMetricPoint.read(from: &buf))
         }
         return seq
     }
@@ -5190,6 +6334,9 @@ private let initializationResult: InitializationResult = {
     if (uniffi_loams_ffi_checksum_method_client_org() != 16965) {
         return InitializationResult.apiChecksumMismatch
     }
+    if (uniffi_loams_ffi_checksum_method_client_panels() != 46405) {
+        return InitializationResult.apiChecksumMismatch
+    }
     if (uniffi_loams_ffi_checksum_method_client_runs() != 60492) {
         return InitializationResult.apiChecksumMismatch
     }
@@ -5209,6 +6356,27 @@ private let initializationResult: InitializationResult = {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_loams_ffi_checksum_method_devices_revoke() != 55437) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_loams_ffi_checksum_method_panels_apps() != 56901) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_loams_ffi_checksum_method_panels_check_runs() != 12791) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_loams_ffi_checksum_method_panels_error_issue() != 29182) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_loams_ffi_checksum_method_panels_issue() != 55469) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_loams_ffi_checksum_method_panels_metric_series() != 27644) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_loams_ffi_checksum_method_panels_pull_request() != 15252) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_loams_ffi_checksum_method_panels_thread() != 57053) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_loams_ffi_checksum_method_runlistener_on_update() != 6904) {

@@ -463,6 +463,11 @@ uint64_t uniffi_loams_ffi_fn_method_client_devices(uint64_t ptr, RustCallStatus 
 RustBuffer uniffi_loams_ffi_fn_method_client_org(uint64_t ptr, RustCallStatus *_Nonnull out_status
 );
 #endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_CLIENT_PANELS
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_CLIENT_PANELS
+uint64_t uniffi_loams_ffi_fn_method_client_panels(uint64_t ptr, RustCallStatus *_Nonnull out_status
+);
+#endif
 #ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_CLIENT_RUNS
 #define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_CLIENT_RUNS
 uint64_t uniffi_loams_ffi_fn_method_client_runs(uint64_t ptr, RustCallStatus *_Nonnull out_status
@@ -521,6 +526,51 @@ uint64_t uniffi_loams_ffi_fn_method_devices_register(uint64_t ptr, RustBuffer na
 #ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_DEVICES_REVOKE
 #define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_DEVICES_REVOKE
 uint64_t uniffi_loams_ffi_fn_method_devices_revoke(uint64_t ptr
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_CLONE_PANELS
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_CLONE_PANELS
+uint64_t uniffi_loams_ffi_fn_clone_panels(uint64_t handle, RustCallStatus *_Nonnull out_status
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_FREE_PANELS
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_FREE_PANELS
+void uniffi_loams_ffi_fn_free_panels(uint64_t handle, RustCallStatus *_Nonnull out_status
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_APPS
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_APPS
+uint64_t uniffi_loams_ffi_fn_method_panels_apps(uint64_t ptr
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_CHECK_RUNS
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_CHECK_RUNS
+uint64_t uniffi_loams_ffi_fn_method_panels_check_runs(uint64_t ptr, RustBuffer run_id
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_ERROR_ISSUE
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_ERROR_ISSUE
+uint64_t uniffi_loams_ffi_fn_method_panels_error_issue(uint64_t ptr, RustBuffer run_id
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_ISSUE
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_ISSUE
+uint64_t uniffi_loams_ffi_fn_method_panels_issue(uint64_t ptr, RustBuffer run_id
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_METRIC_SERIES
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_METRIC_SERIES
+uint64_t uniffi_loams_ffi_fn_method_panels_metric_series(uint64_t ptr, RustBuffer run_id, int64_t since_ms
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_PULL_REQUEST
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_PULL_REQUEST
+uint64_t uniffi_loams_ffi_fn_method_panels_pull_request(uint64_t ptr, RustBuffer run_id
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_THREAD
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_METHOD_PANELS_THREAD
+uint64_t uniffi_loams_ffi_fn_method_panels_thread(uint64_t ptr, RustBuffer run_id
 );
 #endif
 #ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_FN_CLONE_RUNLISTENER
@@ -1043,6 +1093,12 @@ uint16_t uniffi_loams_ffi_checksum_method_client_org(void
     
 );
 #endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_CLIENT_PANELS
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_CLIENT_PANELS
+uint16_t uniffi_loams_ffi_checksum_method_client_panels(void
+    
+);
+#endif
 #ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_CLIENT_RUNS
 #define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_CLIENT_RUNS
 uint16_t uniffi_loams_ffi_checksum_method_client_runs(void
@@ -1082,6 +1138,48 @@ uint16_t uniffi_loams_ffi_checksum_method_devices_register(void
 #ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_DEVICES_REVOKE
 #define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_DEVICES_REVOKE
 uint16_t uniffi_loams_ffi_checksum_method_devices_revoke(void
+    
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_APPS
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_APPS
+uint16_t uniffi_loams_ffi_checksum_method_panels_apps(void
+    
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_CHECK_RUNS
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_CHECK_RUNS
+uint16_t uniffi_loams_ffi_checksum_method_panels_check_runs(void
+    
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_ERROR_ISSUE
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_ERROR_ISSUE
+uint16_t uniffi_loams_ffi_checksum_method_panels_error_issue(void
+    
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_ISSUE
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_ISSUE
+uint16_t uniffi_loams_ffi_checksum_method_panels_issue(void
+    
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_METRIC_SERIES
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_METRIC_SERIES
+uint16_t uniffi_loams_ffi_checksum_method_panels_metric_series(void
+    
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_PULL_REQUEST
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_PULL_REQUEST
+uint16_t uniffi_loams_ffi_checksum_method_panels_pull_request(void
+    
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_THREAD
+#define UNIFFI_FFIDEF_UNIFFI_LOAMS_FFI_CHECKSUM_METHOD_PANELS_THREAD
+uint16_t uniffi_loams_ffi_checksum_method_panels_thread(void
     
 );
 #endif

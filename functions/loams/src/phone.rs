@@ -14,8 +14,8 @@ use async_trait::async_trait;
 use keyring_core::api::{Credential, CredentialApi, CredentialStoreApi};
 use keyring_core::{CredentialStore, Entry};
 use loams_core::{
-    Approval, Client, ClientConfig, Decision, Device, Error, Run, RunListener, SoftwareSigner,
-    TaskHandle, TokenProvider,
+    Approval, Client, ClientConfig, Decision, Device, Error, Panels, Run, RunListener,
+    SoftwareSigner, TaskHandle, TokenProvider,
 };
 
 /// The keyring service the device key is stored under; the account is the phone's account directory name.
@@ -153,6 +153,11 @@ impl Phone {
             }
             other => other,
         }
+    }
+
+    /// The run panels, read through the server as this phone's person.
+    pub fn panels(&self) -> Panels {
+        self.client.panels()
     }
 
     /// Stops a run with a step-up signed by the device key (the core gets the kill challenge, signs and sends).

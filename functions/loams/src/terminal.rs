@@ -73,6 +73,12 @@ enum PhoneCommand {
         /// The run's id (`r-...`).
         run: String,
     },
+    /// Show what a run touched, read from the apps through Loams as you: its issue, pull request and CI checks,
+    /// chat thread, the error that opened it, and the metric it watches.
+    Panels {
+        /// The run's id (`r-...`).
+        run: String,
+    },
 }
 
 /// `loams phone ...`, printing to stdout.
@@ -90,6 +96,7 @@ pub async fn run(args: PhoneArgs) -> anyhow::Result<()> {
         }
         PhoneCommand::Kill { run, reason } => kill(&phone, &run, &reason, out).await,
         PhoneCommand::Watch { run } => watch(&phone, &run, out).await,
+        PhoneCommand::Panels { run } => print_panels(&phone, &run, out).await,
     }
 }
 
@@ -283,6 +290,139 @@ async fn kill(
         run.id, run.state, run.stage, device.device_id
     )?;
     Ok(())
+}
+
+/// App text as one line for a terminal: written by other people, so no control or format character (an escape
+/// sequence could rewrite the screen, a bidi override reorder it) and no line break gets through; cut at `max`
+/// characters.
+fn plain(text: &str, max: usize) -> String {
+    let shown = |c: char| loams_proto::is_plain_text(c.encode_utf8(&mut [0; 4]));
+    let line: String = text
+        .chars()
+        .map(|c| if shown(c) { c } else { ' ' })
+        .take(max)
+        .collect();
+    if text.chars().count() > max {
+        format!("{line}...")
+    } else {
+        line
+    }
+}
+
+/// A panel that could not be read, and why (a run that has not made the object yet, an app not readable by
+/// this person, an app not answering): the other panels are still shown.
+fn unread(e: &Error) -> String {
+    format!("- ({e})")
+}
+
+/// The run's panels, each read on its own through the server (`loams phone panels`, and the demo's end).
+pub(crate) async fn print_panels(
+    phone: &Phone,
+    run_id: &str,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let panels = phone.panels();
+    writeln!(
+        out,
+        "panels of run {run_id}, read from the apps through Loams:"
+    )?;
+    let issue = match panels.issue(run_id).await {
+        Ok(i) => format!(
+            "{} {} [{}] {}",
+            plain(&i.key, 32),
+            plain(&i.title, 80),
+            plain(&i.state, 32),
+            i.url
+        ),
+        Err(e) => unread(&e),
+    };
+    writeln!(out, "  issue:  {issue}")?;
+    let pr = match panels.pull_request(run_id).await {
+        Ok(p) => format!(
+            "#{} {} [{}{}] {} -> {} {}",
+            p.number,
+            plain(&p.title, 80),
+            plain(&p.state, 16),
+            if p.merged { ", merged" } else { "" },
+            plain(&p.head_branch, 64),
+            plain(&p.base_branch, 64),
+            p.url
+        ),
+        Err(e) => unread(&e),
+    };
+    writeln!(out, "  pr:     {pr}")?;
+    let checks = match panels.check_runs(run_id).await {
+        Ok(c) => {
+            let each: Vec<String> = c
+                .checks
+                .iter()
+                .map(|r| format!("{} {}", plain(&r.name, 40), plain(&r.state, 16)))
+                .collect();
+            format!(
+                "{} at {} ({})",
+                plain(&c.state, 16),
+                short_sha(&c.sha),
+                each.join(", ")
+            )
+        }
+        Err(e) => unread(&e),
+    };
+    writeln!(out, "  checks: {checks}")?;
+    let thread = match panels.thread(run_id).await {
+        Ok(t) => {
+            let last = t.messages.last().map(|m| {
+                format!(
+                    ": last {}: {}",
+                    plain(&m.sender_name, 40),
+                    plain(&m.content, 80)
+                )
+            });
+            format!(
+                "#{} > {}, {} messages{}",
+                plain(&t.channel, 40),
+                plain(&t.topic, 60),
+                t.messages.len(),
+                last.unwrap_or_default()
+            )
+        }
+        Err(e) => unread(&e),
+    };
+    writeln!(out, "  thread: {thread}")?;
+    let error = match panels.error_issue(run_id).await {
+        Ok(e) => format!(
+            "{} [{}] {} events, {}",
+            plain(&e.title, 80),
+            plain(&e.status, 16),
+            e.event_count,
+            e.url
+        ),
+        Err(e) => unread(&e),
+    };
+    writeln!(out, "  error:  {error}")?;
+    let metric = match panels.metric_series(run_id, 0).await {
+        Ok(m) => {
+            // The day of each point: OpenPanel dates them with a time of day.
+            let day = |date: &str| plain(date.split(['T', ' ']).next().unwrap_or_default(), 10);
+            let days: Vec<String> = m
+                .points
+                .iter()
+                .map(|p| format!("{} {}", day(&p.date), p.count))
+                .collect();
+            format!(
+                "{} total {} ({})",
+                plain(&m.event, 64),
+                m.total,
+                days.join(", ")
+            )
+        }
+        Err(e) => unread(&e),
+    };
+    writeln!(out, "  metric: {metric}")?;
+    Ok(())
+}
+
+fn short_sha(sha: &str) -> &str {
+    sha.get(..12).unwrap_or(sha)
 }
 
 /// Asks the person at the terminal to type the phrase; without a terminal there is nobody to ask.

@@ -184,6 +184,26 @@ async fn a_device_registers_lists_the_merge_approves_it_with_the_phrase_and_watc
         assert!(listing.contains(&context), "{context:?} in {listing}");
     }
 
+    // Before deciding, the approver looks at what the run made, read from the apps through Loams.
+    let panels = phone(&env, &["panels", &server.run_id]).await;
+    assert!(panels.ok, "{panels}");
+    for line in [
+        "  issue:  OPS-",
+        "  pr:     #1 ",
+        "[open] factory/",
+        "  checks: success at ",
+        "  thread: #",
+        "  error:  ",
+        "[unresolved]",
+        "  metric: checkout_error total ",
+    ] {
+        assert!(panels.stdout.contains(line), "{line:?} in {panels}");
+    }
+    assert!(
+        !panels.stdout.contains("- ("),
+        "every panel was read: {panels}"
+    );
+
     // Nobody at a terminal to type the phrase, and a wrong phrase: nothing is signed.
     let untyped = phone(&env, &["approve", &approval]).await;
     assert!(!untyped.ok, "{untyped}");

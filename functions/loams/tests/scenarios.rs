@@ -48,6 +48,15 @@ async fn demo_scenario_fixes_the_bug_once() {
     assert_eq!(count(s, "forgejo", "prs"), 1, "{s}");
     assert_eq!(count(s, "forgejo", "merges"), 1, "{s}");
     assert!(out.contains("thread:") && out.contains("pr:"), "{out}");
+    // The panels of the run, read through the agents at the end: the merged PR, green CI, the resolved error.
+    for line in [
+        "  pr:     #1 ",
+        ", merged] factory/",
+        "  checks: success at ",
+        "[resolved]",
+    ] {
+        assert!(out.contains(line), "{line:?} in {out}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -151,6 +151,16 @@ async def register_watch_approve_then_offline(tmp_path):
     phrase = approval.confirmation_phrase
     assert phrase, "a destructive approval asks for a typed phrase"
 
+    # Before deciding, the panels show what the merge would take in: the PR and its CI, read through Loams.
+    pr = await phone.panels().pull_request(RUN_ID)
+    assert (pr.state, pr.merged) == ("open", False)
+    assert pr.head_branch == f"factory/{RUN_ID}"
+    checks = await phone.panels().check_runs(RUN_ID)
+    assert checks.sha == pr.head_sha and checks.state == "success"
+    assert checks.checks and all(c.state == "success" for c in checks.checks)
+    with pytest.raises(loams.LoamsError.NotFound):
+        await phone.panels().pull_request("r-0000000000000000")
+
     # A wrong phrase is refused before anything is signed or sent.
     with pytest.raises(loams.LoamsError.ConfirmationMismatch) as err:
         await phone.approvals().decide(approval.id, loams.Decision.APPROVE, "yes")

@@ -838,6 +838,8 @@ internal object IntegrityCheckingUniffiLib {
     ): Int
     external fun uniffi_loams_ffi_checksum_method_client_org(
     ): Int
+    external fun uniffi_loams_ffi_checksum_method_client_panels(
+    ): Int
     external fun uniffi_loams_ffi_checksum_method_client_runs(
     ): Int
     external fun uniffi_loams_ffi_checksum_method_client_set_network_available(
@@ -851,6 +853,20 @@ internal object IntegrityCheckingUniffiLib {
     external fun uniffi_loams_ffi_checksum_method_devices_register(
     ): Int
     external fun uniffi_loams_ffi_checksum_method_devices_revoke(
+    ): Int
+    external fun uniffi_loams_ffi_checksum_method_panels_apps(
+    ): Int
+    external fun uniffi_loams_ffi_checksum_method_panels_check_runs(
+    ): Int
+    external fun uniffi_loams_ffi_checksum_method_panels_error_issue(
+    ): Int
+    external fun uniffi_loams_ffi_checksum_method_panels_issue(
+    ): Int
+    external fun uniffi_loams_ffi_checksum_method_panels_metric_series(
+    ): Int
+    external fun uniffi_loams_ffi_checksum_method_panels_pull_request(
+    ): Int
+    external fun uniffi_loams_ffi_checksum_method_panels_thread(
     ): Int
     external fun uniffi_loams_ffi_checksum_method_runlistener_on_update(
     ): Int
@@ -957,6 +973,8 @@ internal object UniffiLib {
     ): Long
     external fun uniffi_loams_ffi_fn_method_client_org(`ptr`: Long,uniffi_out_err: UniffiRustCallStatus, 
     ): RustBuffer.ByValue
+    external fun uniffi_loams_ffi_fn_method_client_panels(`ptr`: Long,uniffi_out_err: UniffiRustCallStatus, 
+    ): Long
     external fun uniffi_loams_ffi_fn_method_client_runs(`ptr`: Long,uniffi_out_err: UniffiRustCallStatus, 
     ): Long
     external fun uniffi_loams_ffi_fn_method_client_set_network_available(`ptr`: Long,`available`: Byte,uniffi_out_err: UniffiRustCallStatus, 
@@ -980,6 +998,24 @@ internal object UniffiLib {
     external fun uniffi_loams_ffi_fn_method_devices_register(`ptr`: Long,`name`: RustBuffer.ByValue,`pushToken`: RustBuffer.ByValue,
     ): Long
     external fun uniffi_loams_ffi_fn_method_devices_revoke(`ptr`: Long,
+    ): Long
+    external fun uniffi_loams_ffi_fn_clone_panels(`handle`: Long,uniffi_out_err: UniffiRustCallStatus, 
+    ): Long
+    external fun uniffi_loams_ffi_fn_free_panels(`handle`: Long,uniffi_out_err: UniffiRustCallStatus, 
+    ): Unit
+    external fun uniffi_loams_ffi_fn_method_panels_apps(`ptr`: Long,
+    ): Long
+    external fun uniffi_loams_ffi_fn_method_panels_check_runs(`ptr`: Long,`runId`: RustBuffer.ByValue,
+    ): Long
+    external fun uniffi_loams_ffi_fn_method_panels_error_issue(`ptr`: Long,`runId`: RustBuffer.ByValue,
+    ): Long
+    external fun uniffi_loams_ffi_fn_method_panels_issue(`ptr`: Long,`runId`: RustBuffer.ByValue,
+    ): Long
+    external fun uniffi_loams_ffi_fn_method_panels_metric_series(`ptr`: Long,`runId`: RustBuffer.ByValue,`sinceMs`: Long,
+    ): Long
+    external fun uniffi_loams_ffi_fn_method_panels_pull_request(`ptr`: Long,`runId`: RustBuffer.ByValue,
+    ): Long
+    external fun uniffi_loams_ffi_fn_method_panels_thread(`ptr`: Long,`runId`: RustBuffer.ByValue,
     ): Long
     external fun uniffi_loams_ffi_fn_clone_runlistener(`handle`: Long,uniffi_out_err: UniffiRustCallStatus, 
     ): Long
@@ -1216,6 +1252,9 @@ private fun uniffiCheckApiChecksums(lib: IntegrityCheckingUniffiLib) {
     if ((lib.uniffi_loams_ffi_checksum_method_client_org() and 0xFFFF) != 16965) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
+    if ((lib.uniffi_loams_ffi_checksum_method_client_panels() and 0xFFFF) != 46405) {
+        throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    }
     if ((lib.uniffi_loams_ffi_checksum_method_client_runs() and 0xFFFF) != 60492) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
@@ -1235,6 +1274,27 @@ private fun uniffiCheckApiChecksums(lib: IntegrityCheckingUniffiLib) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
     if ((lib.uniffi_loams_ffi_checksum_method_devices_revoke() and 0xFFFF) != 55437) {
+        throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    }
+    if ((lib.uniffi_loams_ffi_checksum_method_panels_apps() and 0xFFFF) != 56901) {
+        throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    }
+    if ((lib.uniffi_loams_ffi_checksum_method_panels_check_runs() and 0xFFFF) != 12791) {
+        throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    }
+    if ((lib.uniffi_loams_ffi_checksum_method_panels_error_issue() and 0xFFFF) != 29182) {
+        throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    }
+    if ((lib.uniffi_loams_ffi_checksum_method_panels_issue() and 0xFFFF) != 55469) {
+        throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    }
+    if ((lib.uniffi_loams_ffi_checksum_method_panels_metric_series() and 0xFFFF) != 27644) {
+        throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    }
+    if ((lib.uniffi_loams_ffi_checksum_method_panels_pull_request() and 0xFFFF) != 15252) {
+        throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
+    }
+    if ((lib.uniffi_loams_ffi_checksum_method_panels_thread() and 0xFFFF) != 57053) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
     if ((lib.uniffi_loams_ffi_checksum_method_runlistener_on_update() and 0xFFFF) != 6904) {
@@ -1659,6 +1719,29 @@ public object FfiConverterLong: FfiConverter<Long, Long> {
 
     override fun write(value: Long, buf: ByteBuffer) {
         buf.putLong(value)
+    }
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterDouble: FfiConverter<Double, Double> {
+    override fun lift(value: Double): Double {
+        return value
+    }
+
+    override fun read(buf: ByteBuffer): Double {
+        return buf.getDouble()
+    }
+
+    override fun lower(value: Double): Double {
+        return value
+    }
+
+    override fun allocationSize(value: Double) = 8UL
+
+    override fun write(value: Double, buf: ByteBuffer) {
+        buf.putDouble(value)
     }
 }
 
@@ -2946,6 +3029,8 @@ public interface ClientInterface {
     
     fun `org`(): kotlin.String
     
+    fun `panels`(): Panels
+    
     fun `runs`(): Runs
     
     /**
@@ -3118,6 +3203,19 @@ open class Client: Disposable, AutoCloseable, ClientInterface
     callWithHandle {
     uniffiRustCall() { _status ->
     UniffiLib.uniffi_loams_ffi_fn_method_client_org(
+        it,
+        _status)
+}
+    }
+    )
+    }
+    
+
+    override fun `panels`(): Panels {
+            return FfiConverterTypePanels.lift(
+    callWithHandle {
+    uniffiRustCall() { _status ->
+    UniffiLib.uniffi_loams_ffi_fn_method_client_panels(
         it,
         _status)
 }
@@ -3918,6 +4016,432 @@ public object FfiConverterTypeDevices: FfiConverter<Devices, Long> {
     override fun allocationSize(value: Devices) = 8UL
 
     override fun write(value: Devices, buf: ByteBuffer) {
+        buf.putLong(lower(value))
+    }
+}
+
+
+// This template implements a class for working with a Rust struct via a handle
+// to the live Rust struct on the other side of the FFI.
+//
+// There's some subtlety here, because we have to be careful not to operate on a Rust
+// struct after it has been dropped, and because we must expose a public API for freeing
+// theq Kotlin wrapper object in lieu of reliable finalizers. The core requirements are:
+//
+//   * Each instance holds an opaque handle to the underlying Rust struct.
+//     Method calls need to read this handle from the object's state and pass it in to
+//     the Rust FFI.
+//
+//   * When an instance is no longer needed, its handle should be passed to a
+//     special destructor function provided by the Rust FFI, which will drop the
+//     underlying Rust struct.
+//
+//   * Given an instance, calling code is expected to call the special
+//     `destroy` method in order to free it after use, either by calling it explicitly
+//     or by using a higher-level helper like the `use` method. Failing to do so risks
+//     leaking the underlying Rust struct.
+//
+//   * We can't assume that calling code will do the right thing, and must be prepared
+//     to handle Kotlin method calls executing concurrently with or even after a call to
+//     `destroy`, and to handle multiple (possibly concurrent!) calls to `destroy`.
+//
+//   * We must never allow Rust code to operate on the underlying Rust struct after
+//     the destructor has been called, and must never call the destructor more than once.
+//     Doing so may trigger memory unsafety.
+//
+//   * To mitigate many of the risks of leaking memory and use-after-free unsafety, a `Cleaner`
+//     is implemented to call the destructor when the Kotlin object becomes unreachable.
+//     This is done in a background thread. This is not a panacea, and client code should be aware that
+//      1. the thread may starve if some there are objects that have poorly performing
+//     `drop` methods or do significant work in their `drop` methods.
+//      2. the thread is shared across the whole library. This can be tuned by using `android_cleaner = true`,
+//         or `android = true` in the [`kotlin` section of the `uniffi.toml` file](https://mozilla.github.io/uniffi-rs/kotlin/configuration.html).
+//
+// If we try to implement this with mutual exclusion on access to the handle, there is the
+// possibility of a race between a method call and a concurrent call to `destroy`:
+//
+//    * Thread A starts a method call, reads the value of the handle, but is interrupted
+//      before it can pass the handle over the FFI to Rust.
+//    * Thread B calls `destroy` and frees the underlying Rust struct.
+//    * Thread A resumes, passing the already-read handle value to Rust and triggering
+//      a use-after-free.
+//
+// One possible solution would be to use a `ReadWriteLock`, with each method call taking
+// a read lock (and thus allowed to run concurrently) and the special `destroy` method
+// taking a write lock (and thus blocking on live method calls). However, we aim not to
+// generate methods with any hidden blocking semantics, and a `destroy` method that might
+// block if called incorrectly seems to meet that bar.
+//
+// So, we achieve our goals by giving each instance an associated `AtomicLong` counter to track
+// the number of in-flight method calls, and an `AtomicBoolean` flag to indicate whether `destroy`
+// has been called. These are updated according to the following rules:
+//
+//    * The initial value of the counter is 1, indicating a live object with no in-flight calls.
+//      The initial value for the flag is false.
+//
+//    * At the start of each method call, we atomically check the counter.
+//      If it is 0 then the underlying Rust struct has already been destroyed and the call is aborted.
+//      If it is nonzero them we atomically increment it by 1 and proceed with the method call.
+//
+//    * At the end of each method call, we atomically decrement and check the counter.
+//      If it has reached zero then we destroy the underlying Rust struct.
+//
+//    * When `destroy` is called, we atomically flip the flag from false to true.
+//      If the flag was already true we silently fail.
+//      Otherwise we atomically decrement and check the counter.
+//      If it has reached zero then we destroy the underlying Rust struct.
+//
+// Astute readers may observe that this all sounds very similar to the way that Rust's `Arc<T>` works,
+// and indeed it is, with the addition of a flag to guard against multiple calls to `destroy`.
+//
+// The overall effect is that the underlying Rust struct is destroyed only when `destroy` has been
+// called *and* all in-flight method calls have completed, avoiding violating any of the expectations
+// of the underlying Rust code.
+//
+// This makes a cleaner a better alternative to _not_ calling `destroy()` as
+// and when the object is finished with, but the abstraction is not perfect: if the Rust object's `drop`
+// method is slow, and/or there are many objects to cleanup, and it's on a low end Android device, then the cleaner
+// thread may be starved, and the app will leak memory.
+//
+// In this case, `destroy`ing manually may be a better solution.
+//
+// The cleaner can live side by side with the manual calling of `destroy`. In the order of responsiveness, uniffi objects
+// with Rust peers are reclaimed:
+//
+// 1. By calling the `destroy` method of the object, which calls `rustObject.free()`. If that doesn't happen:
+// 2. When the object becomes unreachable, AND the Cleaner thread gets to call `rustObject.free()`. If the thread is starved then:
+// 3. The memory is reclaimed when the process terminates.
+//
+// [1] https://stackoverflow.com/questions/24376768/can-java-finalize-an-object-when-it-is-still-in-scope/24380219
+//
+
+
+/**
+ * A run's native panels, read through the server from the apps' agents as this person (never cached).
+ */
+public interface PanelsInterface {
+    
+    /**
+     * The deployment's apps, and which of them this person may read.
+     */
+    suspend fun `apps`(): List<App>
+    
+    suspend fun `checkRuns`(`runId`: kotlin.String): CheckRuns
+    
+    suspend fun `errorIssue`(`runId`: kotlin.String): ErrorIssue
+    
+    suspend fun `issue`(`runId`: kotlin.String): Issue
+    
+    /**
+     * From `since_ms` (at most 90 days back; 0: a day before the run started).
+     */
+    suspend fun `metricSeries`(`runId`: kotlin.String, `sinceMs`: kotlin.Long): MetricSeries
+    
+    suspend fun `pullRequest`(`runId`: kotlin.String): PullRequest
+    
+    suspend fun `thread`(`runId`: kotlin.String): ChatThread
+    
+    companion object
+}
+
+/**
+ * A run's native panels, read through the server from the apps' agents as this person (never cached).
+ */
+open class Panels: Disposable, AutoCloseable, PanelsInterface
+{
+
+    @Suppress("UNUSED_PARAMETER")
+    /**
+     * @suppress
+     */
+    constructor(withHandle: UniffiWithHandle, handle: Long) {
+        this.handle = handle
+        this.cleanable = UniffiLib.CLEANER.register(this, UniffiCleanAction(handle))
+    }
+
+    /**
+     * @suppress
+     *
+     * This constructor can be used to instantiate a fake object. Only used for tests. Any
+     * attempt to actually use an object constructed this way will fail as there is no
+     * connected Rust object.
+     */
+    @Suppress("UNUSED_PARAMETER")
+    constructor(noHandle: NoHandle) {
+        this.handle = 0
+        this.cleanable = null
+    }
+
+    protected val handle: Long
+    protected val cleanable: UniffiCleaner.Cleanable?
+
+    private val wasDestroyed = AtomicBoolean(false)
+    private val callCounter = AtomicLong(1)
+
+    /**
+     * Whether the current object has been destroyed and its reference is gone in the Rust side.
+     */
+    val uniffiIsDestroyed: Boolean get() = wasDestroyed.get()
+
+    override fun destroy() {
+        // Only allow a single call to this method.
+        // TODO: maybe we should log a warning if called more than once?
+        if (this.wasDestroyed.compareAndSet(false, true)) {
+            // This decrement always matches the initial count of 1 given at creation time.
+            if (this.callCounter.decrementAndGet() == 0L) {
+                cleanable?.clean()
+            }
+        }
+    }
+
+    @Synchronized
+    override fun close() {
+        this.destroy()
+    }
+
+    internal inline fun <R> callWithHandle(block: (handle: Long) -> R): R {
+        // Check and increment the call counter, to keep the object alive.
+        // This needs a compare-and-set retry loop in case of concurrent updates.
+        do {
+            val c = this.callCounter.get()
+            if (c == 0L) {
+                throw IllegalStateException("${this.javaClass.simpleName} object has already been destroyed")
+            }
+            if (c == Long.MAX_VALUE) {
+                throw IllegalStateException("${this.javaClass.simpleName} call counter would overflow")
+            }
+        } while (! this.callCounter.compareAndSet(c, c + 1L))
+        // Now we can safely do the method call without the handle being freed concurrently.
+        try {
+            return block(this.uniffiCloneHandle())
+        } finally {
+            // This decrement always matches the increment we performed above.
+            if (this.callCounter.decrementAndGet() == 0L) {
+                cleanable?.clean()
+            }
+        }
+    }
+
+    // Use a static inner class instead of a closure so as not to accidentally
+    // capture `this` as part of the cleanable's action.
+    private class UniffiCleanAction(private val handle: Long) : Runnable {
+        override fun run() {
+            if (handle == 0.toLong()) {
+                // Fake object created with `NoHandle`, don't try to free.
+                return;
+            }
+            uniffiRustCall { status ->
+                UniffiLib.uniffi_loams_ffi_fn_free_panels(handle, status)
+            }
+        }
+    }
+
+    /**
+     * @suppress
+     */
+    fun uniffiCloneHandle(): Long {
+        if (handle == 0.toLong()) {
+            throw InternalException("uniffiCloneHandle() called on NoHandle object");
+        }
+        return uniffiRustCall() { status ->
+            UniffiLib.uniffi_loams_ffi_fn_clone_panels(handle, status)
+        }
+    }
+
+    
+    /**
+     * The deployment's apps, and which of them this person may read.
+     */
+    @Throws(LoamsException::class)
+    @Suppress("ASSIGNED_BUT_NEVER_ACCESSED_VARIABLE")
+    override suspend fun `apps`() : List<App> {
+        return uniffiRustCallAsync(
+        callWithHandle { uniffiHandle ->
+            UniffiLib.uniffi_loams_ffi_fn_method_panels_apps(
+                uniffiHandle,
+                
+            )
+        },
+        { future, callback, continuation -> UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer(future, callback, continuation) },
+        { future, continuation -> UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer(future, continuation) },
+        { future -> UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer(future) },
+        // lift function
+        { FfiConverterSequenceTypeApp.lift(it) },
+        // Error FFI converter
+        LoamsException.ErrorHandler,
+    )
+    }
+
+    
+    @Throws(LoamsException::class)
+    @Suppress("ASSIGNED_BUT_NEVER_ACCESSED_VARIABLE")
+    override suspend fun `checkRuns`(`runId`: kotlin.String) : CheckRuns {
+        return uniffiRustCallAsync(
+        callWithHandle { uniffiHandle ->
+            UniffiLib.uniffi_loams_ffi_fn_method_panels_check_runs(
+                uniffiHandle,
+                
+        FfiConverterString.lower(`runId`),
+            )
+        },
+        { future, callback, continuation -> UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer(future, callback, continuation) },
+        { future, continuation -> UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer(future, continuation) },
+        { future -> UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer(future) },
+        // lift function
+        { FfiConverterTypeCheckRuns.lift(it) },
+        // Error FFI converter
+        LoamsException.ErrorHandler,
+    )
+    }
+
+    
+    @Throws(LoamsException::class)
+    @Suppress("ASSIGNED_BUT_NEVER_ACCESSED_VARIABLE")
+    override suspend fun `errorIssue`(`runId`: kotlin.String) : ErrorIssue {
+        return uniffiRustCallAsync(
+        callWithHandle { uniffiHandle ->
+            UniffiLib.uniffi_loams_ffi_fn_method_panels_error_issue(
+                uniffiHandle,
+                
+        FfiConverterString.lower(`runId`),
+            )
+        },
+        { future, callback, continuation -> UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer(future, callback, continuation) },
+        { future, continuation -> UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer(future, continuation) },
+        { future -> UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer(future) },
+        // lift function
+        { FfiConverterTypeErrorIssue.lift(it) },
+        // Error FFI converter
+        LoamsException.ErrorHandler,
+    )
+    }
+
+    
+    @Throws(LoamsException::class)
+    @Suppress("ASSIGNED_BUT_NEVER_ACCESSED_VARIABLE")
+    override suspend fun `issue`(`runId`: kotlin.String) : Issue {
+        return uniffiRustCallAsync(
+        callWithHandle { uniffiHandle ->
+            UniffiLib.uniffi_loams_ffi_fn_method_panels_issue(
+                uniffiHandle,
+                
+        FfiConverterString.lower(`runId`),
+            )
+        },
+        { future, callback, continuation -> UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer(future, callback, continuation) },
+        { future, continuation -> UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer(future, continuation) },
+        { future -> UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer(future) },
+        // lift function
+        { FfiConverterTypeIssue.lift(it) },
+        // Error FFI converter
+        LoamsException.ErrorHandler,
+    )
+    }
+
+    
+    /**
+     * From `since_ms` (at most 90 days back; 0: a day before the run started).
+     */
+    @Throws(LoamsException::class)
+    @Suppress("ASSIGNED_BUT_NEVER_ACCESSED_VARIABLE")
+    override suspend fun `metricSeries`(`runId`: kotlin.String, `sinceMs`: kotlin.Long) : MetricSeries {
+        return uniffiRustCallAsync(
+        callWithHandle { uniffiHandle ->
+            UniffiLib.uniffi_loams_ffi_fn_method_panels_metric_series(
+                uniffiHandle,
+                
+        FfiConverterString.lower(`runId`),
+        FfiConverterLong.lower(`sinceMs`),
+            )
+        },
+        { future, callback, continuation -> UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer(future, callback, continuation) },
+        { future, continuation -> UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer(future, continuation) },
+        { future -> UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer(future) },
+        // lift function
+        { FfiConverterTypeMetricSeries.lift(it) },
+        // Error FFI converter
+        LoamsException.ErrorHandler,
+    )
+    }
+
+    
+    @Throws(LoamsException::class)
+    @Suppress("ASSIGNED_BUT_NEVER_ACCESSED_VARIABLE")
+    override suspend fun `pullRequest`(`runId`: kotlin.String) : PullRequest {
+        return uniffiRustCallAsync(
+        callWithHandle { uniffiHandle ->
+            UniffiLib.uniffi_loams_ffi_fn_method_panels_pull_request(
+                uniffiHandle,
+                
+        FfiConverterString.lower(`runId`),
+            )
+        },
+        { future, callback, continuation -> UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer(future, callback, continuation) },
+        { future, continuation -> UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer(future, continuation) },
+        { future -> UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer(future) },
+        // lift function
+        { FfiConverterTypePullRequest.lift(it) },
+        // Error FFI converter
+        LoamsException.ErrorHandler,
+    )
+    }
+
+    
+    @Throws(LoamsException::class)
+    @Suppress("ASSIGNED_BUT_NEVER_ACCESSED_VARIABLE")
+    override suspend fun `thread`(`runId`: kotlin.String) : ChatThread {
+        return uniffiRustCallAsync(
+        callWithHandle { uniffiHandle ->
+            UniffiLib.uniffi_loams_ffi_fn_method_panels_thread(
+                uniffiHandle,
+                
+        FfiConverterString.lower(`runId`),
+            )
+        },
+        { future, callback, continuation -> UniffiLib.ffi_loams_ffi_rust_future_poll_rust_buffer(future, callback, continuation) },
+        { future, continuation -> UniffiLib.ffi_loams_ffi_rust_future_complete_rust_buffer(future, continuation) },
+        { future -> UniffiLib.ffi_loams_ffi_rust_future_free_rust_buffer(future) },
+        // lift function
+        { FfiConverterTypeChatThread.lift(it) },
+        // Error FFI converter
+        LoamsException.ErrorHandler,
+    )
+    }
+
+    
+
+    
+
+
+    
+    
+    /**
+     * @suppress
+     */
+    companion object
+    
+}
+
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypePanels: FfiConverter<Panels, Long> {
+    override fun lower(value: Panels): Long {
+        return value.uniffiCloneHandle()
+    }
+
+    override fun lift(value: Long): Panels {
+        return Panels(UniffiWithHandle, value)
+    }
+
+    override fun read(buf: ByteBuffer): Panels {
+        return lift(buf.getLong())
+    }
+
+    override fun allocationSize(value: Panels) = 8UL
+
+    override fun write(value: Panels, buf: ByteBuffer) {
         buf.putLong(lower(value))
     }
 }
@@ -5615,6 +6139,64 @@ public object FfiConverterTypeAllowedApp: FfiConverterRustBuffer<AllowedApp> {
 
 
 
+data class App (
+    var `id`: kotlin.String
+    , 
+    var `baseUrl`: kotlin.String
+    , 
+    var `deepLinkTemplates`: List<LinkTemplate>
+    , 
+    var `configured`: kotlin.Boolean
+    , 
+    var `readable`: kotlin.Boolean
+    , 
+    var `environment`: kotlin.String
+    
+){
+    
+
+    
+
+    
+    companion object
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypeApp: FfiConverterRustBuffer<App> {
+    override fun read(buf: ByteBuffer): App {
+        return App(
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterSequenceTypeLinkTemplate.read(buf),
+            FfiConverterBoolean.read(buf),
+            FfiConverterBoolean.read(buf),
+            FfiConverterString.read(buf),
+        )
+    }
+
+    override fun allocationSize(value: App) = (
+            FfiConverterString.allocationSize(value.`id`) +
+            FfiConverterString.allocationSize(value.`baseUrl`) +
+            FfiConverterSequenceTypeLinkTemplate.allocationSize(value.`deepLinkTemplates`) +
+            FfiConverterBoolean.allocationSize(value.`configured`) +
+            FfiConverterBoolean.allocationSize(value.`readable`) +
+            FfiConverterString.allocationSize(value.`environment`)
+    )
+
+    override fun write(value: App, buf: ByteBuffer) {
+            FfiConverterString.write(value.`id`, buf)
+            FfiConverterString.write(value.`baseUrl`, buf)
+            FfiConverterSequenceTypeLinkTemplate.write(value.`deepLinkTemplates`, buf)
+            FfiConverterBoolean.write(value.`configured`, buf)
+            FfiConverterBoolean.write(value.`readable`, buf)
+            FfiConverterString.write(value.`environment`, buf)
+    }
+}
+
+
+
 data class Approval (
     var `id`: kotlin.String
     , 
@@ -5781,6 +6363,193 @@ public object FfiConverterTypeBudget: FfiConverterRustBuffer<Budget> {
 
 
 
+data class ChatMessage (
+    var `id`: kotlin.ULong
+    , 
+    var `senderName`: kotlin.String
+    , 
+    var `content`: kotlin.String
+    
+){
+    
+
+    
+
+    
+    companion object
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypeChatMessage: FfiConverterRustBuffer<ChatMessage> {
+    override fun read(buf: ByteBuffer): ChatMessage {
+        return ChatMessage(
+            FfiConverterULong.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+        )
+    }
+
+    override fun allocationSize(value: ChatMessage) = (
+            FfiConverterULong.allocationSize(value.`id`) +
+            FfiConverterString.allocationSize(value.`senderName`) +
+            FfiConverterString.allocationSize(value.`content`)
+    )
+
+    override fun write(value: ChatMessage, buf: ByteBuffer) {
+            FfiConverterULong.write(value.`id`, buf)
+            FfiConverterString.write(value.`senderName`, buf)
+            FfiConverterString.write(value.`content`, buf)
+    }
+}
+
+
+
+data class ChatThread (
+    var `channel`: kotlin.String
+    , 
+    var `topic`: kotlin.String
+    , 
+    var `messages`: List<ChatMessage>
+    , 
+    var `readAtMs`: kotlin.Long
+    
+){
+    
+
+    
+
+    
+    companion object
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypeChatThread: FfiConverterRustBuffer<ChatThread> {
+    override fun read(buf: ByteBuffer): ChatThread {
+        return ChatThread(
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterSequenceTypeChatMessage.read(buf),
+            FfiConverterLong.read(buf),
+        )
+    }
+
+    override fun allocationSize(value: ChatThread) = (
+            FfiConverterString.allocationSize(value.`channel`) +
+            FfiConverterString.allocationSize(value.`topic`) +
+            FfiConverterSequenceTypeChatMessage.allocationSize(value.`messages`) +
+            FfiConverterLong.allocationSize(value.`readAtMs`)
+    )
+
+    override fun write(value: ChatThread, buf: ByteBuffer) {
+            FfiConverterString.write(value.`channel`, buf)
+            FfiConverterString.write(value.`topic`, buf)
+            FfiConverterSequenceTypeChatMessage.write(value.`messages`, buf)
+            FfiConverterLong.write(value.`readAtMs`, buf)
+    }
+}
+
+
+
+data class CheckRun (
+    var `name`: kotlin.String
+    , 
+    var `state`: kotlin.String
+    , 
+    var `description`: kotlin.String
+    , 
+    var `url`: kotlin.String
+    
+){
+    
+
+    
+
+    
+    companion object
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypeCheckRun: FfiConverterRustBuffer<CheckRun> {
+    override fun read(buf: ByteBuffer): CheckRun {
+        return CheckRun(
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+        )
+    }
+
+    override fun allocationSize(value: CheckRun) = (
+            FfiConverterString.allocationSize(value.`name`) +
+            FfiConverterString.allocationSize(value.`state`) +
+            FfiConverterString.allocationSize(value.`description`) +
+            FfiConverterString.allocationSize(value.`url`)
+    )
+
+    override fun write(value: CheckRun, buf: ByteBuffer) {
+            FfiConverterString.write(value.`name`, buf)
+            FfiConverterString.write(value.`state`, buf)
+            FfiConverterString.write(value.`description`, buf)
+            FfiConverterString.write(value.`url`, buf)
+    }
+}
+
+
+
+data class CheckRuns (
+    var `sha`: kotlin.String
+    , 
+    var `state`: kotlin.String
+    , 
+    var `checks`: List<CheckRun>
+    , 
+    var `readAtMs`: kotlin.Long
+    
+){
+    
+
+    
+
+    
+    companion object
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypeCheckRuns: FfiConverterRustBuffer<CheckRuns> {
+    override fun read(buf: ByteBuffer): CheckRuns {
+        return CheckRuns(
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterSequenceTypeCheckRun.read(buf),
+            FfiConverterLong.read(buf),
+        )
+    }
+
+    override fun allocationSize(value: CheckRuns) = (
+            FfiConverterString.allocationSize(value.`sha`) +
+            FfiConverterString.allocationSize(value.`state`) +
+            FfiConverterSequenceTypeCheckRun.allocationSize(value.`checks`) +
+            FfiConverterLong.allocationSize(value.`readAtMs`)
+    )
+
+    override fun write(value: CheckRuns, buf: ByteBuffer) {
+            FfiConverterString.write(value.`sha`, buf)
+            FfiConverterString.write(value.`state`, buf)
+            FfiConverterSequenceTypeCheckRun.write(value.`checks`, buf)
+            FfiConverterLong.write(value.`readAtMs`, buf)
+    }
+}
+
+
+
 /**
  * How the client is set up; durations in milliseconds.
  */
@@ -5913,6 +6682,190 @@ public object FfiConverterTypeDevice: FfiConverterRustBuffer<Device> {
 
 
 
+data class ErrorIssue (
+    var `id`: kotlin.String
+    , 
+    var `shortId`: kotlin.String
+    , 
+    var `title`: kotlin.String
+    , 
+    var `culprit`: kotlin.String
+    , 
+    var `level`: kotlin.String
+    , 
+    var `status`: kotlin.String
+    , 
+    var `eventCount`: kotlin.ULong
+    , 
+    var `firstSeenMs`: kotlin.Long
+    , 
+    var `lastSeenMs`: kotlin.Long
+    , 
+    var `url`: kotlin.String
+    , 
+    var `readAtMs`: kotlin.Long
+    
+){
+    
+
+    
+
+    
+    companion object
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypeErrorIssue: FfiConverterRustBuffer<ErrorIssue> {
+    override fun read(buf: ByteBuffer): ErrorIssue {
+        return ErrorIssue(
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterULong.read(buf),
+            FfiConverterLong.read(buf),
+            FfiConverterLong.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterLong.read(buf),
+        )
+    }
+
+    override fun allocationSize(value: ErrorIssue) = (
+            FfiConverterString.allocationSize(value.`id`) +
+            FfiConverterString.allocationSize(value.`shortId`) +
+            FfiConverterString.allocationSize(value.`title`) +
+            FfiConverterString.allocationSize(value.`culprit`) +
+            FfiConverterString.allocationSize(value.`level`) +
+            FfiConverterString.allocationSize(value.`status`) +
+            FfiConverterULong.allocationSize(value.`eventCount`) +
+            FfiConverterLong.allocationSize(value.`firstSeenMs`) +
+            FfiConverterLong.allocationSize(value.`lastSeenMs`) +
+            FfiConverterString.allocationSize(value.`url`) +
+            FfiConverterLong.allocationSize(value.`readAtMs`)
+    )
+
+    override fun write(value: ErrorIssue, buf: ByteBuffer) {
+            FfiConverterString.write(value.`id`, buf)
+            FfiConverterString.write(value.`shortId`, buf)
+            FfiConverterString.write(value.`title`, buf)
+            FfiConverterString.write(value.`culprit`, buf)
+            FfiConverterString.write(value.`level`, buf)
+            FfiConverterString.write(value.`status`, buf)
+            FfiConverterULong.write(value.`eventCount`, buf)
+            FfiConverterLong.write(value.`firstSeenMs`, buf)
+            FfiConverterLong.write(value.`lastSeenMs`, buf)
+            FfiConverterString.write(value.`url`, buf)
+            FfiConverterLong.write(value.`readAtMs`, buf)
+    }
+}
+
+
+
+data class Issue (
+    var `id`: kotlin.String
+    , 
+    var `key`: kotlin.String
+    , 
+    var `title`: kotlin.String
+    , 
+    var `state`: kotlin.String
+    , 
+    var `stateGroup`: kotlin.String
+    , 
+    var `url`: kotlin.String
+    , 
+    var `readAtMs`: kotlin.Long
+    
+){
+    
+
+    
+
+    
+    companion object
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypeIssue: FfiConverterRustBuffer<Issue> {
+    override fun read(buf: ByteBuffer): Issue {
+        return Issue(
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterLong.read(buf),
+        )
+    }
+
+    override fun allocationSize(value: Issue) = (
+            FfiConverterString.allocationSize(value.`id`) +
+            FfiConverterString.allocationSize(value.`key`) +
+            FfiConverterString.allocationSize(value.`title`) +
+            FfiConverterString.allocationSize(value.`state`) +
+            FfiConverterString.allocationSize(value.`stateGroup`) +
+            FfiConverterString.allocationSize(value.`url`) +
+            FfiConverterLong.allocationSize(value.`readAtMs`)
+    )
+
+    override fun write(value: Issue, buf: ByteBuffer) {
+            FfiConverterString.write(value.`id`, buf)
+            FfiConverterString.write(value.`key`, buf)
+            FfiConverterString.write(value.`title`, buf)
+            FfiConverterString.write(value.`state`, buf)
+            FfiConverterString.write(value.`stateGroup`, buf)
+            FfiConverterString.write(value.`url`, buf)
+            FfiConverterLong.write(value.`readAtMs`, buf)
+    }
+}
+
+
+
+data class LinkTemplate (
+    var `object`: kotlin.String
+    , 
+    var `template`: kotlin.String
+    
+){
+    
+
+    
+
+    
+    companion object
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypeLinkTemplate: FfiConverterRustBuffer<LinkTemplate> {
+    override fun read(buf: ByteBuffer): LinkTemplate {
+        return LinkTemplate(
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+        )
+    }
+
+    override fun allocationSize(value: LinkTemplate) = (
+            FfiConverterString.allocationSize(value.`object`) +
+            FfiConverterString.allocationSize(value.`template`)
+    )
+
+    override fun write(value: LinkTemplate, buf: ByteBuffer) {
+            FfiConverterString.write(value.`object`, buf)
+            FfiConverterString.write(value.`template`, buf)
+    }
+}
+
+
+
 data class Message (
     var `id`: kotlin.String
     , 
@@ -5981,6 +6934,180 @@ public object FfiConverterTypeMessage: FfiConverterRustBuffer<Message> {
             FfiConverterLong.write(value.`createdAtMs`, buf)
             FfiConverterString.write(value.`runId`, buf)
             FfiConverterLong.write(value.`confirmedAtMs`, buf)
+    }
+}
+
+
+
+data class MetricPoint (
+    var `date`: kotlin.String
+    , 
+    var `count`: kotlin.Double
+    
+){
+    
+
+    
+
+    
+    companion object
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypeMetricPoint: FfiConverterRustBuffer<MetricPoint> {
+    override fun read(buf: ByteBuffer): MetricPoint {
+        return MetricPoint(
+            FfiConverterString.read(buf),
+            FfiConverterDouble.read(buf),
+        )
+    }
+
+    override fun allocationSize(value: MetricPoint) = (
+            FfiConverterString.allocationSize(value.`date`) +
+            FfiConverterDouble.allocationSize(value.`count`)
+    )
+
+    override fun write(value: MetricPoint, buf: ByteBuffer) {
+            FfiConverterString.write(value.`date`, buf)
+            FfiConverterDouble.write(value.`count`, buf)
+    }
+}
+
+
+
+data class MetricSeries (
+    var `event`: kotlin.String
+    , 
+    var `points`: List<MetricPoint>
+    , 
+    var `total`: kotlin.ULong
+    , 
+    var `readAtMs`: kotlin.Long
+    
+){
+    
+
+    
+
+    
+    companion object
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypeMetricSeries: FfiConverterRustBuffer<MetricSeries> {
+    override fun read(buf: ByteBuffer): MetricSeries {
+        return MetricSeries(
+            FfiConverterString.read(buf),
+            FfiConverterSequenceTypeMetricPoint.read(buf),
+            FfiConverterULong.read(buf),
+            FfiConverterLong.read(buf),
+        )
+    }
+
+    override fun allocationSize(value: MetricSeries) = (
+            FfiConverterString.allocationSize(value.`event`) +
+            FfiConverterSequenceTypeMetricPoint.allocationSize(value.`points`) +
+            FfiConverterULong.allocationSize(value.`total`) +
+            FfiConverterLong.allocationSize(value.`readAtMs`)
+    )
+
+    override fun write(value: MetricSeries, buf: ByteBuffer) {
+            FfiConverterString.write(value.`event`, buf)
+            FfiConverterSequenceTypeMetricPoint.write(value.`points`, buf)
+            FfiConverterULong.write(value.`total`, buf)
+            FfiConverterLong.write(value.`readAtMs`, buf)
+    }
+}
+
+
+
+data class PullRequest (
+    var `number`: kotlin.ULong
+    , 
+    var `title`: kotlin.String
+    , 
+    var `body`: kotlin.String
+    , 
+    var `state`: kotlin.String
+    , 
+    var `merged`: kotlin.Boolean
+    , 
+    var `mergeCommitSha`: kotlin.String
+    , 
+    var `headBranch`: kotlin.String
+    , 
+    var `headSha`: kotlin.String
+    , 
+    var `baseBranch`: kotlin.String
+    , 
+    var `author`: kotlin.String
+    , 
+    var `url`: kotlin.String
+    , 
+    var `readAtMs`: kotlin.Long
+    
+){
+    
+
+    
+
+    
+    companion object
+}
+
+/**
+ * @suppress
+ */
+public object FfiConverterTypePullRequest: FfiConverterRustBuffer<PullRequest> {
+    override fun read(buf: ByteBuffer): PullRequest {
+        return PullRequest(
+            FfiConverterULong.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterBoolean.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterString.read(buf),
+            FfiConverterLong.read(buf),
+        )
+    }
+
+    override fun allocationSize(value: PullRequest) = (
+            FfiConverterULong.allocationSize(value.`number`) +
+            FfiConverterString.allocationSize(value.`title`) +
+            FfiConverterString.allocationSize(value.`body`) +
+            FfiConverterString.allocationSize(value.`state`) +
+            FfiConverterBoolean.allocationSize(value.`merged`) +
+            FfiConverterString.allocationSize(value.`mergeCommitSha`) +
+            FfiConverterString.allocationSize(value.`headBranch`) +
+            FfiConverterString.allocationSize(value.`headSha`) +
+            FfiConverterString.allocationSize(value.`baseBranch`) +
+            FfiConverterString.allocationSize(value.`author`) +
+            FfiConverterString.allocationSize(value.`url`) +
+            FfiConverterLong.allocationSize(value.`readAtMs`)
+    )
+
+    override fun write(value: PullRequest, buf: ByteBuffer) {
+            FfiConverterULong.write(value.`number`, buf)
+            FfiConverterString.write(value.`title`, buf)
+            FfiConverterString.write(value.`body`, buf)
+            FfiConverterString.write(value.`state`, buf)
+            FfiConverterBoolean.write(value.`merged`, buf)
+            FfiConverterString.write(value.`mergeCommitSha`, buf)
+            FfiConverterString.write(value.`headBranch`, buf)
+            FfiConverterString.write(value.`headSha`, buf)
+            FfiConverterString.write(value.`baseBranch`, buf)
+            FfiConverterString.write(value.`author`, buf)
+            FfiConverterString.write(value.`url`, buf)
+            FfiConverterLong.write(value.`readAtMs`, buf)
     }
 }
 
@@ -7568,6 +8695,34 @@ public object FfiConverterSequenceTypeAllowedApp: FfiConverterRustBuffer<List<Al
 /**
  * @suppress
  */
+public object FfiConverterSequenceTypeApp: FfiConverterRustBuffer<List<App>> {
+    override fun read(buf: ByteBuffer): List<App> {
+        val len = buf.getInt()
+        return List<App>(len) {
+            FfiConverterTypeApp.read(buf)
+        }
+    }
+
+    override fun allocationSize(value: List<App>): ULong {
+        val sizeForLength = 4UL
+        val sizeForItems = value.map { FfiConverterTypeApp.allocationSize(it) }.sum()
+        return sizeForLength + sizeForItems
+    }
+
+    override fun write(value: List<App>, buf: ByteBuffer) {
+        buf.putInt(value.size)
+        value.iterator().forEach {
+            FfiConverterTypeApp.write(it, buf)
+        }
+    }
+}
+
+
+
+
+/**
+ * @suppress
+ */
 public object FfiConverterSequenceTypeApproval: FfiConverterRustBuffer<List<Approval>> {
     override fun read(buf: ByteBuffer): List<Approval> {
         val len = buf.getInt()
@@ -7596,6 +8751,90 @@ public object FfiConverterSequenceTypeApproval: FfiConverterRustBuffer<List<Appr
 /**
  * @suppress
  */
+public object FfiConverterSequenceTypeChatMessage: FfiConverterRustBuffer<List<ChatMessage>> {
+    override fun read(buf: ByteBuffer): List<ChatMessage> {
+        val len = buf.getInt()
+        return List<ChatMessage>(len) {
+            FfiConverterTypeChatMessage.read(buf)
+        }
+    }
+
+    override fun allocationSize(value: List<ChatMessage>): ULong {
+        val sizeForLength = 4UL
+        val sizeForItems = value.map { FfiConverterTypeChatMessage.allocationSize(it) }.sum()
+        return sizeForLength + sizeForItems
+    }
+
+    override fun write(value: List<ChatMessage>, buf: ByteBuffer) {
+        buf.putInt(value.size)
+        value.iterator().forEach {
+            FfiConverterTypeChatMessage.write(it, buf)
+        }
+    }
+}
+
+
+
+
+/**
+ * @suppress
+ */
+public object FfiConverterSequenceTypeCheckRun: FfiConverterRustBuffer<List<CheckRun>> {
+    override fun read(buf: ByteBuffer): List<CheckRun> {
+        val len = buf.getInt()
+        return List<CheckRun>(len) {
+            FfiConverterTypeCheckRun.read(buf)
+        }
+    }
+
+    override fun allocationSize(value: List<CheckRun>): ULong {
+        val sizeForLength = 4UL
+        val sizeForItems = value.map { FfiConverterTypeCheckRun.allocationSize(it) }.sum()
+        return sizeForLength + sizeForItems
+    }
+
+    override fun write(value: List<CheckRun>, buf: ByteBuffer) {
+        buf.putInt(value.size)
+        value.iterator().forEach {
+            FfiConverterTypeCheckRun.write(it, buf)
+        }
+    }
+}
+
+
+
+
+/**
+ * @suppress
+ */
+public object FfiConverterSequenceTypeLinkTemplate: FfiConverterRustBuffer<List<LinkTemplate>> {
+    override fun read(buf: ByteBuffer): List<LinkTemplate> {
+        val len = buf.getInt()
+        return List<LinkTemplate>(len) {
+            FfiConverterTypeLinkTemplate.read(buf)
+        }
+    }
+
+    override fun allocationSize(value: List<LinkTemplate>): ULong {
+        val sizeForLength = 4UL
+        val sizeForItems = value.map { FfiConverterTypeLinkTemplate.allocationSize(it) }.sum()
+        return sizeForLength + sizeForItems
+    }
+
+    override fun write(value: List<LinkTemplate>, buf: ByteBuffer) {
+        buf.putInt(value.size)
+        value.iterator().forEach {
+            FfiConverterTypeLinkTemplate.write(it, buf)
+        }
+    }
+}
+
+
+
+
+/**
+ * @suppress
+ */
 public object FfiConverterSequenceTypeMessage: FfiConverterRustBuffer<List<Message>> {
     override fun read(buf: ByteBuffer): List<Message> {
         val len = buf.getInt()
@@ -7614,6 +8853,34 @@ public object FfiConverterSequenceTypeMessage: FfiConverterRustBuffer<List<Messa
         buf.putInt(value.size)
         value.iterator().forEach {
             FfiConverterTypeMessage.write(it, buf)
+        }
+    }
+}
+
+
+
+
+/**
+ * @suppress
+ */
+public object FfiConverterSequenceTypeMetricPoint: FfiConverterRustBuffer<List<MetricPoint>> {
+    override fun read(buf: ByteBuffer): List<MetricPoint> {
+        val len = buf.getInt()
+        return List<MetricPoint>(len) {
+            FfiConverterTypeMetricPoint.read(buf)
+        }
+    }
+
+    override fun allocationSize(value: List<MetricPoint>): ULong {
+        val sizeForLength = 4UL
+        val sizeForItems = value.map { FfiConverterTypeMetricPoint.allocationSize(it) }.sum()
+        return sizeForLength + sizeForItems
+    }
+
+    override fun write(value: List<MetricPoint>, buf: ByteBuffer) {
+        buf.putInt(value.size)
+        value.iterator().forEach {
+            FfiConverterTypeMetricPoint.write(it, buf)
         }
     }
 }
