@@ -250,10 +250,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let guards = Guards {
         auth: Arc::new(LocalAuth {
             token: (!conformance).then_some(token),
-            scopes: [Risk::Read, Risk::Write, Risk::Destructive]
-                .iter()
-                .flat_map(|risk| risk.scopes(&skills.card().name))
-                .collect(),
+            scopes: loams_a2a::every_scope(&skills.card().name),
         }),
         gate: Arc::new(NoApprovals),
     };

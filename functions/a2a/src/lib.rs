@@ -37,4 +37,6 @@ pub use server::{
     A2A_JSON, APPROVAL_ID_KEY, CALLER_LIMITS_EXTENSION, MAX_MESSAGE_ID, MAX_REQUEST_BYTES,
     ServerOptions, TASK_KIND, router, router_with,
 };
-pub use skills::{AgentSpec, AppLinks, Risk, SkillError, SkillSpec, Skills, agent_principal};
+pub use skills::{
+    AgentSpec, AppLinks, Risk, SkillError, SkillSpec, Skills, agent_principal, every_scope,
+};

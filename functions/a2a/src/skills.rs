@@ -34,6 +34,14 @@ impl Risk {
     }
 }
 
+/// Every scope of `agent`'s skills, once each: what a caller trusted with all of them (the factory) holds.
+pub fn every_scope(agent: &str) -> Vec<String> {
+    ["read", "write", "destructive"]
+        .iter()
+        .map(|level| format!("{agent}:{level}"))
+        .collect()
+}
+
 /// The principal an agent acts as (its subject in tokens it is issued, the key of its kill
 /// switch, docs/contracts.md): `agent:<name>`. Each agent has its own; the card names it.
 pub fn agent_principal(agent: &str) -> String {

@@ -389,6 +389,7 @@ async fn gate(
     agent: &Agent,
     caller: &Principal,
     skill: &str,
+    risk: Risk,
     args: &Value,
     approval_id: Option<&str>,
 ) -> Result<Result<(), SkillError>, GateError> {
@@ -397,9 +398,6 @@ async fn gate(
             "{}.{skill} refused: {why}",
             agent.name
         ))))
-    };
-    let Some(&risk) = agent.risks.get(skill) else {
-        return refused("unknown skill".into());
     };
     if let Some(scope) = caller.missing_scope(&agent.name, risk) {
         return refused(format!("the caller's token does not grant {scope}"));
@@ -480,10 +478,10 @@ pub(crate) async fn begin(
         ));
     }
     let (skill, args) = skill_call(&message)?;
-    if !agent.risks.contains_key(&skill) {
+    let Some(&risk) = agent.risks.get(&skill) else {
         let shown: String = skill.chars().take(64).collect();
         return Err(A2AError::invalid_params(format!("unknown skill {shown:?}")));
-    }
+    };
     let approval_id = approval_id(&message)?;
     let call = call_hash(&skill, &args)?;
 
@@ -531,7 +529,7 @@ pub(crate) async fn begin(
             return Ok(Begun::Elsewhere(task));
         }
     };
-    let admitted = match gate(agent, caller, &skill, &args, approval_id.as_deref()).await {
+    let admitted = match gate(agent, caller, &skill, risk, &args, approval_id.as_deref()).await {
         Ok(admitted) => admitted,
         Err(e) => {
             // Nothing ran: the same call can be decided again at once.

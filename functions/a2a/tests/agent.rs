@@ -141,7 +141,7 @@ struct TestTokens(String);
 #[async_trait]
 impl TokenSource for TestTokens {
     async fn token(&self, audience: &str, agent: &str) -> Result<String, TokenError> {
-        let scopes = format!("{agent}:read {agent}:write {agent}:destructive");
+        let scopes = loams_a2a::every_scope(agent).join(" ");
         Ok(scoped_token(&self.0, "acme", audience, &scopes))
     }
 }

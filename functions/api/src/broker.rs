@@ -19,6 +19,7 @@ use async_trait::async_trait;
 use aws_lc_rs::constant_time;
 use loams_a2a::{
     ApprovalGate, AuthError, CallerAuth, GateError, Principal, Risk, TokenError, TokenSource,
+    every_scope,
 };
 use loams_factory::action_hash;
 use loams_factory::approval::{Approval, ApprovalAction, ApprovalState};
@@ -75,13 +76,7 @@ impl AgentTokens {
     }
 
     fn mint(&self, audience: &str, agent: &str, now: u64) -> Result<String, TokenError> {
-        let scopes = [Risk::Read, Risk::Write, Risk::Destructive]
-            .iter()
-            .flat_map(|risk| risk.scopes(agent))
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect::<Vec<_>>()
-            .join(" ");
+        let scopes = every_scope(agent).join(" ");
         self.issuer
             .issue_for(
                 audience,

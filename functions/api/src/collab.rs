@@ -11,7 +11,6 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use aws_lc_rs::rand::{SecureRandom, SystemRandom};
 use loams_a2a::{A2aClient, AppLinks, CallError, Jwks, Risk, TokenError, TokenSource};
 use loams_proto::collab::v1 as pc;
 use loams_proto::connect::{CallContext, Router};
@@ -42,7 +41,14 @@ pub struct RegisteredApp {
 pub struct AgentLink {
     url: String,
     trusted: Jwks,
-    client: tokio::sync::OnceCell<A2aClient>,
+    connected: tokio::sync::OnceCell<Connected>,
+}
+
+/// An agent whose card passed the checks, with the links of its card as shown (checked once, when connecting).
+struct Connected {
+    client: A2aClient,
+    links: AppLinks,
+    web: Option<Origin>,
 }
 
 impl AgentLink {
@@ -50,14 +56,14 @@ impl AgentLink {
         Self {
             url: url.into(),
             trusted,
-            client: tokio::sync::OnceCell::new(),
+            connected: tokio::sync::OnceCell::new(),
         }
     }
 
     /// The agent of app `id`, once its card is verified, names that app, and sends calls where it was configured
     /// to be (a card that points elsewhere would take the panel tokens with it).
-    async fn client(&self, id: &str) -> Result<&A2aClient, ApiError> {
-        self.client
+    async fn connect(&self, id: &str) -> Result<&Connected, ApiError> {
+        self.connected
             .get_or_try_init(|| async {
                 let client = A2aClient::new(&self.url, &self.trusted).await.map_err(|e| {
                     tracing::warn!(app = id, error = %e, "app registry: agent unreachable");
@@ -68,7 +74,11 @@ impl AgentLink {
                         "app registry: the agent's card names another agent or address");
                     return Err(ApiError::Internal(format!("the {id} agent's card does not match its configuration")));
                 }
-                Ok(client)
+                let links = loams_a2a::app_links(client.card())
+                    .map(checked_links)
+                    .unwrap_or_default();
+                let web = origin(&links.web_url);
+                Ok(Connected { client, links, web })
             })
             .await
     }
@@ -171,10 +181,7 @@ impl Collab {
             let readable = may_read(caller, &app.id);
             // Where an app lives is shown only to those who may read it.
             let links = match (&app.agent, readable) {
-                (Some(link), true) => match link.client(&app.id).await {
-                    Ok(client) => loams_a2a::app_links(client.card()).map(checked_links),
-                    Err(_) => None,
-                },
+                (Some(link), true) => link.connect(&app.id).await.ok().map(|c| c.links.clone()),
                 _ => None,
             }
             .unwrap_or_default();
@@ -218,8 +225,7 @@ impl Collab {
                 "this deployment has no {app} configured"
             )));
         };
-        let client = link.client(app).await?;
-        let web = loams_a2a::app_links(client.card()).and_then(|l| origin(&l.web_url));
+        let Connected { client, web, .. } = link.connect(app).await?;
         let token = crate::broker::on_behalf_token(issuer, client.endpoint(), app, caller)
             .map_err(|e| ApiError::Internal(e.to_string()))?;
         let answer = client
@@ -237,7 +243,7 @@ impl Collab {
             tracing::error!(app, skill, error = %e, "panel read: the agent's answer does not decode");
             ApiError::Internal(format!("the {app} agent's answer does not decode"))
         })?;
-        Ok((decoded, web))
+        Ok((decoded, web.clone()))
     }
 }
 
@@ -251,11 +257,7 @@ fn may_read(caller: &Caller, app: &str) -> bool {
 
 /// A fresh message id per read: reads are not deduplicated, every panel load asks again.
 fn panel_message_id() -> Result<String, ApiError> {
-    let mut bytes = [0u8; 12];
-    SystemRandom::new()
-        .fill(&mut bytes)
-        .map_err(|_| ApiError::Internal("random message id".into()))?;
-    Ok(format!("panel-{}", hex::encode(bytes)))
+    crate::random_id("panel")
 }
 
 /// The bearer token minted for one read.

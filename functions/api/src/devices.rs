@@ -1,6 +1,5 @@
 //! DeviceService: register a phone's P-256 key (and push token), revoke it.
 
-use aws_lc_rs::rand::{SecureRandom, SystemRandom};
 use loams_factory::approval::{Device, valid_device_key};
 use loams_platform::{Cond, Item, Page, StoreError};
 use loams_proto::connect::{CallContext, Router};
@@ -45,11 +44,7 @@ async fn active_devices(state: &ApiState, caller: &Caller) -> Result<usize, ApiE
 
 fn device_id(requested: &str) -> Result<String, ApiError> {
     if requested.is_empty() {
-        let mut b = [0u8; 12];
-        SystemRandom::new()
-            .fill(&mut b)
-            .map_err(|_| ApiError::Internal("random device id".into()))?;
-        return Ok(format!("dev-{}", hex::encode(b)));
+        return crate::random_id("dev");
     }
     let ok = requested.len() <= MAX_DEVICE_ID
         && requested

@@ -107,6 +107,16 @@ impl ApiState {
     }
 }
 
+/// A fresh id `<prefix>-<24 hex digits>` (96 random bits): device ids, panel-read message ids.
+pub(crate) fn random_id(prefix: &str) -> Result<String, ApiError> {
+    use aws_lc_rs::rand::{SecureRandom, SystemRandom};
+    let mut bytes = [0u8; 12];
+    SystemRandom::new()
+        .fill(&mut bytes)
+        .map_err(|_| ApiError::Internal(format!("random {prefix} id")))?;
+    Ok(format!("{prefix}-{}", hex::encode(bytes)))
+}
+
 /// The whole HTTP surface: the Connect services, the webhooks and (when configured) the JWKS.
 pub fn router(state: ApiState) -> axum::Router {
     let connect = factory::routes(state.clone(), loams_proto::connect::Router::new());

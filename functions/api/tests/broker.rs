@@ -42,7 +42,7 @@ async fn agent_tokens_verify_for_their_agent_only() {
     // The factory holds every scope of the agent it calls, and nothing of another.
     assert_eq!(
         principal.scopes,
-        ["plane:destructive", "plane:read", "plane:write"]
+        ["plane:read", "plane:write", "plane:destructive"]
     );
 
     assert_eq!(auth.verify(None, AGENT_URL).await, Err(AuthError::Missing));
