@@ -8,12 +8,10 @@ use std::sync::Arc;
 
 use loams_proto::collab::v1 as pc;
 
-use crate::client::{Inner, now_ms};
-use crate::error::{Error, Result};
+use crate::client::{Inner, check_id, now_ms};
+use crate::error::Result;
 
 const SERVICE: &str = "/loams.collab.v1.CollabService/";
-/// The server's limit on a run id.
-const MAX_RUN_ID: usize = 128;
 
 /// An app of the deployment's registry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -136,15 +134,6 @@ pub struct Panels {
     inner: Arc<Inner>,
 }
 
-fn run_id(run_id: &str) -> Result<()> {
-    if run_id.is_empty() || run_id.len() > MAX_RUN_ID || run_id.chars().any(char::is_control) {
-        return Err(Error::InvalidInput(format!(
-            "a run id is 1..={MAX_RUN_ID} bytes of text"
-        )));
-    }
-    Ok(())
-}
-
 impl Panels {
     pub(crate) fn new(inner: Arc<Inner>) -> Panels {
         Panels { inner }
@@ -183,7 +172,7 @@ impl Panels {
     }
 
     pub async fn issue(&self, run: &str) -> Result<Issue> {
-        run_id(run)?;
+        check_id("run_id", run)?;
         let i: pc::Issue = self
             .call("GetIssue", &pc::GetIssueRequest { run_id: run.into() })
             .await?;
@@ -199,7 +188,7 @@ impl Panels {
     }
 
     pub async fn pull_request(&self, run: &str) -> Result<PullRequest> {
-        run_id(run)?;
+        check_id("run_id", run)?;
         let req = pc::GetPullRequestRequest { run_id: run.into() };
         let p: pc::PullRequest = self.call("GetPullRequest", &req).await?;
         Ok(PullRequest {
@@ -219,7 +208,7 @@ impl Panels {
     }
 
     pub async fn check_runs(&self, run: &str) -> Result<CheckRuns> {
-        run_id(run)?;
+        check_id("run_id", run)?;
         let req = pc::ListCheckRunsRequest { run_id: run.into() };
         let c: pc::ListCheckRunsResponse = self.call("ListCheckRuns", &req).await?;
         Ok(CheckRuns {
@@ -240,7 +229,7 @@ impl Panels {
     }
 
     pub async fn thread(&self, run: &str) -> Result<ChatThread> {
-        run_id(run)?;
+        check_id("run_id", run)?;
         let t: pc::Thread = self
             .call("GetThread", &pc::GetThreadRequest { run_id: run.into() })
             .await?;
@@ -261,7 +250,7 @@ impl Panels {
     }
 
     pub async fn error_issue(&self, run: &str) -> Result<ErrorIssue> {
-        run_id(run)?;
+        check_id("run_id", run)?;
         let req = pc::GetErrorIssueRequest { run_id: run.into() };
         let e: pc::ErrorIssue = self.call("GetErrorIssue", &req).await?;
         Ok(ErrorIssue {
@@ -281,7 +270,7 @@ impl Panels {
 
     /// The run's metric from `since_ms` (at most 90 days back; 0: from a day before the run started).
     pub async fn metric_series(&self, run: &str, since_ms: i64) -> Result<MetricSeries> {
-        run_id(run)?;
+        check_id("run_id", run)?;
         let req = pc::GetMetricSeriesRequest {
             run_id: run.into(),
             since_ms,
@@ -300,21 +289,5 @@ impl Panels {
             total: m.total,
             read_at_ms: now_ms(),
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn run_ids_are_checked_before_anything_is_sent() {
-        assert!(run_id("r-0123456789abcdef").is_ok());
-        for bad in [String::new(), "r".repeat(MAX_RUN_ID + 1), "r-1\n".into()] {
-            assert!(
-                matches!(run_id(&bad), Err(Error::InvalidInput(_))),
-                "{bad:?}"
-            );
-        }
     }
 }

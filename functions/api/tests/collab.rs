@@ -42,14 +42,17 @@ impl Skills for Forge {
                 )]
                 .into(),
             }),
-            skills: vec![SkillSpec {
-                id: "get_pr".into(),
-                name: "get_pr".into(),
-                description: "get_pr".into(),
-                risk: Risk::Read,
-                tags: vec![],
-                examples: vec![],
-            }],
+            // Every skill the panel reads below call: only the registry's checks can stop a read.
+            skills: ["get_pr", "get_issue"]
+                .map(|id| SkillSpec {
+                    id: id.into(),
+                    name: id.into(),
+                    description: id.into(),
+                    risk: Risk::Read,
+                    tags: vec![],
+                    examples: vec![],
+                })
+                .into(),
         }
     }
 

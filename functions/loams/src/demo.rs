@@ -335,6 +335,7 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
     // What the first run touched, as the approver's phone shows it: read from the apps through Loams.
     if let Some((run, _)) = report_runs.first() {
         writeln!(out)?;
+        // A panel that cannot be read says why in its line; the demo goes on.
         crate::terminal::print_panels(&phone, &run.id, out).await?;
     }
     writeln!(out, "finished in {:.1}s", started.elapsed().as_secs_f64())?;

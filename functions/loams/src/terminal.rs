@@ -96,7 +96,12 @@ pub async fn run(args: PhoneArgs) -> anyhow::Result<()> {
         }
         PhoneCommand::Kill { run, reason } => kill(&phone, &run, &reason, out).await,
         PhoneCommand::Watch { run } => watch(&phone, &run, out).await,
-        PhoneCommand::Panels { run } => print_panels(&phone, &run, out).await,
+        PhoneCommand::Panels { run } => {
+            if print_panels(&phone, &run, out).await? == 0 {
+                bail!("no panel of run {run} could be read (see the lines above)");
+            }
+            Ok(())
+        }
     }
 }
 
@@ -315,30 +320,38 @@ fn unread(e: &Error) -> String {
     format!("- ({e})")
 }
 
-/// The run's panels, each read on its own through the server (`loams phone panels`, and the demo's end).
+/// The run's panels, each read on its own through the server (`loams phone panels`, and the demo's end); how many
+/// could be read.
 pub(crate) async fn print_panels(
     phone: &Phone,
     run_id: &str,
     out: &mut dyn Write,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<usize> {
+    let mut read = 0;
+    let mut shown = |line: Result<String, Error>| match line {
+        Ok(line) => {
+            read += 1;
+            line
+        }
+        Err(e) => unread(&e),
+    };
     let panels = phone.panels();
     writeln!(
         out,
         "panels of run {run_id}, read from the apps through Loams:"
     )?;
-    let issue = match panels.issue(run_id).await {
-        Ok(i) => format!(
+    let issue = shown(panels.issue(run_id).await.map(|i| {
+        format!(
             "{} {} [{}] {}",
             plain(&i.key, 32),
             plain(&i.title, 80),
             plain(&i.state, 32),
             i.url
-        ),
-        Err(e) => unread(&e),
-    };
+        )
+    }));
     writeln!(out, "  issue:  {issue}")?;
-    let pr = match panels.pull_request(run_id).await {
-        Ok(p) => format!(
+    let pr = shown(panels.pull_request(run_id).await.map(|p| {
+        format!(
             "#{} {} [{}{}] {} -> {} {}",
             p.number,
             plain(&p.title, 80),
@@ -347,78 +360,67 @@ pub(crate) async fn print_panels(
             plain(&p.head_branch, 64),
             plain(&p.base_branch, 64),
             p.url
-        ),
-        Err(e) => unread(&e),
-    };
+        )
+    }));
     writeln!(out, "  pr:     {pr}")?;
-    let checks = match panels.check_runs(run_id).await {
-        Ok(c) => {
-            let each: Vec<String> = c
-                .checks
-                .iter()
-                .map(|r| format!("{} {}", plain(&r.name, 40), plain(&r.state, 16)))
-                .collect();
-            format!(
-                "{} at {} ({})",
-                plain(&c.state, 16),
-                short_sha(&c.sha),
-                each.join(", ")
-            )
-        }
-        Err(e) => unread(&e),
-    };
+    let checks = shown(panels.check_runs(run_id).await.map(|c| {
+        let each: Vec<String> = c
+            .checks
+            .iter()
+            .map(|r| format!("{} {}", plain(&r.name, 40), plain(&r.state, 16)))
+            .collect();
+        format!(
+            "{} at {} ({})",
+            plain(&c.state, 16),
+            short_sha(&c.sha),
+            each.join(", ")
+        )
+    }));
     writeln!(out, "  checks: {checks}")?;
-    let thread = match panels.thread(run_id).await {
-        Ok(t) => {
-            let last = t.messages.last().map(|m| {
-                format!(
-                    ": last {}: {}",
-                    plain(&m.sender_name, 40),
-                    plain(&m.content, 80)
-                )
-            });
+    let thread = shown(panels.thread(run_id).await.map(|t| {
+        let last = t.messages.last().map(|m| {
             format!(
-                "#{} > {}, {} messages{}",
-                plain(&t.channel, 40),
-                plain(&t.topic, 60),
-                t.messages.len(),
-                last.unwrap_or_default()
+                ": last {}: {}",
+                plain(&m.sender_name, 40),
+                plain(&m.content, 80)
             )
-        }
-        Err(e) => unread(&e),
-    };
+        });
+        format!(
+            "#{} > {}, {} messages{}",
+            plain(&t.channel, 40),
+            plain(&t.topic, 60),
+            t.messages.len(),
+            last.unwrap_or_default()
+        )
+    }));
     writeln!(out, "  thread: {thread}")?;
-    let error = match panels.error_issue(run_id).await {
-        Ok(e) => format!(
+    let error = shown(panels.error_issue(run_id).await.map(|e| {
+        format!(
             "{} [{}] {} events, {}",
             plain(&e.title, 80),
             plain(&e.status, 16),
             e.event_count,
             e.url
-        ),
-        Err(e) => unread(&e),
-    };
+        )
+    }));
     writeln!(out, "  error:  {error}")?;
-    let metric = match panels.metric_series(run_id, 0).await {
-        Ok(m) => {
-            // The day of each point: OpenPanel dates them with a time of day.
-            let day = |date: &str| plain(date.split(['T', ' ']).next().unwrap_or_default(), 10);
-            let days: Vec<String> = m
-                .points
-                .iter()
-                .map(|p| format!("{} {}", day(&p.date), p.count))
-                .collect();
-            format!(
-                "{} total {} ({})",
-                plain(&m.event, 64),
-                m.total,
-                days.join(", ")
-            )
-        }
-        Err(e) => unread(&e),
-    };
+    let metric = shown(panels.metric_series(run_id, 0).await.map(|m| {
+        // The day of each point: OpenPanel dates them with a time of day.
+        let day = |date: &str| plain(date.split(['T', ' ']).next().unwrap_or_default(), 10);
+        let days: Vec<String> = m
+            .points
+            .iter()
+            .map(|p| format!("{} {}", day(&p.date), p.count))
+            .collect();
+        format!(
+            "{} total {} ({})",
+            plain(&m.event, 64),
+            m.total,
+            days.join(", ")
+        )
+    }));
     writeln!(out, "  metric: {metric}")?;
-    Ok(())
+    Ok(read)
 }
 
 fn short_sha(sha: &str) -> &str {
@@ -562,6 +564,18 @@ fn span(ms: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn app_text_is_one_plain_line() {
+        // An escape sequence, a line break, a bidi override and a zero-width space all become spaces.
+        assert_eq!(
+            plain("fix\x1b[2J\u{202E}evil\nline\u{200B}end", 80),
+            "fix [2J evil line end"
+        );
+        // Cut at characters, not bytes, and marked.
+        assert_eq!(plain("ééééé", 3), "ééé...");
+        assert_eq!(plain("abc", 3), "abc");
+    }
 
     #[test]
     fn spans_read_at_a_glance() {

@@ -203,6 +203,20 @@ async fn a_device_registers_lists_the_merge_approves_it_with_the_phrase_and_watc
         !panels.stdout.contains("- ("),
         "every panel was read: {panels}"
     );
+    let unknown = phone(&env, &["panels", "r-0000000000000000"]).await;
+    assert!(!unknown.ok, "{unknown}");
+    assert!(
+        unknown
+            .stdout
+            .contains("  pr:     - (not found: run r-0000000000000000 not found)"),
+        "{unknown}"
+    );
+    assert!(
+        unknown
+            .stderr
+            .contains("no panel of run r-0000000000000000 could be read"),
+        "{unknown}"
+    );
 
     // Nobody at a terminal to type the phrase, and a wrong phrase: nothing is signed.
     let untyped = phone(&env, &["approve", &approval]).await;

@@ -160,6 +160,14 @@ async def register_watch_approve_then_offline(tmp_path):
     assert checks.checks and all(c.state == "success" for c in checks.checks)
     with pytest.raises(loams.LoamsError.NotFound):
         await phone.panels().pull_request("r-0000000000000000")
+    apps = {a.id: a for a in await phone.panels().apps()}
+    assert list(apps) == ["zulip", "plane", "forgejo", "glitchtip", "analytics"]
+    assert all(a.configured and a.readable for a in apps.values())
+    forgejo = apps["forgejo"]
+    templates = {t.object: t.template for t in forgejo.deep_link_templates}
+    assert templates["pull_request"].replace("{number}", str(pr.number)) == pr.url
+    assert pr.url.startswith(forgejo.base_url + "/")
+    assert apps["analytics"].base_url == "" and not apps["analytics"].deep_link_templates
 
     # A wrong phrase is refused before anything is signed or sent.
     with pytest.raises(loams.LoamsError.ConfirmationMismatch) as err:
