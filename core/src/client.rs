@@ -386,6 +386,17 @@ mod tests {
     use super::*;
     use crate::signer::SoftwareSigner;
 
+    #[test]
+    fn ids_are_checked_before_anything_is_sent() {
+        assert!(check_id("run_id", "r-0123456789abcdef").is_ok());
+        for bad in [String::new(), "r".repeat(MAX_ID + 1), "r-1\n".into()] {
+            assert!(
+                matches!(check_id("run_id", &bad), Err(Error::InvalidInput(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
     struct NoToken;
 
     #[async_trait]

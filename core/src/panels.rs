@@ -2,7 +2,7 @@
 //! the server, which reads them through the apps' agents as this person. A phone never calls an app.
 //!
 //! Panels are not cached: they show the app's state now, and without a connection a read fails at once with
-//! [`Error::Offline`]. Their text is written in the apps by other people: show it quoted, as plain text.
+//! [`Error::Offline`](crate::Error::Offline). Their text is written in the apps by other people: show it quoted, as plain text.
 
 use std::sync::Arc;
 
