@@ -117,8 +117,18 @@ impl reqwest::dns::Resolve for PublicOnly {
     }
 }
 
+/// The agent's webhook client, built on first use. Building fails only without a usable TLS backend; every
+/// delivery then fails with that reason, since no other client would keep the target checks.
+fn sender(agent: &Agent) -> Result<&reqwest::Client, &str> {
+    agent
+        .push_client
+        .get_or_init(|| build_sender(&agent.options.push).map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(String::as_str)
+}
+
 /// The HTTP client webhooks are called with.
-pub(crate) fn sender(options: &PushOptions) -> Result<reqwest::Client, reqwest::Error> {
+fn build_sender(options: &PushOptions) -> Result<reqwest::Client, reqwest::Error> {
     let builder = reqwest::Client::builder()
         .timeout(options.timeout)
         // A redirect would lead past the target check; a proxy would resolve names itself.
@@ -390,11 +400,17 @@ async fn deliver(agent: &Agent, config: &TaskPushNotificationConfig, event: &Str
             return;
         }
     };
+    let client = match sender(agent) {
+        Ok(client) => client,
+        Err(e) => {
+            tracing::error!(error = %e, "push notification client");
+            return;
+        }
+    };
     let attempts = options.attempts.max(1);
     let mut wait = options.backoff;
     for attempt in 1..=attempts {
-        let mut req = agent
-            .push_client
+        let mut req = client
             .post(&config.url)
             .header(reqwest::header::CONTENT_TYPE, A2A_JSON)
             .body(body.clone());

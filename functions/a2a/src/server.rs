@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use a2a::{
@@ -152,13 +152,8 @@ pub fn router_with(
     if let Err(e) = &card_doc {
         tracing::error!(agent = %spec.name, error = %e, "agent card could not be signed");
     }
-    let push_client = push::sender(&options.push).unwrap_or_else(|e| {
-        // Building a client fails only without a usable TLS backend; webhooks then fail per call.
-        tracing::error!(error = %e, "push notification client");
-        reqwest::Client::new()
-    });
     let agent = Agent {
-        push_client,
+        push_client: OnceLock::new(),
         risks: spec.skills.iter().map(|s| (s.id.clone(), s.risk)).collect(),
         name: spec.name,
         skills,

@@ -6,7 +6,7 @@
 //! memory is the skill run itself, which no other process could continue anyway.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use a2a::{
@@ -54,8 +54,9 @@ pub(crate) struct Agent {
     /// endpoint reports it instead of serving an unsigned card.
     pub card_doc: Result<crate::server::CardDoc, String>,
     pub options: ServerOptions,
-    /// Calls webhooks (see [`crate::push`]).
-    pub push_client: reqwest::Client,
+    /// Calls webhooks (see [`crate::push`]); built on the first delivery, because building it loads the
+    /// system's root certificates and most processes (a Lambda serving a card or a skill call) deliver none.
+    pub push_client: OnceLock<Result<reqwest::Client, String>>,
 }
 
 /// Where a stream's events go; a closed receiver (the client left) ends the producer.
