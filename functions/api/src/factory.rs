@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use futures::Stream;
 use loams_factory::approval::{self, KillRequest, Refusal};
-use loams_factory::{Cursor, Envelope, Input, ObserveVerdict};
+use loams_factory::{Cursor, Envelope, Input, ObserveVerdict, run_kill_switch_id};
 use loams_platform::Claim;
 use loams_platform::{Cond, Item, Page, RunRow, StoreError};
 use loams_proto::connect::{CallContext, ConnectError, Router};
@@ -227,7 +227,7 @@ async fn kill(
             let switch_item = Item {
                 org: caller.org.clone(),
                 kind: "kill".into(),
-                id: switch_id(&req.run_id),
+                id: run_kill_switch_id(&req.run_id),
                 version: 0,
                 index: None,
                 body: to_body(&set)?,
@@ -269,11 +269,6 @@ async fn kill(
     .await
 }
 
-/// The kill switch item of a run.
-fn switch_id(run_id: &str) -> String {
-    format!("run:{run_id}")
-}
-
 /// The run's kill switch, if one is set.
 async fn switch(
     state: &ApiState,
@@ -282,7 +277,7 @@ async fn switch(
 ) -> Result<Option<KillSwitch>, ApiError> {
     let item = state
         .store
-        .get_item(&caller.org, "kill", &switch_id(run_id))
+        .get_item(&caller.org, "kill", &run_kill_switch_id(run_id))
         .await?;
     item.as_ref().map(parse).transpose()
 }

@@ -86,21 +86,7 @@ fn check_signal(s: &Signal) -> Result<(), Rejection> {
 ///
 /// Also refused above the generation cap or when a kill switch covers it.
 pub fn open(signal: Signal, ctx: &Ctx) -> Result<(Run, Event), Rejection> {
-    if !valid_org(&ctx.org) {
-        return Err(Rejection::InvalidSignal(format!(
-            "invalid org {:?}",
-            ctx.org
-        )));
-    }
-    check_signal(&signal)?;
-    let cap = ctx.config.max_generations;
-    if signal.generation > cap {
-        return Err(Rejection::GenerationCap {
-            generation: signal.generation,
-            cap,
-        });
-    }
-    let id = lineage_id(&signal, ctx)?;
+    let id = opening_id(&signal, ctx)?;
     if ctx.kill.org {
         return Err(Rejection::Killed("organisation".into()));
     }
@@ -118,6 +104,26 @@ pub fn open(signal: Signal, ctx: &Ctx) -> Result<(Run, Event), Rejection> {
     };
     let run = Run::from_events(std::slice::from_ref(&event))?;
     Ok((run, event))
+}
+
+/// The id of the run [`open`] gives `signal`, or its refusal for any reason but a kill switch: the caller reads the
+/// switch of that run with it.
+pub fn opening_id(signal: &Signal, ctx: &Ctx) -> Result<String, Rejection> {
+    if !valid_org(&ctx.org) {
+        return Err(Rejection::InvalidSignal(format!(
+            "invalid org {:?}",
+            ctx.org
+        )));
+    }
+    check_signal(signal)?;
+    let cap = ctx.config.max_generations;
+    if signal.generation > cap {
+        return Err(Rejection::GenerationCap {
+            generation: signal.generation,
+            cap,
+        });
+    }
+    lineage_id(signal, ctx)
 }
 
 /// The run id a signal opens, or the cooldown refusal; see [`open`].

@@ -25,7 +25,7 @@ mod run;
 
 pub use ci::{CiReport, parse_ci_log};
 pub use effect::{ApprovalRequest, ChatMessage, Effect};
-pub use engine::{REQUESTER, decide, open};
+pub use engine::{REQUESTER, decide, open, opening_id};
 pub use event::{Event, FinishStep, FollowUp, ObserveVerdict, Reason, WaitKind};
 pub use ids::{action_hash, run_id, run_id_after, step_id};
 pub use input::{Envelope, Input, Outcome};
@@ -184,13 +184,20 @@ impl OrgSpend {
     }
 }
 
-/// The kill switches in force, read strongly by the worker before it asks for a decision.
+/// The kill switches that bear on a decision, read strongly by the worker before it asks for one. They are items of
+/// kind `kill` with the ids `org`, `agent:<name>` and [`run_kill_switch_id`].
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(default)]
 pub struct KillSwitches {
     pub org: bool,
     pub agents: Vec<String>,
+    /// The runs among those the decision concerns (the run it moves, or the one it opens) whose switch is set.
     pub runs: Vec<String>,
+}
+
+/// The id of a run's kill switch item (kind `kill`).
+pub fn run_kill_switch_id(run_id: &str) -> String {
+    format!("run:{run_id}")
 }
 
 /// The last run opened for a signal's fingerprint (item kind `fingerprint`).

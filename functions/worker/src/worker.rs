@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::stream::{FuturesUnordered, StreamExt};
 use loams_factory::{
     Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, LastRunStatus, OrgSpend, Outcome,
-    Policy, Prices, Run, RunState, Signal,
+    Policy, Prices, Run, RunState, Signal, run_kill_switch_id,
 };
 use loams_model::{ChatMessage, ChatModel, ChatRequest};
 use loams_platform::limits::MAX_RECEIVE;
@@ -118,7 +118,7 @@ impl Worker {
     pub async fn open(&self, org: &str, signal: Signal) -> Result<Opened, WorkerError> {
         let d = &self.deps;
         let now = d.clock.now_ms();
-        let mut ctx = self.ctx(org, now).await?;
+        let mut ctx = self.ctx(org, None, now).await?;
         ctx.last_run = self.last_run(org, &signal.fingerprint).await?;
         if let Some(last) = &ctx.last_run {
             // The cooldown counts from the end of the fingerprint's last run, and a repeat of the alert while it
@@ -133,8 +133,10 @@ impl Worker {
                 None => LastRunStatus::Unknown,
             };
         }
-        let (run, opened) = loams_factory::open(signal.clone(), &ctx)
-            .map_err(|e| WorkerError::OpenRefused(e.to_string()))?;
+        let refused = |e: loams_factory::Rejection| WorkerError::OpenRefused(e.to_string());
+        let id = loams_factory::opening_id(&signal, &ctx).map_err(refused)?;
+        ctx.kill.runs = self.run_switch(org, &id).await?;
+        let (run, opened) = loams_factory::open(signal.clone(), &ctx).map_err(refused)?;
         let created = d
             .store
             .create_run(
@@ -215,7 +217,7 @@ impl Worker {
         async {
             let (org, run_id) = (envelope.org.as_str(), envelope.run.as_str());
             let mut current = self.load(org, run_id).await?;
-            let mut ctx = self.ctx(org, self.deps.clock.now_ms()).await?;
+            let mut ctx = self.ctx(org, Some(run_id), self.deps.clock.now_ms()).await?;
             // Before the message's own input: the approval's deadline timer must not expire a decision that is
             // stored but whose message was lost.
             if let Some(settled) = self.stored_settlement(&current.run).await? {
@@ -243,7 +245,7 @@ impl Worker {
                 // The guards (kill switches, budget) see the latest world before every effect: read afresh for
                 // each step after the first (the first uses the read made for this message a moment ago).
                 if taken > 0 {
-                    ctx = self.ctx(org, self.deps.clock.now_ms()).await?;
+                    ctx = self.ctx(org, Some(run_id), self.deps.clock.now_ms()).await?;
                 }
                 current = self.record(org, run_id, &input, current, &mut ctx).await?;
                 self.open_follow_up(org, &current.run).await?;
@@ -533,7 +535,7 @@ impl Worker {
             let now = d.clock.now_ms();
             if attempt > 0 {
                 current = self.load(org, run_id).await?;
-                *ctx = self.ctx(org, now).await?;
+                *ctx = self.ctx(org, Some(run_id), now).await?;
             }
             ctx.now_ms = now;
             let events = loams_factory::decide(&current.run, input, ctx)
@@ -783,15 +785,19 @@ impl Worker {
         }
     }
 
-    /// The world outside the run that the engine may look at, read fresh (kill switches are read strongly).
-    async fn ctx(&self, org: &str, now_ms: i64) -> Result<Ctx, WorkerError> {
+    /// The world outside the run that the engine may look at, read fresh (kill switches are read strongly), for a
+    /// decision about `run` (`None`: a run not yet opened, whose switch [`Worker::open`] reads once it knows the id).
+    async fn ctx(&self, org: &str, run: Option<&str>, now_ms: i64) -> Result<Ctx, WorkerError> {
         let d = &self.deps;
         let mut ctx = Ctx::new(org, &d.env, now_ms);
         ctx.config = d.config.clone();
         ctx.policy = d.policy.clone();
         ctx.prices = d.prices;
         ctx.owner = d.owner.clone();
-        ctx.kill = self.kill_switches(org).await?;
+        ctx.kill = self.scope_switches(org).await?;
+        if let Some(run) = run {
+            ctx.kill.runs = self.run_switch(org, run).await?;
+        }
         // Without a monthly limit the spend decides nothing: it is not read.
         if d.config.org_budget_micros.is_some() || d.config.org_budget_tokens.is_some() {
             let spent = spend::this_month(d.store.as_ref(), org, now_ms).await?;
@@ -803,11 +809,15 @@ impl Worker {
         Ok(ctx)
     }
 
-    async fn kill_switches(&self, org: &str) -> Result<KillSwitches, WorkerError> {
+    /// The organisation's and the agents' kill switches. Run switches are not listed: one is written per killed run
+    /// and stays, so listing them would make every step of every run slower as the killed runs add up. Items come
+    /// in id order and `agent:<name>` < `org` < `run:<id>`, so the listing stops at the first run switch.
+    async fn scope_switches(&self, org: &str) -> Result<KillSwitches, WorkerError> {
+        const PAGE: u32 = 16;
         let mut kill = KillSwitches::default();
         let mut page = Page {
             cursor: None,
-            limit: 100,
+            limit: PAGE,
         };
         loop {
             let items = self.deps.store.list_items(org, "kill", None, page).await?;
@@ -815,7 +825,7 @@ impl Worker {
                 match item.id.split_once(':') {
                     None if item.id == "org" => kill.org = true,
                     Some(("agent", name)) => kill.agents.push(name.to_string()),
-                    Some(("run", id)) => kill.runs.push(id.to_string()),
+                    Some(("run", _)) => return Ok(kill),
                     _ => warn!(id = %item.id, "ignoring a kill switch of unknown scope"),
                 }
             }
@@ -823,12 +833,23 @@ impl Worker {
                 Some(cursor) => {
                     page = Page {
                         cursor: Some(cursor),
-                        limit: 100,
+                        limit: PAGE,
                     }
                 }
                 None => return Ok(kill),
             }
         }
+    }
+
+    /// `[run]` if the run's kill switch is set, else nothing: [`KillSwitches::runs`] for a decision about it.
+    async fn run_switch(&self, org: &str, run: &str) -> Result<Vec<String>, WorkerError> {
+        let set = self
+            .deps
+            .store
+            .get_item(org, "kill", &run_kill_switch_id(run))
+            .await?
+            .is_some();
+        Ok(if set { vec![run.to_string()] } else { Vec::new() })
     }
 
     async fn last_run(&self, org: &str, fingerprint: &str) -> Result<Option<LastRun>, WorkerError> {

@@ -6,9 +6,13 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use loams_factory::approval::{Approval, ApprovalState};
-use loams_factory::{AUDIT_APPROVAL, Envelope, Input, LEAD_APPROVAL, Outcome, Run, Signal};
+use loams_factory::{
+    AUDIT_APPROVAL, Envelope, Input, LEAD_APPROVAL, Outcome, Run, RunState, Signal, run_kill_switch_id,
+};
 use loams_model::{ChatModel, ChatRequest, ChatResponse, ModelError};
-use loams_platform::{Claim, Clock, Cond, Item, ManualClock, Page, Queue, Sqlite, Store};
+use loams_platform::{
+    Claim, Clock, Cond, Counting, Item, ManualClock, OpCounts, Page, Queue, Sqlite, Store, Timers,
+};
 use loams_worker::{AgentCaller, AgentReply, Scheduler, Worker, WorkerDeps, WorkerError};
 use serde_json::{Value, json};
 
@@ -181,9 +185,9 @@ impl Harness {
     }
 
     /// A worker on the harness's backend (several may share it, like several processes).
-    fn worker(
+    fn worker<B: Store + Queue + Timers + 'static>(
         clock: &Arc<ManualClock>,
-        db: &Arc<Sqlite>,
+        db: &Arc<B>,
         agents: &Arc<FakeAgents>,
         model: &Arc<FakeModel>,
         config: loams_factory::Config,
@@ -896,6 +900,81 @@ async fn a_kill_switch_turned_on_during_a_step_stops_the_run_before_the_same_mes
     );
     let run = h.run(&id).await;
     assert!(run.ending.is_some() || run.state.is_terminal(), "{run:?}");
+}
+
+/// A run opened on a counting backend that holds the kill switches of `killed_before` earlier runs (never removed),
+/// with its first message taken off the queue; returns the backend, a worker on it and the run's id.
+async fn after_killed_runs(killed_before: usize) -> (Arc<Counting<Sqlite>>, Worker, String) {
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let db = Arc::new(Counting::new(Sqlite::memory(clock.clone()).unwrap()));
+    for n in 0..killed_before {
+        let switch = Item {
+            org: ORG.into(),
+            kind: "kill".into(),
+            id: run_kill_switch_id(&format!("old-{n:04}")),
+            version: 0,
+            index: None,
+            body: b"{}".to_vec(),
+            expires_ms: None,
+        };
+        db.inner().put_item(&switch, Cond::Absent).await.unwrap();
+    }
+    let worker = Harness::worker(
+        &clock,
+        &db,
+        &Arc::new(FakeAgents::default()),
+        &Arc::new(FakeModel::default()),
+        loams_factory::Config::default(),
+    );
+    let id = worker.open(ORG, signal("fp-many-killed")).await.unwrap().run_id;
+    for d in db.inner().receive(10, 1_000).await.unwrap() {
+        db.inner().ack(&d.receipt).await.unwrap();
+    }
+    (db, worker, id)
+}
+
+/// What one step of the run costs its backend.
+async fn one_step(db: &Counting<Sqlite>, worker: &Worker, id: &str) -> OpCounts {
+    let before = db.counts();
+    worker
+        .handle_steps(&continuation(id), 1, None)
+        .await
+        .unwrap();
+    db.counts().since(&before)
+}
+
+#[tokio::test]
+async fn the_switches_of_runs_killed_before_cost_a_step_nothing_and_its_own_switch_still_stops_it() {
+    let (fresh_db, fresh, fresh_id) = after_killed_runs(0).await;
+    let (db, worker, id) = after_killed_runs(500).await;
+    assert_eq!(
+        one_step(&db, &worker, &id).await,
+        one_step(&fresh_db, &fresh, &fresh_id).await,
+        "a step reads the same after 500 killed runs as in a fresh organisation"
+    );
+    let own = Item {
+        org: ORG.into(),
+        kind: "kill".into(),
+        id: run_kill_switch_id(&id),
+        version: 0,
+        index: None,
+        body: b"{}".to_vec(),
+        expires_ms: None,
+    };
+    db.inner().put_item(&own, Cond::Absent).await.unwrap();
+    // The alert repeating while the run is open belongs to that run, which its switch now refuses (read by the id
+    // the opening would use).
+    let reopened = worker.open(ORG, signal("fp-many-killed")).await;
+    assert!(
+        matches!(&reopened, Err(WorkerError::OpenRefused(why)) if why.contains(&id)),
+        "{reopened:?}"
+    );
+    one_step(&db, &worker, &id).await;
+    let row = db.get_run(ORG, &id).await.unwrap().unwrap();
+    let run: Run = serde_json::from_slice(&row.snapshot).unwrap();
+    // Killed: ended, or ending with its closing steps (the thread it opened is told) still to come.
+    let state = run.ending.as_ref().map_or(run.state, |ending| ending.state);
+    assert_eq!(state, RunState::Killed, "{run:?}");
 }
 
 #[tokio::test]
