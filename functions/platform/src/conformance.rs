@@ -126,6 +126,11 @@ pub async fn store_suite(store: &dyn Store, time: &dyn TimeControl) {
     );
     outcome(
         "store",
+        "list_items_in_byte_order_of_the_ids",
+        item_byte_order(store).await,
+    );
+    outcome(
+        "store",
         "idempotency_claim_lifecycle",
         idempotency(store, time).await,
     );
@@ -624,9 +629,31 @@ async fn item_expiry(s: &dyn Store, t: &dyn TimeControl) -> Checked {
     Ok(())
 }
 
+/// The order the worker's kill-switch read relies on (`agent:<name>` < `org` < `run:<id>`): bytes, not a collation
+/// that folds case or sorts punctuation apart.
+async fn item_byte_order(s: &dyn Store) -> Checked {
+    let org = "conf-byte-order";
+    for id in ["run:r-1", "org", "agent:zulip", "Zulip", "agent:plane", "agent-x"] {
+        s.put_item(&item(org, "kill", id, None, b"x", None), Cond::Absent)
+            .await
+            .ctx("put")?;
+    }
+    let listed = s
+        .list_items(org, "kill", None, Page::first(10))
+        .await
+        .ctx("list_items")?;
+    let ids: Vec<&str> = listed.items.iter().map(|i| i.id.as_str()).collect();
+    ensure!(
+        ids == ["Zulip", "agent-x", "agent:plane", "agent:zulip", "org", "run:r-1"],
+        "listed {ids:?}"
+    );
+    Ok(())
+}
+
 async fn item_listing(s: &dyn Store) -> Checked {
     let org = "conf-list-items";
-    for i in 0..7 {
+    // Written out of id order: the listing's order must come from the ids, not from the writes.
+    for i in [3, 0, 6, 1, 5, 2, 4] {
         let index = if i % 2 == 0 {
             Some("pending")
         } else {

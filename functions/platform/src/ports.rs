@@ -56,7 +56,7 @@ pub trait Store: Send + Sync {
     /// Deletes the item; deleting a missing item is not an error.
     async fn delete_item(&self, org: &str, kind: &str, id: &str) -> Result<()>;
 
-    /// Unexpired items of `kind` (only those whose index equals `index` if given), ordered by id.
+    /// Unexpired items of `kind` (only those whose index equals `index` if given), ordered by the bytes of their id.
     async fn list_items(
         &self,
         org: &str,

@@ -794,7 +794,7 @@ impl Worker {
         ctx.policy = d.policy.clone();
         ctx.prices = d.prices;
         ctx.owner = d.owner.clone();
-        ctx.kill = self.scope_switches(org).await?;
+        ctx.kill = self.org_and_agent_switches(org).await?;
         if let Some(run) = run {
             ctx.kill.runs = self.run_switch(org, run).await?;
         }
@@ -811,9 +811,11 @@ impl Worker {
 
     /// The organisation's and the agents' kill switches. Run switches are not listed: one is written per killed run
     /// and stays, so listing them would make every step of every run slower as the killed runs add up. Items come
-    /// in id order and `agent:<name>` < `org` < `run:<id>`, so the listing stops at the first run switch.
-    async fn scope_switches(&self, org: &str) -> Result<KillSwitches, WorkerError> {
-        const PAGE: u32 = 16;
+    /// in the byte order of their ids and `agent:<name>` < `org` < `run:<id>`, so the listing stops at the first run
+    /// switch; a scope added later must sort before `run:` too, or it is never read.
+    async fn org_and_agent_switches(&self, org: &str) -> Result<KillSwitches, WorkerError> {
+        // The five agents' switches and the organisation's fit one page, with a run switch or two read for nothing.
+        const PAGE: u32 = 8;
         let mut kill = KillSwitches::default();
         let mut page = Page {
             cursor: None,

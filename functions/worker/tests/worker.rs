@@ -105,16 +105,7 @@ impl AgentCaller for FakeAgents {
             .clone()
             .filter(|(after, _)| *after == called);
         if let Some((_, db)) = kill {
-            let switch = Item {
-                org: ORG.into(),
-                kind: "kill".into(),
-                id: "org".into(),
-                version: 0,
-                index: None,
-                body: b"{}".to_vec(),
-                expires_ms: None,
-            };
-            db.put_item(&switch, Cond::Any).await.unwrap();
+            db.put_item(&kill_switch("org"), Cond::Any).await.unwrap();
         }
         AgentReply::Done(answer)
     }
@@ -902,79 +893,125 @@ async fn a_kill_switch_turned_on_during_a_step_stops_the_run_before_the_same_mes
     assert!(run.ending.is_some() || run.state.is_terminal(), "{run:?}");
 }
 
-/// A run opened on a counting backend that holds the kill switches of `killed_before` earlier runs (never removed),
-/// with its first message taken off the queue; returns the backend, a worker on it and the run's id.
-async fn after_killed_runs(killed_before: usize) -> (Arc<Counting<Sqlite>>, Worker, String) {
-    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
-    let db = Arc::new(Counting::new(Sqlite::memory(clock.clone()).unwrap()));
-    for n in 0..killed_before {
-        let switch = Item {
-            org: ORG.into(),
-            kind: "kill".into(),
-            id: run_kill_switch_id(&format!("old-{n:04}")),
-            version: 0,
-            index: None,
-            body: b"{}".to_vec(),
-            expires_ms: None,
-        };
-        db.inner().put_item(&switch, Cond::Absent).await.unwrap();
-    }
-    let worker = Harness::worker(
-        &clock,
-        &db,
-        &Arc::new(FakeAgents::default()),
-        &Arc::new(FakeModel::default()),
-        loams_factory::Config::default(),
-    );
-    let id = worker.open(ORG, signal("fp-many-killed")).await.unwrap().run_id;
-    for d in db.inner().receive(10, 1_000).await.unwrap() {
-        db.inner().ack(&d.receipt).await.unwrap();
-    }
-    (db, worker, id)
-}
-
-/// What one step of the run costs its backend.
-async fn one_step(db: &Counting<Sqlite>, worker: &Worker, id: &str) -> OpCounts {
-    let before = db.counts();
-    worker
-        .handle_steps(&continuation(id), 1, None)
-        .await
-        .unwrap();
-    db.counts().since(&before)
-}
-
-#[tokio::test]
-async fn the_switches_of_runs_killed_before_cost_a_step_nothing_and_its_own_switch_still_stops_it() {
-    let (fresh_db, fresh, fresh_id) = after_killed_runs(0).await;
-    let (db, worker, id) = after_killed_runs(500).await;
-    assert_eq!(
-        one_step(&db, &worker, &id).await,
-        one_step(&fresh_db, &fresh, &fresh_id).await,
-        "a step reads the same after 500 killed runs as in a fresh organisation"
-    );
-    let own = Item {
+/// A kill switch item (kind `kill`) with id `id`: `org`, `agent:<name>` or a run's.
+fn kill_switch(id: &str) -> Item {
+    Item {
         org: ORG.into(),
         kind: "kill".into(),
-        id: run_kill_switch_id(&id),
+        id: id.into(),
         version: 0,
         index: None,
         body: b"{}".to_vec(),
         expires_ms: None,
-    };
-    db.inner().put_item(&own, Cond::Absent).await.unwrap();
+    }
+}
+
+/// A run opened on a counting backend that holds the kill switches of `killed_before` earlier runs (never removed),
+/// its first message taken off the queue.
+struct AfterKilledRuns {
+    db: Arc<Counting<Sqlite>>,
+    agents: Arc<FakeAgents>,
+    worker: Worker,
+    id: String,
+}
+
+impl AfterKilledRuns {
+    async fn new(killed_before: usize) -> AfterKilledRuns {
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+        let db = Arc::new(Counting::new(Sqlite::memory(clock.clone()).unwrap()));
+        for n in 0..killed_before {
+            let switch = kill_switch(&run_kill_switch_id(&format!("old-{n:04}")));
+            db.inner().put_item(&switch, Cond::Absent).await.unwrap();
+        }
+        let agents = Arc::new(FakeAgents::default());
+        let worker = Harness::worker(
+            &clock,
+            &db,
+            &agents,
+            &Arc::new(FakeModel::default()),
+            loams_factory::Config::default(),
+        );
+        let id = worker.open(ORG, signal("fp-many-killed")).await.unwrap().run_id;
+        for d in db.inner().receive(10, 1_000).await.unwrap() {
+            db.inner().ack(&d.receipt).await.unwrap();
+        }
+        AfterKilledRuns {
+            db,
+            agents,
+            worker,
+            id,
+        }
+    }
+
+    async fn switch_on(&self, id: &str) {
+        self.db
+            .inner()
+            .put_item(&kill_switch(id), Cond::Absent)
+            .await
+            .unwrap();
+    }
+
+    /// Takes one step of the run; returns what it cost the backend.
+    async fn step(&self) -> OpCounts {
+        let before = self.db.counts();
+        self.worker
+            .handle_steps(&continuation(&self.id), 1, None)
+            .await
+            .unwrap();
+        self.db.counts().since(&before)
+    }
+
+    /// The run's state, or the state it is ending in while its closing steps are still to come.
+    async fn state(&self) -> RunState {
+        let row = self.db.get_run(ORG, &self.id).await.unwrap().unwrap();
+        let run: Run = serde_json::from_slice(&row.snapshot).unwrap();
+        run.ending.as_ref().map_or(run.state, |ending| ending.state)
+    }
+
+    fn performed(&self) -> Vec<String> {
+        let answered = self.agents.answered.lock().unwrap();
+        answered.values().map(|(skill, _)| skill.clone()).collect()
+    }
+}
+
+#[tokio::test]
+async fn the_switches_of_runs_killed_before_cost_a_step_nothing_extra_and_its_own_switch_still_stops_it() {
+    let fresh = AfterKilledRuns::new(0).await;
+    let crowded = AfterKilledRuns::new(500).await;
+    assert_eq!(
+        crowded.step().await,
+        fresh.step().await,
+        "a step reads the same after 500 killed runs as in a fresh organisation"
+    );
+    crowded.switch_on(&run_kill_switch_id(&crowded.id)).await;
     // The alert repeating while the run is open belongs to that run, which its switch now refuses (read by the id
     // the opening would use).
-    let reopened = worker.open(ORG, signal("fp-many-killed")).await;
+    let reopened = crowded.worker.open(ORG, signal("fp-many-killed")).await;
     assert!(
-        matches!(&reopened, Err(WorkerError::OpenRefused(why)) if why.contains(&id)),
+        matches!(&reopened, Err(WorkerError::OpenRefused(why)) if why.contains(&crowded.id)),
         "{reopened:?}"
     );
-    one_step(&db, &worker, &id).await;
-    let row = db.get_run(ORG, &id).await.unwrap().unwrap();
-    let run: Run = serde_json::from_slice(&row.snapshot).unwrap();
-    // Killed: ended, or ending with its closing steps (the thread it opened is told) still to come.
-    let state = run.ending.as_ref().map_or(run.state, |ending| ending.state);
-    assert_eq!(state, RunState::Killed, "{run:?}");
+    crowded.step().await;
+    assert_eq!(crowded.state().await, RunState::Killed);
+}
+
+#[tokio::test]
+async fn the_organisation_and_agent_switches_are_read_past_a_listing_page_among_the_switches_of_killed_runs() {
+    let run = AfterKilledRuns::new(500).await;
+    // More agent switches than one listing page holds, the one that matters last.
+    for n in 0..20 {
+        run.switch_on(&format!("agent:other-{n:02}")).await;
+    }
+    run.switch_on("agent:zulip").await;
+    run.step().await;
+    assert_eq!(run.performed(), Vec::<String>::new(), "the first step calls zulip");
+    assert_eq!(run.state().await, RunState::Killed);
+
+    let run = AfterKilledRuns::new(500).await;
+    run.switch_on("org").await;
+    run.step().await;
+    assert_eq!(run.performed(), Vec::<String>::new());
+    assert_eq!(run.state().await, RunState::Killed);
 }
 
 #[tokio::test]
