@@ -117,14 +117,16 @@ impl reqwest::dns::Resolve for PublicOnly {
     }
 }
 
-/// The agent's webhook client, built on first use. Building fails only without a usable TLS backend; every
-/// delivery then fails with that reason, since no other client would keep the target checks.
-fn sender(agent: &Agent) -> Result<&reqwest::Client, &str> {
-    agent
-        .push_client
-        .get_or_init(|| build_sender(&agent.options.push).map_err(|e| e.to_string()))
-        .as_ref()
-        .map_err(String::as_str)
+/// The agent's webhook client, built on first use. A build fails only without a usable TLS backend (no root
+/// certificates could be read, say); that delivery then fails and the next one tries again, since no other client
+/// would keep the target checks.
+fn sender(agent: &Agent) -> Result<&reqwest::Client, reqwest::Error> {
+    if let Some(client) = agent.push_client.get() {
+        return Ok(client);
+    }
+    let built = build_sender(&agent.options.push)?;
+    // Two first deliveries at once may both build one; the first kept serves both.
+    Ok(agent.push_client.get_or_init(|| built))
 }
 
 /// The HTTP client webhooks are called with.

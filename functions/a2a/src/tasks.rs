@@ -56,7 +56,7 @@ pub(crate) struct Agent {
     pub options: ServerOptions,
     /// Calls webhooks (see [`crate::push`]); built on the first delivery, because building it loads the
     /// system's root certificates and most processes (a Lambda serving a card or a skill call) deliver none.
-    pub push_client: OnceLock<Result<reqwest::Client, String>>,
+    pub push_client: OnceLock<reqwest::Client>,
 }
 
 /// Where a stream's events go; a closed receiver (the client left) ends the producer.

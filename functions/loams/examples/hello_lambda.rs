@@ -1,6 +1,6 @@
 //! A hello-world `lambda_http` function with response streaming: the baseline of the cold-start measurement in
 //! docs/benchmarks.md (serverless section), built exactly as `loams-lambda` is
-//! (`cargo build --release -p loams --features aws --example hello_lambda`).
+//! (`cargo build --profile aws-lambda -p loams --features aws --example hello_lambda`).
 
 use std::convert::Infallible;
 
