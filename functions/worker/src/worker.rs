@@ -814,7 +814,9 @@ impl Worker {
     /// in the byte order of their ids and `agent:<name>` < `org` < `run:<id>`, so the listing stops at the first run
     /// switch; a scope added later must sort before `run:` too, or it is never read.
     async fn org_and_agent_switches(&self, org: &str) -> Result<KillSwitches, WorkerError> {
-        // The five agents' switches and the organisation's fit one page, with a run switch or two read for nothing.
+        // The five agents' switches and the organisation's fit one page. In an organisation with killed runs and no
+        // other switch set, the page holds up to 8 run switches read for nothing (each with its signed proof): a
+        // bounded price, where listing them all grew with every run ever killed.
         const PAGE: u32 = 8;
         let mut kill = KillSwitches::default();
         let mut page = Page {
