@@ -61,10 +61,27 @@ impl Default for PushOptions {
 fn public(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => public_v4(v4),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+        IpAddr::V6(v6) => match embedded_v4(v6) {
             Some(v4) => public_v4(v4),
             None => public_v6(v6),
         },
+    }
+}
+
+/// The IPv4 address an IPv6 address stands for, where a host or a translator on the way would reach that IPv4
+/// address instead: IPv4-mapped (`::ffff:0:0/96`), IPv4-compatible (`::/96`, which also covers `::` and `::1`),
+/// NAT64 (`64:ff9b::/96`, RFC 6052) and 6to4 (`2002::/16`, RFC 3056). Without this, a webhook at
+/// `[64:ff9b::a00:1]` would reach 10.0.0.1 from an agent in a network with a NAT64 gateway.
+fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
+    let v4 = |hi: u16, lo: u16| {
+        let [a, b] = hi.to_be_bytes();
+        let [c, d] = lo.to_be_bytes();
+        Ipv4Addr::new(a, b, c, d)
+    };
+    match ip.segments() {
+        [0, 0, 0, 0, 0, 0 | 0xffff, hi, lo] | [0x64, 0xff9b, 0, 0, 0, 0, hi, lo] => Some(v4(hi, lo)),
+        [0x2002, hi, lo, ..] => Some(v4(hi, lo)),
+        _ => None,
     }
 }
 
@@ -86,7 +103,7 @@ fn public_v4(ip: Ipv4Addr) -> bool {
 }
 
 fn public_v6(ip: Ipv6Addr) -> bool {
-    let first = ip.segments()[0];
+    let [first, second, third, ..] = ip.segments();
     !(ip.is_loopback()
         || ip.is_unspecified()
         || ip.is_multicast()
@@ -94,7 +111,11 @@ fn public_v6(ip: Ipv6Addr) -> bool {
         || (first & 0xfe00) == 0xfc00
         || (first & 0xffc0) == 0xfe80
         // Documentation 2001:db8::/32.
-        || (first == 0x2001 && ip.segments()[1] == 0x0db8))
+        || (first == 0x2001 && second == 0x0db8)
+        // Teredo 2001::/32 (its IPv4 server and client are obfuscated in the address) and local-use NAT64
+        // 64:ff9b:1::/48, whose IPv4 side is a private network's.
+        || (first == 0x2001 && second == 0)
+        || (first == 0x64 && second == 0xff9b && third == 1))
 }
 
 /// A resolver that answers only public addresses: the check happens on the addresses actually
@@ -467,6 +488,16 @@ mod tests {
             "fd00::1",
             "::ffff:127.0.0.1",
             "::ffff:10.0.0.1",
+            // Translated or tunnelled to a private IPv4 address: IPv4-compatible, NAT64, 6to4.
+            "::127.0.0.1",
+            "::10.0.0.1",
+            "64:ff9b::10.0.0.1",
+            "64:ff9b::169.254.169.254",
+            "2002:a00:1::1",
+            "2002:7f00:1::",
+            // Local-use NAT64 and Teredo.
+            "64:ff9b:1::8.8.8.8",
+            "2001:0:4136:e378:8000:63bf:3fff:fdd2",
         ] {
             assert!(!public(private.parse().unwrap()), "{private}");
         }
@@ -475,6 +506,8 @@ mod tests {
             "1.1.1.1",
             "2606:4700:4700::1111",
             "::ffff:8.8.8.8",
+            "64:ff9b::8.8.8.8",
+            "2002:808:808::1",
         ] {
             assert!(public(ok.parse().unwrap()), "{ok}");
         }
@@ -493,6 +526,7 @@ mod tests {
             "http://[::1]/h",
             "http://169.254.169.254/latest",
             "http://10.0.0.1/",
+            "http://[64:ff9b::a9fe:a9fe]/latest",
         ] {
             assert!(check_url(bad, &strict).is_err(), "{bad}");
             assert!(check_url(bad, &open).is_ok(), "{bad}");
