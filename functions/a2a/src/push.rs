@@ -4,9 +4,12 @@
 //! A webhook gets each update as the StreamResponse JSON a subscriber would see, with
 //! `Authorization: <scheme> <credentials>` from the config's authentication and its token in both
 //! `X-A2A-Notification-Token` (a2a-python) and `A2A-Notification-Token` (a2a-rs). Targets that are
-//! private, loopback, link-local (or otherwise not public) are refused, when registered and again
-//! when connecting (the DNS answer is checked, so a public name cannot lead inside), unless
-//! [`PushOptions::allow_private_targets`] is set.
+//! private, loopback, link-local (or otherwise not public, an IPv6 address standing for such an IPv4
+//! one included) are refused, when registered and again when connecting (the DNS answer is checked,
+//! so a public name cannot lead inside), and so are single-label and internal host names, unless
+//! [`PushOptions::allow_private_targets`] is set. Not covered: the agent host's own global addresses
+//! and an operator's internal global prefixes; a deployment with either puts the agents behind an
+//! egress filter.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
@@ -69,9 +72,11 @@ fn public(ip: IpAddr) -> bool {
 }
 
 /// The IPv4 address an IPv6 address stands for, where a host or a translator on the way would reach that IPv4
-/// address instead: IPv4-mapped (`::ffff:0:0/96`), IPv4-compatible (`::/96`, which also covers `::` and `::1`),
-/// NAT64 (`64:ff9b::/96`, RFC 6052) and 6to4 (`2002::/16`, RFC 3056). Without this, a webhook at
-/// `[64:ff9b::a00:1]` would reach 10.0.0.1 from an agent in a network with a NAT64 gateway.
+/// address instead: IPv4-mapped (`::ffff:0:0/96`), IPv4-compatible (`::/96`: `::` and `::1` become 0.0.0.0 and
+/// 0.0.0.1, refused as 0.0.0.0/8), IPv4-translated (`::ffff:0:0:0/96`, SIIT), NAT64 (`64:ff9b::/96`, RFC 6052) and
+/// 6to4 (`2002::/16`, RFC 3056). Without
+/// this, a webhook at `[64:ff9b::a00:1]` would reach 10.0.0.1 from an agent in a network with a NAT64 gateway. A
+/// NAT64 prefix a network chose itself cannot be recognised here.
 fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
     let v4 = |hi: u16, lo: u16| {
         let [a, b] = hi.to_be_bytes();
@@ -79,14 +84,16 @@ fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
         Ipv4Addr::new(a, b, c, d)
     };
     match ip.segments() {
-        [0, 0, 0, 0, 0, 0 | 0xffff, hi, lo] | [0x64, 0xff9b, 0, 0, 0, 0, hi, lo] => Some(v4(hi, lo)),
+        [0, 0, 0, 0, 0, 0 | 0xffff, hi, lo]
+        | [0, 0, 0, 0, 0xffff, 0, hi, lo]
+        | [0x64, 0xff9b, 0, 0, 0, 0, hi, lo] => Some(v4(hi, lo)),
         [0x2002, hi, lo, ..] => Some(v4(hi, lo)),
         _ => None,
     }
 }
 
 fn public_v4(ip: Ipv4Addr) -> bool {
-    let [a, b, ..] = ip.octets();
+    let [a, b, c, _] = ip.octets();
     !(ip.is_private()
         || ip.is_loopback()
         || ip.is_link_local()
@@ -99,23 +106,25 @@ fn public_v4(ip: Ipv4Addr) -> bool {
         || (a == 100 && (64..128).contains(&b))
         // Reserved for future use and benchmarking.
         || a >= 240
-        || (a == 198 && (b == 18 || b == 19)))
+        || (a == 198 && (b == 18 || b == 19))
+        // IETF protocol assignments 192.0.0.0/24 (DS-Lite, NAT64 discovery) and the former 6to4 relay anycast.
+        || (a == 192 && b == 0 && c == 0)
+        || (a == 192 && b == 88 && c == 99))
 }
 
 fn public_v6(ip: Ipv6Addr) -> bool {
     let [first, second, third, ..] = ip.segments();
-    !(ip.is_loopback()
-        || ip.is_unspecified()
-        || ip.is_multicast()
-        // Unique local fc00::/7 and link-local fe80::/10.
-        || (first & 0xfe00) == 0xfc00
-        || (first & 0xffc0) == 0xfe80
-        // Documentation 2001:db8::/32.
-        || (first == 0x2001 && second == 0x0db8)
-        // Teredo 2001::/32 (its IPv4 server and client are obfuscated in the address) and local-use NAT64
-        // 64:ff9b:1::/48, whose IPv4 side is a private network's.
-        || (first == 0x2001 && second == 0)
-        || (first == 0x64 && second == 0xff9b && third == 1))
+    // Only global unicast 2000::/3 (loopback, unspecified, multicast, unique local, link-local, site-local and the
+    // translation prefixes all lie outside it), less its special ranges.
+    (first & 0xe000) == 0x2000
+        && !(
+            // Documentation 2001:db8::/32 and 3fff::/20.
+            (first == 0x2001 && second == 0x0db8)
+            || (first & 0xfff0) == 0x3ff0
+            // Teredo 2001::/32: the client's IPv4 address is obfuscated in the last 32 bits, so the address is
+            // refused rather than decoded. Benchmarking 2001:2::/48.
+            || (first == 0x2001 && (second == 0 || (second == 2 && third == 0)))
+        )
 }
 
 /// A resolver that answers only public addresses: the check happens on the addresses actually
@@ -184,12 +193,36 @@ fn check_url(url: &str, options: &PushOptions) -> Result<(), A2AError> {
             .parse::<IpAddr>()
             .ok()
     };
-    if !options.allow_private_targets && literal.is_some_and(|ip| !public(ip)) {
+    if options.allow_private_targets {
+        return Ok(());
+    }
+    if literal.is_some_and(|ip| !public(ip)) {
         return Err(bad(
             "private, loopback and link-local targets are not allowed",
         ));
     }
+    if literal.is_none() && internal_name(host) {
+        return Err(bad(
+            "a single-label or internal host name is not allowed (it names a host of the agent's own network)",
+        ));
+    }
     Ok(())
+}
+
+/// Whether `host` can only name a host of the resolver's own network: a single label (completed from the
+/// resolver's search list, `http://jenkins/`) or a name under a suffix kept for private networks (`.internal`,
+/// `.local`, `.home.arpa`, `.localhost`, and the customary `.localdomain`). Such names may resolve to global
+/// addresses that the network's firewalls trust.
+fn internal_name(host: &str) -> bool {
+    const PRIVATE_SUFFIXES: [&str; 5] = [
+        ".internal",
+        ".local",
+        ".home.arpa",
+        ".localhost",
+        ".localdomain",
+    ];
+    let host = host.trim_end_matches('.').to_ascii_lowercase();
+    !host.contains('.') || PRIVATE_SUFFIXES.iter().any(|suffix| host.ends_with(suffix))
 }
 
 pub(crate) fn check_config(
@@ -489,15 +522,25 @@ mod tests {
             "::ffff:127.0.0.1",
             "::ffff:10.0.0.1",
             // Translated or tunnelled to a private IPv4 address: IPv4-compatible, NAT64, 6to4.
+            "::",
             "::127.0.0.1",
             "::10.0.0.1",
             "64:ff9b::10.0.0.1",
             "64:ff9b::169.254.169.254",
             "2002:a00:1::1",
             "2002:7f00:1::",
+            "::ffff:0:10.0.0.1",
             // Local-use NAT64 and Teredo.
             "64:ff9b:1::8.8.8.8",
             "2001:0:4136:e378:8000:63bf:3fff:fdd2",
+            // Outside global unicast, or special within it.
+            "fec0::1",
+            "5f00::1",
+            "100::1",
+            "3fff::1",
+            "2001:2::1",
+            "192.0.0.170",
+            "192.88.99.1",
         ] {
             assert!(!public(private.parse().unwrap()), "{private}");
         }
@@ -527,6 +570,9 @@ mod tests {
             "http://169.254.169.254/latest",
             "http://10.0.0.1/",
             "http://[64:ff9b::a9fe:a9fe]/latest",
+            "http://jenkins:8080/job",
+            "http://db.corp.internal/",
+            "http://printer.local./",
         ] {
             assert!(check_url(bad, &strict).is_err(), "{bad}");
             assert!(check_url(bad, &open).is_ok(), "{bad}");
