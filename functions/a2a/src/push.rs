@@ -8,8 +8,9 @@
 //! one included) are refused, when registered and again when connecting (the DNS answer is checked,
 //! so a public name cannot lead inside), and so are single-label and internal host names, unless
 //! [`PushOptions::allow_private_targets`] is set. Not covered: the agent host's own global addresses
-//! and an operator's internal global prefixes; a deployment with either puts the agents behind an
-//! egress filter.
+//! (traffic to them never leaves the host: a deployment with any needs a host-level output rule or a
+//! network namespace of its own for the agents) and an operator's internal global prefixes (an
+//! egress filter). The Lambda functions have neither.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
@@ -38,8 +39,9 @@ const MAX_CONFIG_ID: usize = 64;
 /// How the agent delivers push notifications.
 #[derive(Debug, Clone)]
 pub struct PushOptions {
-    /// Allow webhooks on private, loopback and link-local addresses (local tests, a trusted
-    /// network). Off by default: a caller could otherwise make the agent probe its own network.
+    /// Allow webhooks on private, loopback and link-local addresses, and at single-label and internal
+    /// host names (local tests, a trusted network). Off by default: a caller could otherwise make the
+    /// agent probe its own network.
     pub allow_private_targets: bool,
     /// Delivery attempts per update and webhook.
     pub attempts: u32,
@@ -74,9 +76,8 @@ fn public(ip: IpAddr) -> bool {
 /// The IPv4 address an IPv6 address stands for, where a host or a translator on the way would reach that IPv4
 /// address instead: IPv4-mapped (`::ffff:0:0/96`), IPv4-compatible (`::/96`: `::` and `::1` become 0.0.0.0 and
 /// 0.0.0.1, refused as 0.0.0.0/8), IPv4-translated (`::ffff:0:0:0/96`, SIIT), NAT64 (`64:ff9b::/96`, RFC 6052) and
-/// 6to4 (`2002::/16`, RFC 3056). Without
-/// this, a webhook at `[64:ff9b::a00:1]` would reach 10.0.0.1 from an agent in a network with a NAT64 gateway. A
-/// NAT64 prefix a network chose itself cannot be recognised here.
+/// 6to4 (`2002::/16`, RFC 3056). Without this, a webhook at `[64:ff9b::a00:1]` would reach 10.0.0.1 from an agent
+/// in a network with a NAT64 gateway. A NAT64 prefix a network chose itself cannot be recognised here.
 fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
     let v4 = |hi: u16, lo: u16| {
         let [a, b] = hi.to_be_bytes();
@@ -113,17 +114,17 @@ fn public_v4(ip: Ipv4Addr) -> bool {
 }
 
 fn public_v6(ip: Ipv6Addr) -> bool {
-    let [first, second, third, ..] = ip.segments();
-    // Only global unicast 2000::/3 (loopback, unspecified, multicast, unique local, link-local, site-local and the
-    // translation prefixes all lie outside it), less its special ranges.
+    let [first, second, ..] = ip.segments();
+    // Only global unicast 2000::/3: loopback, unspecified, multicast, unique local, link-local, site-local and
+    // local-use NAT64 lie outside it (the addresses standing for IPv4 ones were judged by those before).
     (first & 0xe000) == 0x2000
         && !(
+            // The IETF protocol assignments 2001::/23: Teredo (whose client address is obfuscated), benchmarking,
+            // anycast for nearby services, ORCHID.
+            (first == 0x2001 && second < 0x0200)
             // Documentation 2001:db8::/32 and 3fff::/20.
-            (first == 0x2001 && second == 0x0db8)
-            || (first & 0xfff0) == 0x3ff0
-            // Teredo 2001::/32: the client's IPv4 address is obfuscated in the last 32 bits, so the address is
-            // refused rather than decoded. Benchmarking 2001:2::/48.
-            || (first == 0x2001 && (second == 0 || (second == 2 && third == 0)))
+            || (first == 0x2001 && second == 0x0db8)
+            || (first == 0x3fff && (second & 0xf000) == 0)
         )
 }
 
@@ -135,7 +136,14 @@ impl reqwest::dns::Resolve for PublicOnly {
     fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
         let host = name.as_str().to_string();
         Box::pin(async move {
-            let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0))
+            // Looked up as an absolute name: the resolver's search list would otherwise complete a name that does
+            // not resolve as typed (`jenkins.build` to `jenkins.build.corp.example.com`) into the agent's network.
+            let absolute = if host.ends_with('.') {
+                host.clone()
+            } else {
+                format!("{host}.")
+            };
+            let addrs: Vec<SocketAddr> = tokio::net::lookup_host((absolute.as_str(), 0))
                 .await?
                 .filter(|a| public(a.ip()))
                 .collect();
@@ -173,7 +181,8 @@ fn build_sender(options: &PushOptions) -> Result<reqwest::Client, reqwest::Error
     }
 }
 
-/// Checks a webhook URL: http(s), a host, and (unless allowed) no literal non-public address.
+/// Checks a webhook URL: http(s), a host, and (unless allowed) no literal non-public address and no single-label
+/// or internal host name.
 fn check_url(url: &str, options: &PushOptions) -> Result<(), A2AError> {
     let bad = |why: &str| A2AError::invalid_params(format!("push notification url: {why}"));
     if url.len() > MAX_URL {
@@ -209,20 +218,33 @@ fn check_url(url: &str, options: &PushOptions) -> Result<(), A2AError> {
     Ok(())
 }
 
-/// Whether `host` can only name a host of the resolver's own network: a single label (completed from the
-/// resolver's search list, `http://jenkins/`) or a name under a suffix kept for private networks (`.internal`,
-/// `.local`, `.home.arpa`, `.localhost`, and the customary `.localdomain`). Such names may resolve to global
-/// addresses that the network's firewalls trust.
+/// Whether `host` can only name a host of a private network: a single label (answered by the local network's
+/// name services, mDNS, LLMNR, or completed from a search list), or a name in a domain kept for private networks
+/// or testing (`internal`, `local`, `home.arpa`, `localhost`, `test`, and the customary `localdomain`, `lan`,
+/// `corp`, `home`, `intranet`, `private`, none of them delegated). Such names may resolve to global addresses that
+/// the network's firewalls trust.
 fn internal_name(host: &str) -> bool {
-    const PRIVATE_SUFFIXES: [&str; 5] = [
-        ".internal",
-        ".local",
-        ".home.arpa",
-        ".localhost",
-        ".localdomain",
+    const PRIVATE_DOMAINS: [&str; 11] = [
+        "internal",
+        "local",
+        "home.arpa",
+        "localhost",
+        "test",
+        "localdomain",
+        "lan",
+        "corp",
+        "home",
+        "intranet",
+        "private",
     ];
     let host = host.trim_end_matches('.').to_ascii_lowercase();
-    !host.contains('.') || PRIVATE_SUFFIXES.iter().any(|suffix| host.ends_with(suffix))
+    !host.contains('.')
+        || PRIVATE_DOMAINS.iter().any(|domain| {
+            host == *domain
+                || host
+                    .strip_suffix(domain)
+                    .is_some_and(|rest| rest.ends_with('.'))
+        })
 }
 
 pub(crate) fn check_config(
@@ -538,7 +560,10 @@ mod tests {
             "5f00::1",
             "100::1",
             "3fff::1",
+            "3fff:fff::1",
+            "2001:db8::1",
             "2001:2::1",
+            "2001:1::1",
             "192.0.0.170",
             "192.88.99.1",
         ] {
@@ -551,9 +576,20 @@ mod tests {
             "::ffff:8.8.8.8",
             "64:ff9b::8.8.8.8",
             "2002:808:808::1",
+            "::ffff:0:8.8.8.8",
+            // Just outside 3fff::/20 and 2001::/23.
+            "3fff:1000::1",
+            "2001:200::1",
         ] {
             assert!(public(ok.parse().unwrap()), "{ok}");
         }
+    }
+
+    #[tokio::test]
+    async fn the_resolver_gives_no_loopback_address() {
+        use reqwest::dns::Resolve;
+        let name: reqwest::dns::Name = "localhost".parse().unwrap();
+        assert!(PublicOnly.resolve(name).await.is_err());
     }
 
     #[test]
@@ -573,6 +609,10 @@ mod tests {
             "http://jenkins:8080/job",
             "http://db.corp.internal/",
             "http://printer.local./",
+            "http://router.home.arpa/",
+            "http://home.arpa/",
+            "http://app.localhost/",
+            "http://ci.lan/",
         ] {
             assert!(check_url(bad, &strict).is_err(), "{bad}");
             assert!(check_url(bad, &open).is_ok(), "{bad}");
@@ -580,6 +620,14 @@ mod tests {
         for bad in ["ftp://example.com/", "not a url", "data:text/plain,x"] {
             assert!(check_url(bad, &open).is_err(), "{bad}");
         }
-        assert!(check_url("https://hooks.example.com/a2a", &strict).is_ok());
+        for ok in [
+            "https://hooks.example.com/a2a",
+            "https://hooks.example.com./a2a",
+            "https://bücher.example/hook",
+            "https://api.localhost.run/hook",
+            "https://hooks.international/a2a",
+        ] {
+            assert!(check_url(ok, &strict).is_ok(), "{ok}");
+        }
     }
 }
