@@ -40,8 +40,9 @@ const MAX_CONFIG_ID: usize = 64;
 #[derive(Debug, Clone)]
 pub struct PushOptions {
     /// Allow webhooks on private, loopback and link-local addresses, and at single-label and internal
-    /// host names (local tests, a trusted network). Off by default: a caller could otherwise make the
-    /// agent probe its own network.
+    /// host names (local tests, a trusted network); the system resolver then answers as it is set up,
+    /// `/etc/hosts` included. Off by default: a caller could otherwise make the agent probe its own
+    /// network.
     pub allow_private_targets: bool,
     /// Delivery attempts per update and webhook.
     pub attempts: u32,
@@ -136,23 +137,36 @@ impl reqwest::dns::Resolve for PublicOnly {
     fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
         let host = name.as_str().to_string();
         Box::pin(async move {
-            // Looked up as an absolute name: the resolver's search list would otherwise complete a name that does
-            // not resolve as typed (`jenkins.build` to `jenkins.build.corp.example.com`) into the agent's network.
-            let absolute = if host.ends_with('.') {
-                host.clone()
-            } else {
-                format!("{host}.")
-            };
-            let addrs: Vec<SocketAddr> = tokio::net::lookup_host((absolute.as_str(), 0))
-                .await?
-                .filter(|a| public(a.ip()))
-                .collect();
-            if addrs.is_empty() {
-                return Err(format!("{host} has no public address").into());
-            }
+            let name = absolute(&host);
+            let resolved = tokio::net::lookup_host((name.as_str(), 0)).await?;
+            let addrs = public_addrs(&host, resolved)?;
             Ok(Box::new(addrs.into_iter()) as reqwest::dns::Addrs)
         })
     }
+}
+
+/// `host` as an absolute name. The resolver's search list would otherwise complete a name that does not resolve
+/// as typed (`jenkins.build` to `jenkins.build.corp.example.com`) into the agent's network. The price: on glibc,
+/// an absolute name skips `/etc/hosts`, so a webhook host pinned only there (a container's `extra_hosts`) does not
+/// resolve unless private targets are allowed.
+fn absolute(host: &str) -> String {
+    if host.ends_with('.') {
+        host.to_string()
+    } else {
+        format!("{host}.")
+    }
+}
+
+/// The public ones among the addresses `host` resolved to, or why there are none.
+fn public_addrs(
+    host: &str,
+    resolved: impl IntoIterator<Item = SocketAddr>,
+) -> Result<Vec<SocketAddr>, String> {
+    let addrs: Vec<SocketAddr> = resolved.into_iter().filter(|a| public(a.ip())).collect();
+    if addrs.is_empty() {
+        return Err(format!("{host} has no public address"));
+    }
+    Ok(addrs)
 }
 
 /// The agent's webhook client, built on first use. A build fails only without a usable TLS backend (no root
@@ -564,6 +578,7 @@ mod tests {
             "2001:db8::1",
             "2001:2::1",
             "2001:1::1",
+            "2001:1ff:ffff::1",
             "192.0.0.170",
             "192.88.99.1",
         ] {
@@ -585,11 +600,17 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn the_resolver_gives_no_loopback_address() {
-        use reqwest::dns::Resolve;
-        let name: reqwest::dns::Name = "localhost".parse().unwrap();
-        assert!(PublicOnly.resolve(name).await.is_err());
+    #[test]
+    fn names_are_looked_up_absolute_and_only_public_answers_kept() {
+        assert_eq!(absolute("hooks.example.com"), "hooks.example.com.");
+        assert_eq!(absolute("hooks.example.com."), "hooks.example.com.");
+        let at = |ip: &str| SocketAddr::new(ip.parse().unwrap(), 0);
+        assert_eq!(
+            public_addrs("h", [at("127.0.0.1"), at("8.8.8.8"), at("fd00::1")]),
+            Ok(vec![at("8.8.8.8")])
+        );
+        let inside = public_addrs("h", [at("10.0.0.1"), at("64:ff9b::a00:1")]);
+        assert_eq!(inside, Err("h has no public address".to_string()));
     }
 
     #[test]
@@ -613,6 +634,11 @@ mod tests {
             "http://home.arpa/",
             "http://app.localhost/",
             "http://ci.lan/",
+            "http://ci.test/",
+            "http://nas.home/",
+            "http://wiki.corp/",
+            "http://portal.intranet/",
+            "http://git.private/",
         ] {
             assert!(check_url(bad, &strict).is_err(), "{bad}");
             assert!(check_url(bad, &open).is_ok(), "{bad}");
@@ -626,6 +652,9 @@ mod tests {
             "https://bücher.example/hook",
             "https://api.localhost.run/hook",
             "https://hooks.international/a2a",
+            // Ending in a listed domain's letters, not in the domain.
+            "https://hooks.contest/a2a",
+            "https://ci.atlan/",
         ] {
             assert!(check_url(ok, &strict).is_ok(), "{ok}");
         }
