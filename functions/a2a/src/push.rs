@@ -478,11 +478,19 @@ pub(crate) async fn notify(agent: &Arc<Agent>, task_id: &str, events: Vec<Stream
     });
 }
 
+/// A webhook's origin, which is all the logs name of it: webhook URLs often carry a secret in their path, query
+/// or user info.
+fn origin(url: &str) -> String {
+    reqwest::Url::parse(url)
+        .map(|u| u.origin().ascii_serialization())
+        .unwrap_or_else(|_| "(not a url)".into())
+}
+
 /// One update to one webhook, retried with exponential backoff on transport errors, 5xx and 429.
 async fn deliver(agent: &Agent, config: &TaskPushNotificationConfig, event: &StreamResponse) {
     let options = &agent.options.push;
     if let Err(e) = check_url(&config.url, options) {
-        tracing::warn!(url = %config.url, error = %e, "push target refused");
+        tracing::warn!(webhook = %origin(&config.url), error = %e, "push target refused");
         return;
     }
     let body = match serde_json::to_vec(event) {
@@ -522,11 +530,12 @@ async fn deliver(agent: &Agent, config: &TaskPushNotificationConfig, event: &Str
             Ok(resp) if resp.status().is_success() => return,
             Ok(resp) => {
                 let status = resp.status();
-                tracing::warn!(url = %config.url, %status, attempt, "push notification refused");
+                tracing::warn!(webhook = %origin(&config.url), %status, attempt, "push notification refused");
                 status.is_server_error() || status == reqwest::StatusCode::TOO_MANY_REQUESTS
             }
             Err(e) => {
-                tracing::warn!(url = %config.url, error = %e, attempt, "push notification failed");
+                let e = e.without_url();
+                tracing::warn!(webhook = %origin(&config.url), error = %e, attempt, "push notification failed");
                 true
             }
         };
@@ -598,6 +607,15 @@ mod tests {
         ] {
             assert!(public(ok.parse().unwrap()), "{ok}");
         }
+    }
+
+    #[test]
+    fn logs_name_a_webhook_by_its_origin_only() {
+        assert_eq!(
+            origin("https://user:pw@hooks.example.com:8443/T0/B1/secret?token=x"),
+            "https://hooks.example.com:8443"
+        );
+        assert_eq!(origin("not a url"), "(not a url)");
     }
 
     #[test]
