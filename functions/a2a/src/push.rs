@@ -80,11 +80,7 @@ fn public(ip: IpAddr) -> bool {
 /// 6to4 (`2002::/16`, RFC 3056). Without this, a webhook at `[64:ff9b::a00:1]` would reach 10.0.0.1 from an agent
 /// in a network with a NAT64 gateway. A NAT64 prefix a network chose itself cannot be recognised here.
 fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
-    let v4 = |hi: u16, lo: u16| {
-        let [a, b] = hi.to_be_bytes();
-        let [c, d] = lo.to_be_bytes();
-        Ipv4Addr::new(a, b, c, d)
-    };
+    let v4 = |hi: u16, lo: u16| Ipv4Addr::from(u32::from(hi) << 16 | u32::from(lo));
     match ip.segments() {
         [0, 0, 0, 0, 0, 0 | 0xffff, hi, lo]
         | [0, 0, 0, 0, 0xffff, 0, hi, lo]
@@ -206,27 +202,21 @@ fn check_url(url: &str, options: &PushOptions) -> Result<(), A2AError> {
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err(bad("must be http or https"));
     }
-    let host = parsed.host_str().ok_or_else(|| bad("needs a host"))?;
-    // IPv6 literals come bracketed; names are checked again on the addresses they resolve to.
-    let literal = if host.eq_ignore_ascii_case("localhost") {
-        Some(IpAddr::V4(Ipv4Addr::LOCALHOST))
-    } else {
-        host.trim_start_matches('[')
-            .trim_end_matches(']')
-            .parse::<IpAddr>()
-            .ok()
-    };
+    // IP literals arrive parsed (decimal, octal and hex IPv4 forms normalised); names are checked again on the
+    // addresses they resolve to.
+    let host = parsed.host().ok_or_else(|| bad("needs a host"))?;
     if options.allow_private_targets {
         return Ok(());
     }
-    if literal.is_some_and(|ip| !public(ip)) {
+    let private = match host {
+        url::Host::Ipv4(ip) => !public(IpAddr::V4(ip)),
+        url::Host::Ipv6(ip) => !public(IpAddr::V6(ip)),
+        url::Host::Domain(name) => internal_name(name),
+    };
+    if private {
         return Err(bad(
-            "private, loopback and link-local targets are not allowed",
-        ));
-    }
-    if literal.is_none() && internal_name(host) {
-        return Err(bad(
-            "a single-label or internal host name is not allowed (it names a host of the agent's own network)",
+            "private, loopback and link-local addresses, and single-label or internal host names (the agent's own \
+             network), are not allowed",
         ));
     }
     Ok(())
@@ -645,6 +635,8 @@ mod tests {
             "http://169.254.169.254/latest",
             "http://10.0.0.1/",
             "http://[64:ff9b::a9fe:a9fe]/latest",
+            "http://2130706433/",
+            "http://0x7f.1/",
             "http://jenkins:8080/job",
             "http://db.corp.internal/",
             "http://printer.local./",
