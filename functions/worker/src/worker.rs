@@ -217,7 +217,9 @@ impl Worker {
         async {
             let (org, run_id) = (envelope.org.as_str(), envelope.run.as_str());
             let mut current = self.load(org, run_id).await?;
-            let mut ctx = self.ctx(org, Some(run_id), self.deps.clock.now_ms()).await?;
+            let mut ctx = self
+                .ctx(org, Some(run_id), self.deps.clock.now_ms())
+                .await?;
             // Before the message's own input: the approval's deadline timer must not expire a decision that is
             // stored but whose message was lost.
             if let Some(settled) = self.stored_settlement(&current.run).await? {
@@ -245,7 +247,9 @@ impl Worker {
                 // The guards (kill switches, budget) see the latest world before every effect: read afresh for
                 // each step after the first (the first uses the read made for this message a moment ago).
                 if taken > 0 {
-                    ctx = self.ctx(org, Some(run_id), self.deps.clock.now_ms()).await?;
+                    ctx = self
+                        .ctx(org, Some(run_id), self.deps.clock.now_ms())
+                        .await?;
                 }
                 current = self.record(org, run_id, &input, current, &mut ctx).await?;
                 self.open_follow_up(org, &current.run).await?;
@@ -794,10 +798,7 @@ impl Worker {
         ctx.policy = d.policy.clone();
         ctx.prices = d.prices;
         ctx.owner = d.owner.clone();
-        ctx.kill = self.org_and_agent_switches(org).await?;
-        if let Some(run) = run {
-            ctx.kill.runs = self.run_switch(org, run).await?;
-        }
+        ctx.kill = self.kill_switches(org, run).await?;
         // Without a monthly limit the spend decides nothing: it is not read.
         if d.config.org_budget_micros.is_some() || d.config.org_budget_tokens.is_some() {
             let spent = spend::this_month(d.store.as_ref(), org, now_ms).await?;
@@ -809,38 +810,63 @@ impl Worker {
         Ok(ctx)
     }
 
-    /// The organisation's and the agents' kill switches. Run switches are not listed: one is written per killed run
-    /// and stays, so listing them would make every step of every run slower as the killed runs add up. Items come
-    /// in the byte order of their ids and `agent:<name>` < `org` < `run:<id>`, so the listing stops at the first run
-    /// switch; a scope added later must sort before `run:` too, or it is never read.
-    async fn org_and_agent_switches(&self, org: &str) -> Result<KillSwitches, WorkerError> {
+    /// The kill switches that bear on a decision about `run`: the organisation's, the agents', and `run`'s own. Run
+    /// switches are never listed in full: one is written per killed run and stays, so listing them would make every
+    /// step of every run slower as the killed runs add up. Items come in the byte order of their ids and
+    /// `agent:<name>` < `org` < `run:<id>`, so the listing stops at the first run switch; a scope added later must
+    /// sort before `run:` too, or it is never read.
+    async fn kill_switches(
+        &self,
+        org: &str,
+        run: Option<&str>,
+    ) -> Result<KillSwitches, WorkerError> {
         // The five agents' switches and the organisation's fit one page. In an organisation with killed runs and no
         // other switch set, the page holds up to 8 run switches read for nothing (each with its signed proof): a
         // bounded price, where listing them all grew with every run ever killed.
         const PAGE: u32 = 8;
         let mut kill = KillSwitches::default();
-        let mut page = Page {
-            cursor: None,
-            limit: PAGE,
-        };
+        let mut page = Page::first(PAGE);
         loop {
-            let items = self.deps.store.list_items(org, "kill", None, page).await?;
-            for item in &items.items {
+            let listed = self.deps.store.list_items(org, "kill", None, page).await?;
+            let runs_from = listed
+                .items
+                .iter()
+                .position(|item| item.id.starts_with("run:"));
+            for item in &listed.items[..runs_from.unwrap_or(listed.items.len())] {
                 match item.id.split_once(':') {
                     None if item.id == "org" => kill.org = true,
                     Some(("agent", name)) => kill.agents.push(name.to_string()),
-                    Some(("run", _)) => return Ok(kill),
                     _ => warn!(id = %item.id, "ignoring a kill switch of unknown scope"),
                 }
             }
-            match items.next {
-                Some(cursor) => {
+            match (runs_from, listed.next) {
+                (None, Some(cursor)) => {
                     page = Page {
                         cursor: Some(cursor),
                         limit: PAGE,
                     }
                 }
-                None => return Ok(kill),
+                // The listing ended on this page, so every run switch there is was on it: the run's own too, if set.
+                (_, None) => {
+                    kill.runs = run
+                        .filter(|run| {
+                            listed
+                                .items
+                                .iter()
+                                .any(|item| item.id == run_kill_switch_id(run))
+                        })
+                        .map(str::to_string)
+                        .into_iter()
+                        .collect();
+                    return Ok(kill);
+                }
+                // Run switches go on past this page: the run's own is read by its id.
+                (Some(_), Some(_)) => {
+                    if let Some(run) = run {
+                        kill.runs = self.run_switch(org, run).await?;
+                    }
+                    return Ok(kill);
+                }
             }
         }
     }
@@ -853,7 +879,11 @@ impl Worker {
             .get_item(org, "kill", &run_kill_switch_id(run))
             .await?
             .is_some();
-        Ok(if set { vec![run.to_string()] } else { Vec::new() })
+        Ok(if set {
+            vec![run.to_string()]
+        } else {
+            Vec::new()
+        })
     }
 
     async fn last_run(&self, org: &str, fingerprint: &str) -> Result<Option<LastRun>, WorkerError> {
