@@ -242,7 +242,10 @@ fn internal_name(host: &str) -> bool {
         "private",
     ];
     let host = host.trim_end_matches('.').to_ascii_lowercase();
-    !host.contains('.')
+    let labels: Vec<&str> = host.split('.').collect();
+    // An empty label (`.jenkins`) would hide a single one.
+    labels.len() < 2
+        || labels.contains(&"")
         || PRIVATE_DOMAINS.iter().any(|domain| {
             host == *domain
                 || host
@@ -638,6 +641,8 @@ mod tests {
             "http://2130706433/",
             "http://0x7f.1/",
             "http://jenkins:8080/job",
+            "http://.jenkins/",
+            "http://ci..corp.example/",
             "http://db.corp.internal/",
             "http://printer.local./",
             "http://router.home.arpa/",

@@ -89,7 +89,8 @@ impl Page {
     }
 }
 
-/// One page of results; `next` is `None` on the last page.
+/// One page of results; `next` is `None` on the last page, and only there: then no unexpired item is left after
+/// `items` (the worker's kill-switch read relies on it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Paged<T> {
     pub items: Vec<T>,

@@ -217,9 +217,7 @@ impl Worker {
         async {
             let (org, run_id) = (envelope.org.as_str(), envelope.run.as_str());
             let mut current = self.load(org, run_id).await?;
-            let mut ctx = self
-                .ctx(org, Some(run_id), self.deps.clock.now_ms())
-                .await?;
+            let mut ctx = self.ctx(org, Some(run_id), self.deps.clock.now_ms()).await?;
             // Before the message's own input: the approval's deadline timer must not expire a decision that is
             // stored but whose message was lost.
             if let Some(settled) = self.stored_settlement(&current.run).await? {
@@ -247,9 +245,7 @@ impl Worker {
                 // The guards (kill switches, budget) see the latest world before every effect: read afresh for
                 // each step after the first (the first uses the read made for this message a moment ago).
                 if taken > 0 {
-                    ctx = self
-                        .ctx(org, Some(run_id), self.deps.clock.now_ms())
-                        .await?;
+                    ctx = self.ctx(org, Some(run_id), self.deps.clock.now_ms()).await?;
                 }
                 current = self.record(org, run_id, &input, current, &mut ctx).await?;
                 self.open_follow_up(org, &current.run).await?;
@@ -815,23 +811,17 @@ impl Worker {
     /// step of every run slower as the killed runs add up. Items come in the byte order of their ids and
     /// `agent:<name>` < `org` < `run:<id>`, so the listing stops at the first run switch; a scope added later must
     /// sort before `run:` too, or it is never read.
-    async fn kill_switches(
-        &self,
-        org: &str,
-        run: Option<&str>,
-    ) -> Result<KillSwitches, WorkerError> {
-        // The five agents' switches and the organisation's fit one page. In an organisation with killed runs and no
-        // other switch set, the page holds up to 8 run switches read for nothing (each with its signed proof): a
-        // bounded price, where listing them all grew with every run ever killed.
+    async fn kill_switches(&self, org: &str, run: Option<&str>) -> Result<KillSwitches, WorkerError> {
+        // The five agents' switches and the organisation's fit one page. In an organisation with killed runs, the
+        // page also holds up to 8 run switches (each with its signed proof): when the listing ends there they answer
+        // for the run's own; when run switches go on past the page they were read for nothing and a `get_item`
+        // follows. A bounded price, where listing them all grew with every run ever killed.
         const PAGE: u32 = 8;
         let mut kill = KillSwitches::default();
         let mut page = Page::first(PAGE);
         loop {
             let listed = self.deps.store.list_items(org, "kill", None, page).await?;
-            let runs_from = listed
-                .items
-                .iter()
-                .position(|item| item.id.starts_with("run:"));
+            let runs_from = listed.items.iter().position(|item| item.id.starts_with("run:"));
             for item in &listed.items[..runs_from.unwrap_or(listed.items.len())] {
                 match item.id.split_once(':') {
                     None if item.id == "org" => kill.org = true,
@@ -849,12 +839,7 @@ impl Worker {
                 // The listing ended on this page, so every run switch there is was on it: the run's own too, if set.
                 (_, None) => {
                     kill.runs = run
-                        .filter(|run| {
-                            listed
-                                .items
-                                .iter()
-                                .any(|item| item.id == run_kill_switch_id(run))
-                        })
+                        .filter(|run| listed.items.iter().any(|item| item.id == run_kill_switch_id(run)))
                         .map(str::to_string)
                         .into_iter()
                         .collect();
@@ -879,11 +864,7 @@ impl Worker {
             .get_item(org, "kill", &run_kill_switch_id(run))
             .await?
             .is_some();
-        Ok(if set {
-            vec![run.to_string()]
-        } else {
-            Vec::new()
-        })
+        Ok(if set { vec![run.to_string()] } else { Vec::new() })
     }
 
     async fn last_run(&self, org: &str, fingerprint: &str) -> Result<Option<LastRun>, WorkerError> {

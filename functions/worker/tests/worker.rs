@@ -7,8 +7,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use loams_factory::approval::{Approval, ApprovalState};
 use loams_factory::{
-    AUDIT_APPROVAL, Envelope, Input, LEAD_APPROVAL, Outcome, Run, RunState, Signal,
-    run_kill_switch_id,
+    AUDIT_APPROVAL, Envelope, Input, LEAD_APPROVAL, Outcome, Run, RunState, Signal, run_kill_switch_id,
 };
 use loams_model::{ChatModel, ChatRequest, ChatResponse, ModelError};
 use loams_platform::{
@@ -932,11 +931,7 @@ impl AfterKilledRuns {
             &Arc::new(FakeModel::default()),
             loams_factory::Config::default(),
         );
-        let id = worker
-            .open(ORG, signal("fp-many-killed"))
-            .await
-            .unwrap()
-            .run_id;
+        let id = worker.open(ORG, signal("fp-many-killed")).await.unwrap().run_id;
         for d in db.inner().receive(10, 1_000).await.unwrap() {
             db.inner().ack(&d.receipt).await.unwrap();
         }
@@ -980,25 +975,25 @@ impl AfterKilledRuns {
 }
 
 #[tokio::test]
-async fn the_switches_of_runs_killed_before_cost_a_step_nothing_extra_and_its_own_switch_still_stops_it()
- {
+async fn the_switches_of_runs_killed_before_cost_a_step_one_read_at_most_and_its_own_switch_still_stops_it() {
     let fresh = AfterKilledRuns::new(0).await;
     let few = AfterKilledRuns::new(20).await;
     let crowded = AfterKilledRuns::new(500).await;
     let fresh_step = fresh.step().await;
     // A fresh organisation's listing ends on its first page, which then holds every run switch there is.
     assert_eq!((fresh_step.list_items, fresh_step.get_item), (1, 0));
+    let few_step = few.step().await;
     assert_eq!(
         crowded.step().await,
-        few.step().await,
+        few_step,
         "a step reads the same after 500 killed runs as after 20"
     );
     // Past one page of run switches, the run's own is read by its id: one read more than in a fresh organisation.
     assert_eq!(
-        few.step().await,
+        few_step,
         OpCounts {
             get_item: fresh_step.get_item + 1,
-            ..fresh.step().await
+            ..fresh_step
         }
     );
     crowded.switch_on(&run_kill_switch_id(&crowded.id)).await;
@@ -1024,8 +1019,19 @@ async fn a_run_switch_on_the_last_listing_page_stops_its_run_without_another_rea
 }
 
 #[tokio::test]
-async fn the_organisation_and_agent_switches_are_read_past_a_listing_page_among_the_switches_of_killed_runs()
- {
+async fn a_run_switch_on_a_later_last_listing_page_stops_its_run_without_another_read() {
+    let run = AfterKilledRuns::new(3).await;
+    for n in 0..10 {
+        run.switch_on(&format!("agent:other-{n:02}")).await;
+    }
+    run.switch_on(&run_kill_switch_id(&run.id)).await;
+    let step = run.step().await;
+    assert_eq!((step.list_items, step.get_item), (2, 0));
+    assert_eq!(run.state().await, RunState::Killed);
+}
+
+#[tokio::test]
+async fn the_organisation_and_agent_switches_are_read_past_a_listing_page_among_the_switches_of_killed_runs() {
     for last in ["agent:zulip", "org"] {
         let run = AfterKilledRuns::new(500).await;
         // More agent switches than one listing page holds, the one that matters after them all.
