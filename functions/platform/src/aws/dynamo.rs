@@ -16,6 +16,9 @@
 //! conditional version bump of the run row plus one conditional put per event. The listing entry exists
 //! because "all runs of an org, newest first" needs one collection; it is written once, with the run.
 //!
+//! Binary attributes (snapshots, bodies, results, payloads) are stored tagged and, when that is smaller, deflated
+//! (`blob.rs`): writes are billed by the item's size.
+//!
 //! The index is KEYS_ONLY: a listing through it queries keys, then reads the records themselves with a
 //! strongly consistent `BatchGetItem` and re-checks them, because the index lags the table (a settled approval
 //! or a cancelled timer may still be listed for a moment; the re-check drops it).
@@ -46,7 +49,7 @@ use aws_sdk_dynamodb::types::{
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 
-use super::{TTL_ATTRIBUTE, build_err, sdk_err};
+use super::{TTL_ATTRIBUTE, blob, build_err, sdk_err};
 use crate::limits::{self, MAX_BODY, MAX_LEASE_MS, MAX_PAGE};
 use crate::{
     Claim, Clock, Cond, EventRow, Item, Page, Paged, Result, RunRow, Store, StoreError, Timer,
@@ -540,7 +543,7 @@ fn n(v: impl std::fmt::Display) -> AttributeValue {
     AttributeValue::N(v.to_string())
 }
 fn b(v: &[u8]) -> AttributeValue {
-    AttributeValue::B(Blob::new(v))
+    AttributeValue::B(Blob::new(blob::pack(v)))
 }
 
 fn corrupt(what: &str, name: &str) -> StoreError {
@@ -578,7 +581,7 @@ fn get_n<T: std::str::FromStr>(a: &Attrs, name: &str) -> Result<T> {
 
 fn get_b(a: &Attrs, name: &str) -> Result<Vec<u8>> {
     match a.get(name) {
-        Some(AttributeValue::B(v)) => Ok(v.clone().into_inner()),
+        Some(AttributeValue::B(v)) => blob::unpack(v.as_ref()).ok_or_else(|| corrupt("binary", name)),
         _ => Err(corrupt("binary", name)),
     }
 }

@@ -10,6 +10,7 @@
 //! `loams dev` against moto use them, a deployed stack gets them from the SAM template instead.
 
 mod batch;
+mod blob;
 mod dynamo;
 mod sqs;
 
