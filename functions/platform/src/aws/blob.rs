@@ -54,10 +54,17 @@ mod tests {
 
     #[test]
     fn values_round_trip_plain_or_deflated() {
-        let json = br#"{"state":"fixing","attempts":[{"ci":"failed"},{"ci":"failed"},{"ci":"passed"}]}"#.repeat(20);
+        let json =
+            br#"{"state":"fixing","attempts":[{"ci":"failed"},{"ci":"failed"},{"ci":"passed"}]}"#
+                .repeat(20);
         let packed = pack(&json);
         assert_eq!(packed[0], DEFLATED);
-        assert!(packed.len() < json.len() / 4, "{} of {}", packed.len(), json.len());
+        assert!(
+            packed.len() < json.len() / 4,
+            "{} of {}",
+            packed.len(),
+            json.len()
+        );
         assert_eq!(unpack(&packed).unwrap(), json);
 
         for value in [&b""[..], b"{}", &[0u8, 1, 2, 255][..]] {
@@ -65,6 +72,14 @@ mod tests {
             assert_eq!(packed[0], PLAIN);
             assert_eq!(unpack(&packed).unwrap(), value);
         }
+    }
+
+    #[test]
+    fn only_values_from_the_threshold_on_are_deflated() {
+        let short = b"a".repeat(DEFLATE_FROM - 1);
+        assert_eq!(pack(&short)[0], PLAIN);
+        assert_eq!(unpack(&pack(&short)).unwrap(), short);
+        assert_eq!(pack(&b"a".repeat(DEFLATE_FROM))[0], DEFLATED);
     }
 
     #[test]
@@ -88,7 +103,11 @@ mod tests {
     fn damaged_unknown_and_oversized_forms_are_refused() {
         assert_eq!(unpack(b""), None, "no tag");
         assert_eq!(unpack(b"{\"a\":1}"), None, "an untagged value");
-        assert_eq!(unpack(&[DEFLATED, 0xff, 0xff, 0xff]), None, "not a deflate stream");
+        assert_eq!(
+            unpack(&[DEFLATED, 0xff, 0xff, 0xff]),
+            None,
+            "not a deflate stream"
+        );
         let mut truncated = pack(&b"x".repeat(10_000));
         truncated.truncate(truncated.len() / 2);
         assert_eq!(unpack(&truncated), None, "a cut deflate stream");
@@ -96,6 +115,9 @@ mod tests {
         let bomb = pack(&vec![b'a'; MAX_BODY + 1]);
         assert!(bomb.len() < 2_000);
         assert_eq!(unpack(&bomb), None);
-        assert_eq!(unpack(&pack(&vec![b'a'; MAX_BODY])).unwrap().len(), MAX_BODY);
+        assert_eq!(
+            unpack(&pack(&vec![b'a'; MAX_BODY])).unwrap().len(),
+            MAX_BODY
+        );
     }
 }

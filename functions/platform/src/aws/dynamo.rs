@@ -581,7 +581,9 @@ fn get_n<T: std::str::FromStr>(a: &Attrs, name: &str) -> Result<T> {
 
 fn get_b(a: &Attrs, name: &str) -> Result<Vec<u8>> {
     match a.get(name) {
-        Some(AttributeValue::B(v)) => blob::unpack(v.as_ref()).ok_or_else(|| corrupt("binary", name)),
+        Some(AttributeValue::B(v)) => {
+            blob::unpack(v.as_ref()).ok_or_else(|| corrupt("binary", name))
+        }
         _ => Err(corrupt("binary", name)),
     }
 }
