@@ -5,7 +5,10 @@ import dev.loams.core.ClientSettings
 import dev.loams.core.DeviceSigner
 import dev.loams.core.SyncMode
 import dev.loams.core.TokenProvider
+import dev.loams.core.IntegrityCheckingUniffiLib
+import dev.loams.core.UniffiRustCallStatus
 import dev.loams.core.echo
+import com.sun.jna.Memory
 import java.nio.file.Files
 
 /** Never called: nothing here reaches a server or signs. */
@@ -32,6 +35,10 @@ private fun time(call: () -> Unit): Pair<Double, Double> {
 /**
  * The cost of one FFI call from Kotlin through JNA: `echo` takes a short string and returns it (a RustBuffer each
  * way, the shape of most calls), `setNetworkAvailable` passes an object handle and a boolean (no buffer).
+ *
+ * Then the parts of a generated call, to show where its time goes: the bare native call (a direct-mapped function
+ * with no arguments and no call status), the call status every generated call allocates (a JNA `Structure` holding
+ * a `RustBuffer` one), and one JNA `Memory` block, which each of those structures allocates.
  */
 fun main() {
     val value = "r-5e66a7e179b2e2f2"
@@ -46,5 +53,11 @@ fun main() {
     val (flagMedian, flagBest) = time { client.setNetworkAvailable(true) }
     println("kotlin ffi call, $CALLS calls x $ROUNDS rounds: echo(string) median %.2f us, best %.2f us; setNetworkAvailable(bool) median %.2f us, best %.2f us"
         .format(echoMedian, echoBest, flagMedian, flagBest))
+    var sink = 0L
+    val (bareMedian, bareBest) = time { sink += IntegrityCheckingUniffiLib.ffi_loams_ffi_uniffi_contract_version() }
+    val (statusMedian, statusBest) = time { sink += UniffiRustCallStatus().code }
+    val (memoryMedian, memoryBest) = time { sink += Memory(16).size() }
+    println("parts: bare native call median %.2f us, best %.2f us; new call status median %.2f us, best %.2f us; JNA Memory(16) median %.2f us, best %.2f us (checksum %d)"
+        .format(bareMedian, bareBest, statusMedian, statusBest, memoryMedian, memoryBest, sink))
     client.close()
 }
