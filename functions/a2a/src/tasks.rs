@@ -32,6 +32,10 @@ const DEFAULT_PAGE_SIZE: usize = 50;
 const MAX_PAGE_SIZE: usize = 100;
 /// Most stored tasks one ListTasks looks at; a caller with more sees the ones within this bound.
 const MAX_LIST_SCAN: usize = 20_000;
+/// Stored tasks ListTasks asks the store for at a time. A task record may be up to `limits::MAX_BODY` bytes (its
+/// history holds the request), so a store page of `limits::MAX_PAGE` records could take 400 MB to hold; this bounds
+/// one page at 40 MB, within the 256 MB of an agent's Lambda.
+const LIST_STORE_PAGE: u32 = 100;
 /// Longest page token accepted (a timestamp and a task id, base64url).
 const MAX_PAGE_TOKEN: usize = 2 * MAX_MESSAGE_ID;
 
@@ -945,7 +949,7 @@ pub(crate) async fn list_tasks(
     let mut total = 0usize;
     let mut after_token = 0usize;
     let mut page_tasks: Vec<(Position, Task)> = Vec::new();
-    let mut page = Page::first(limits::MAX_PAGE);
+    let mut page = Page::first(LIST_STORE_PAGE);
     let mut scanned = 0usize;
     loop {
         let got = agent

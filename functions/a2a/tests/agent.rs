@@ -11,7 +11,7 @@ use loams_a2a::{
     SkillSpec, Skills, TASK_KIND, TokenError, TokenSource, router_with,
 };
 use loams_platform::race::RaceBeforeWrite;
-use loams_platform::{Clock, Cond, Sqlite, Store, SystemClock};
+use loams_platform::{Clock, Cond, Counting, Sqlite, Store, SystemClock};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 
@@ -1817,6 +1817,25 @@ async fn tasks_stored_before_leases_keep_their_meaning() {
         agent.calls(),
         5,
         "a permanent failure is the recorded outcome"
+    );
+}
+
+#[tokio::test]
+async fn list_tasks_reads_the_store_a_bounded_page_at_a_time() {
+    // A stored task may be 400 KB: a listing must not ask the store for a thousand of them at once.
+    let store = Arc::new(Counting::new(Sqlite::memory(Arc::new(SystemClock)).unwrap()));
+    let agent = start_with(store.clone(), ServerOptions::default()).await;
+    for i in 0..250 {
+        agent.send(&format!("p-{i}"), "count", json!({"i": i})).await;
+    }
+    let before = store.counts().list_items;
+    let page = agent.rpc("ListTasks", json!({"pageSize": 10})).await;
+    assert_eq!(page["result"]["totalSize"], 250, "{page}");
+    assert_eq!(page["result"]["tasks"].as_array().unwrap().len(), 10);
+    assert_eq!(
+        store.counts().list_items - before,
+        3,
+        "250 tasks in store pages of 100"
     );
 }
 
