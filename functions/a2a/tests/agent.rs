@@ -1823,10 +1823,14 @@ async fn tasks_stored_before_leases_keep_their_meaning() {
 #[tokio::test]
 async fn list_tasks_reads_the_store_a_bounded_page_at_a_time() {
     // A stored task may be 400 KB: a listing must not ask the store for a thousand of them at once.
-    let store = Arc::new(Counting::new(Sqlite::memory(Arc::new(SystemClock)).unwrap()));
+    let store = Arc::new(Counting::new(
+        Sqlite::memory(Arc::new(SystemClock)).unwrap(),
+    ));
     let agent = start_with(store.clone(), ServerOptions::default()).await;
     for i in 0..250 {
-        agent.send(&format!("p-{i}"), "count", json!({"i": i})).await;
+        agent
+            .send(&format!("p-{i}"), "count", json!({"i": i}))
+            .await;
     }
     let before = store.counts().list_items;
     let page = agent.rpc("ListTasks", json!({"pageSize": 10})).await;
