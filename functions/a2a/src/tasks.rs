@@ -34,8 +34,9 @@ const MAX_PAGE_SIZE: usize = 100;
 const MAX_LIST_SCAN: usize = 20_000;
 /// Stored tasks ListTasks asks the store for at a time. A task record may be up to `limits::MAX_BODY` bytes (its
 /// history holds the request), so a store page of `limits::MAX_PAGE` records could take 400 MB to hold; this bounds
-/// one page at 40 MB, within the 256 MB of an agent's Lambda.
-const LIST_STORE_PAGE: u32 = 100;
+/// one page at 40 MB, within the 256 MB of an agent's Lambda. 99, not 100: the DynamoDB store reads one record
+/// more than the page to know whether another follows, and fetches records in `BatchGetItem`s of 100.
+const LIST_STORE_PAGE: u32 = 99;
 /// Longest page token accepted (a timestamp and a task id, base64url).
 const MAX_PAGE_TOKEN: usize = 2 * MAX_MESSAGE_ID;
 
@@ -944,6 +945,15 @@ pub(crate) async fn list_tasks(
         check_id("contextId", ctx)?;
     }
     let index = agent.list_index(&caller.subject);
+    // Each kept task is cut to what the response shows at once, so the scan holds one store page plus at most
+    // 2 × pageSize shown tasks.
+    let shown = |task: Task| {
+        let mut task = trim_history(task, history);
+        if req.include_artifacts != Some(true) {
+            task.artifacts = None;
+        }
+        task
+    };
     // The scan counts every match (totalSize) and keeps only the matches after the token's
     // position, cut back to the page from time to time, so the page needs no second read.
     let mut total = 0usize;
@@ -985,7 +995,7 @@ pub(crate) async fn list_tasks(
                 continue;
             }
             after_token += 1;
-            page_tasks.push((position, task));
+            page_tasks.push((position, shown(task)));
             if page_tasks.len() >= 2 * page_size {
                 page_tasks.sort_by(|a, b| a.0.cmp(&b.0));
                 page_tasks.truncate(page_size);
@@ -1010,16 +1020,7 @@ pub(crate) async fn list_tasks(
     } else {
         String::new()
     };
-    let tasks = page_tasks
-        .into_iter()
-        .map(|(_, task)| {
-            let mut task = trim_history(task, history);
-            if req.include_artifacts != Some(true) {
-                task.artifacts = None;
-            }
-            task
-        })
-        .collect();
+    let tasks = page_tasks.into_iter().map(|(_, task)| task).collect();
     Ok(ListTasksResponse {
         tasks,
         next_page_token,

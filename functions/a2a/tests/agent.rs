@@ -1839,7 +1839,7 @@ async fn list_tasks_reads_the_store_a_bounded_page_at_a_time() {
     assert_eq!(
         store.counts().list_items - before,
         3,
-        "250 tasks in store pages of 100"
+        "250 tasks in store pages of 99"
     );
 }
 
