@@ -139,6 +139,42 @@ fn unsupported_media(message: &Message) -> Option<String> {
     })
 }
 
+/// Deepest nesting of arrays and objects accepted in a message's data and metadata values, and in a skill's output
+/// (stored at the level of a data part). serde_json parses at most 127 levels, and the stored task holds a data
+/// part one level deeper than a JSON-RPC request does (two deeper than HTTP+JSON): args nested 121 levels parse in
+/// the request, but their stored task would need 128 and never decode again, failing its caller's GetTask and
+/// ListTasks. Skill arguments nest a few levels.
+const MAX_DATA_DEPTH: usize = 32;
+
+/// Whether a data part or a metadata value of `message` nests deeper than [`MAX_DATA_DEPTH`].
+fn too_deep(message: &Message) -> bool {
+    let metadata = message
+        .metadata
+        .iter()
+        .chain(message.parts.iter().filter_map(|p| p.metadata.as_ref()))
+        .flat_map(|m| m.values());
+    let data = message.parts.iter().filter_map(|p| match &p.content {
+        PartContent::Data(value) => Some(value),
+        _ => None,
+    });
+    metadata
+        .chain(data)
+        .any(|value| nests_deeper_than(value, MAX_DATA_DEPTH))
+}
+
+/// Whether `value` has more than `levels` levels of arrays and objects; stops descending at that depth.
+fn nests_deeper_than(value: &Value, levels: usize) -> bool {
+    match value {
+        Value::Array(items) => {
+            levels == 0 || items.iter().any(|v| nests_deeper_than(v, levels - 1))
+        }
+        Value::Object(fields) => {
+            levels == 0 || fields.values().any(|v| nests_deeper_than(v, levels - 1))
+        }
+        _ => false,
+    }
+}
+
 /// The skill call carried by a message: exactly one data part `{"skill": "...", "args": {...}}`.
 fn skill_call(message: &Message) -> Result<(String, Value), A2AError> {
     let bad = |why: &str| A2AError::invalid_params(why.to_string());
@@ -464,6 +500,11 @@ pub(crate) async fn begin(
             "the message role must be ROLE_USER",
         ));
     }
+    if too_deep(&message) {
+        return Err(A2AError::invalid_params(format!(
+            "message data and metadata may nest at most {MAX_DATA_DEPTH} levels"
+        )));
+    }
     if let Some(media) = unsupported_media(&message) {
         return Err(A2AError::new(
             error_code::CONTENT_TYPE_NOT_SUPPORTED,
@@ -599,6 +640,16 @@ async fn run(
     // app's side) lets a repeat of the same message id try again at once (see `reclaimable`).
     let task_id = record.task.id.clone();
     let context_id = record.task.context_id.clone();
+    // An output the store could not read back (an app's JSON passed through) fails like one too large to store.
+    let outcome = outcome.and_then(|output| {
+        if nests_deeper_than(&output, MAX_DATA_DEPTH) {
+            Err(SkillError::permanent(format!(
+                "skill output nests deeper than {MAX_DATA_DEPTH} levels"
+            )))
+        } else {
+            Ok(output)
+        }
+    });
     let task = &mut record.task;
     match outcome {
         Ok(output) => {

@@ -22,6 +22,11 @@ struct Counter {
     slow_release: Notify,
 }
 
+/// A value `levels` objects deep.
+fn nested(levels: usize) -> Value {
+    (0..levels).fold(json!(1), |inner, _| json!({"a": inner}))
+}
+
 fn skill(id: &str, risk: Risk) -> SkillSpec {
     SkillSpec {
         id: id.into(),
@@ -47,6 +52,7 @@ impl Skills for Counter {
                 skill("slow", Risk::Write),
                 skill("measure", Risk::Read),
                 skill("wipe", Risk::Destructive),
+                skill("nest", Risk::Read),
             ],
         }
     }
@@ -66,6 +72,7 @@ impl Skills for Counter {
             }
             "measure" => Ok(json!({"bytes": args.to_string().len()})),
             "wipe" => Ok(json!({"wiped": args})),
+            "nest" => Ok(nested(args["levels"].as_u64().unwrap_or(0) as usize)),
             other => Err(SkillError::permanent(format!("no skill {other}"))),
         }
     }
@@ -351,7 +358,7 @@ async fn card_is_signed_cached_and_describes_the_agent() {
     assert_eq!(again.status(), 304);
 
     let client = agent.client().await;
-    assert_eq!(client.card().skills.len(), 5);
+    assert_eq!(client.card().skills.len(), 6);
 }
 
 #[tokio::test]
@@ -467,6 +474,47 @@ async fn large_requests_are_stored_without_history_and_still_deduplicated() {
             .unwrap()
             .contains("exceeds")
     );
+}
+
+#[tokio::test]
+async fn messages_nested_too_deep_to_store_are_refused_and_store_nothing() {
+    let agent = start().await;
+    // The deepest args the request parser takes (levels 7..=127 of the request); their stored task would need 128.
+    let deep = agent.send("m-deep", "count", nested(121)).await;
+    assert_error(&deep, -32602, "INVALID_PARAMS");
+    let got = agent.rpc("GetTask", json!({"id": "m-deep"})).await;
+    assert_error(&got, -32001, "TASK_NOT_FOUND");
+    // The limit, from both sides: the data part {"skill", "args"} is one level more than its args.
+    let over = agent.send("m-33", "count", nested(32)).await;
+    assert_error(&over, -32602, "INVALID_PARAMS");
+    let at = agent.send("m-32", "count", nested(31)).await;
+    assert_eq!(
+        at["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{at}"
+    );
+    // Message and part metadata are stored too.
+    let call = json!({"skill": "count", "args": {}});
+    let mut message_meta = send_params("m-meta", call.clone());
+    message_meta["message"]["metadata"] = json!({"x": nested(33)});
+    let mut part_meta = send_params("m-part-meta", call);
+    part_meta["message"]["parts"][0]["metadata"] = json!({"x": nested(33)});
+    for params in [message_meta, part_meta] {
+        let refused = agent.rpc("SendMessage", params).await;
+        assert_error(&refused, -32602, "INVALID_PARAMS");
+    }
+    // An output nested too deep to read back fails the task for good; at the limit it completes.
+    let too_deep = agent.send("m-out-33", "nest", json!({"levels": 33})).await;
+    assert_eq!(
+        too_deep["result"]["task"]["status"]["state"], "TASK_STATE_FAILED",
+        "{too_deep}"
+    );
+    let deepest = agent.send("m-out-32", "nest", json!({"levels": 32})).await;
+    assert_eq!(
+        deepest["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{deepest}"
+    );
+    let listed = agent.rpc("ListTasks", json!({})).await;
+    assert_eq!(listed["result"]["totalSize"], 3, "{listed}");
 }
 
 #[tokio::test]
