@@ -502,10 +502,14 @@ async fn messages_nested_too_deep_to_store_are_refused_and_store_nothing() {
         let refused = agent.rpc("SendMessage", params).await;
         assert_error(&refused, -32602, "INVALID_PARAMS");
     }
-    // An output nested too deep to read back fails the task for good; at the limit it completes.
+    // An output nested deeper than the limit fails the task for good (not retryable); at the limit it completes.
     let too_deep = agent.send("m-out-33", "nest", json!({"levels": 33})).await;
     assert_eq!(
         too_deep["result"]["task"]["status"]["state"], "TASK_STATE_FAILED",
+        "{too_deep}"
+    );
+    assert_eq!(
+        too_deep["result"]["task"]["status"]["message"]["parts"][1]["data"]["retryable"], false,
         "{too_deep}"
     );
     let deepest = agent.send("m-out-32", "nest", json!({"levels": 32})).await;
