@@ -1896,6 +1896,31 @@ async fn list_tasks_reads_the_store_a_bounded_page_at_a_time() {
 }
 
 #[tokio::test]
+async fn a_damaged_task_record_is_left_out_of_listings_and_reported_by_get() {
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let agent = start_with(store.clone(), ServerOptions::default()).await;
+    agent.send("m-kept", "count", json!({})).await;
+    agent.send("m-damaged", "count", json!({})).await;
+    let mut item = store
+        .get_item("acme", TASK_KIND, "counter:m-damaged")
+        .await
+        .unwrap()
+        .unwrap();
+    item.body = b"{not json".to_vec();
+    store.put_item(&item, Cond::Any).await.unwrap();
+
+    let listed = agent.rpc("ListTasks", json!({})).await;
+    assert_eq!(listed["result"]["totalSize"], 1, "{listed}");
+    assert_eq!(listed["result"]["tasks"][0]["id"], "m-kept", "{listed}");
+    let got = agent.rpc("GetTask", json!({"id": "m-damaged"})).await;
+    assert_error(&got, -32603, "");
+    assert_eq!(
+        got["error"]["message"], "stored task is unreadable",
+        "{got}"
+    );
+}
+
+#[tokio::test]
 async fn list_tasks_filters_and_pages() {
     let agent = start().await;
     for i in 0..5 {
