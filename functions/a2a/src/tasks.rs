@@ -284,7 +284,11 @@ impl Agent {
         else {
             return Ok(None);
         };
-        Ok(Some((decode_task(&item.body)?, item.version)))
+        let stored = decode_task(&item.body).map_err(|e| {
+            tracing::error!(agent = %self.name, item = %item.id, error = %e, "stored a2a task does not decode");
+            A2AError::internal("stored task is unreadable")
+        })?;
+        Ok(Some((stored, item.version)))
     }
 
     /// The task `task_id` if the caller `subject` created it, with its store version. Someone else's
@@ -391,11 +395,8 @@ async fn claim(
 /// Tries at storing a new task before giving up: each lost one means another request changed it meanwhile.
 const CLAIM_ATTEMPTS: usize = 3;
 
-fn decode_task(bytes: &[u8]) -> Result<StoredTask, A2AError> {
-    serde_json::from_slice(bytes).map_err(|e| {
-        tracing::error!(error = %e, "stored a2a task does not decode");
-        A2AError::internal("stored task is unreadable")
-    })
+fn decode_task(bytes: &[u8]) -> serde_json::Result<StoredTask> {
+    serde_json::from_slice(bytes)
 }
 
 /// The refusal of a reused message id: the stored task belongs to another call or caller and is not
@@ -1012,6 +1013,7 @@ pub(crate) async fn list_tasks(
     let mut page_tasks: Vec<(Position, Task)> = Vec::new();
     let mut page = Page::first(LIST_STORE_PAGE);
     let mut scanned = 0usize;
+    let (mut unreadable, mut first_unreadable) = (0usize, None::<String>);
     loop {
         let got = agent
             .store
@@ -1020,8 +1022,10 @@ pub(crate) async fn list_tasks(
             .map_err(store_failure)?;
         scanned += got.items.len();
         for item in &got.items {
-            // A damaged record (decode_task logs it) must not hide the caller's others: it is left out.
+            // A damaged record must not hide the caller's others: it is left out, and reported below.
             let Ok(stored) = decode_task(&item.body) else {
+                unreadable += 1;
+                first_unreadable.get_or_insert_with(|| item.id.clone());
                 continue;
             };
             // The index is a hash of the subject: check the subject itself.
@@ -1063,6 +1067,10 @@ pub(crate) async fn list_tasks(
             }
             None => break,
         }
+    }
+    if let Some(first) = first_unreadable {
+        // Once per listing, not per record: every listing of this caller meets the same records.
+        tracing::error!(agent = %agent.name, unreadable, first = %first, "ListTasks left out task records that do not decode");
     }
     page_tasks.sort_by(|a, b| a.0.cmp(&b.0));
     page_tasks.truncate(page_size);
