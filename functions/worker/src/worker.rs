@@ -838,11 +838,10 @@ impl Worker {
                 }
                 // The listing ended on this page, so every run switch there is was on it: the run's own too, if set.
                 (_, None) => {
-                    kill.runs = run
-                        .filter(|run| listed.items.iter().any(|item| item.id == run_kill_switch_id(run)))
-                        .map(str::to_string)
-                        .into_iter()
-                        .collect();
+                    if let Some(run) = run {
+                        let id = run_kill_switch_id(run);
+                        kill.runs = own_switch(run, listed.items.iter().any(|item| item.id == id));
+                    }
                     return Ok(kill);
                 }
                 // Run switches go on past this page: the run's own is read by its id.
@@ -856,7 +855,7 @@ impl Worker {
         }
     }
 
-    /// `[run]` if the run's kill switch is set, else nothing: [`KillSwitches::runs`] for a decision about it.
+    /// [`KillSwitches::runs`] for a decision about `run`, its switch read by its id.
     async fn run_switch(&self, org: &str, run: &str) -> Result<Vec<String>, WorkerError> {
         let set = self
             .deps
@@ -864,7 +863,7 @@ impl Worker {
             .get_item(org, "kill", &run_kill_switch_id(run))
             .await?
             .is_some();
-        Ok(if set { vec![run.to_string()] } else { Vec::new() })
+        Ok(own_switch(run, set))
     }
 
     async fn last_run(&self, org: &str, fingerprint: &str) -> Result<Option<LastRun>, WorkerError> {
@@ -895,6 +894,15 @@ impl Worker {
         };
         self.deps.queue.send(&to_json(&envelope)?, delay_ms).await?;
         Ok(())
+    }
+}
+
+/// [`KillSwitches::runs`] for a decision about `run`: `[run]` when its switch is `set`, else nothing.
+fn own_switch(run: &str, set: bool) -> Vec<String> {
+    if set {
+        vec![run.to_string()]
+    } else {
+        Vec::new()
     }
 }
 
