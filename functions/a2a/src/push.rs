@@ -114,15 +114,14 @@ fn public_v6(ip: Ipv6Addr) -> bool {
     let [first, second, ..] = ip.segments();
     // Only global unicast 2000::/3: loopback, unspecified, multicast, unique local, link-local, site-local and
     // local-use NAT64 lie outside it (the addresses standing for IPv4 ones were judged by those before).
-    (first & 0xe000) == 0x2000
-        && !(
-            // The IETF protocol assignments 2001::/23: Teredo (whose client address is obfuscated), benchmarking,
-            // anycast for nearby services, ORCHID.
-            (first == 0x2001 && second < 0x0200)
-            // Documentation 2001:db8::/32 and 3fff::/20.
-            || (first == 0x2001 && second == 0x0db8)
-            || (first == 0x3fff && (second & 0xf000) == 0)
-        )
+    // Within it, not public: the IETF protocol assignments 2001::/23 (Teredo, whose client address is obfuscated,
+    // benchmarking, anycast for nearby services, ORCHID) and documentation, 2001:db8::/32 and 3fff::/20.
+    let special = match first {
+        0x2001 => second < 0x0200 || second == 0x0db8,
+        0x3fff => (second & 0xf000) == 0,
+        _ => false,
+    };
+    (first & 0xe000) == 0x2000 && !special
 }
 
 /// A resolver that answers only public addresses: the check happens on the addresses actually
