@@ -37,6 +37,11 @@ const MAX_LIST_SCAN: usize = 20_000;
 /// one page at 40 MB, within the 256 MB of an agent's Lambda. 99, not 100: the DynamoDB store reads one record
 /// more than the page to know whether another follows, and fetches records in `BatchGetItem`s of 100.
 const LIST_STORE_PAGE: u32 = 99;
+/// Most bytes of tasks (as JSON) one ListTasks page carries; the page ends early, with a token for the rest, rather
+/// than grow past it. A page of 100 tasks of up to 400 KB each would be 40 MB: past the response limits of the
+/// clients (ours reads at most 2 MiB by default) and of Lambda. A page always holds at least one task, and one task
+/// is under `limits::MAX_BODY`, so a page stays under 1.5 MB.
+const MAX_LIST_BYTES: usize = 1024 * 1024;
 /// Longest page token accepted (a timestamp and a task id, base64url).
 const MAX_PAGE_TOKEN: usize = 2 * MAX_MESSAGE_ID;
 
@@ -972,6 +977,35 @@ impl Position {
     }
 }
 
+/// How many of `tasks`, from the first, fit in `MAX_LIST_BYTES` of JSON (at least one).
+fn fitting(tasks: &[(Position, Task)]) -> usize {
+    let mut bytes = 0usize;
+    for (i, (_, task)) in tasks.iter().enumerate() {
+        let mut size = ByteCount(0);
+        // Serialising a task to a counter cannot fail; counted as nothing if it did.
+        let _ = serde_json::to_writer(&mut size, task);
+        bytes += size.0;
+        if i > 0 && bytes > MAX_LIST_BYTES {
+            return i;
+        }
+    }
+    tasks.len()
+}
+
+/// Counts the bytes written to it, to size JSON without keeping it.
+struct ByteCount(usize);
+
+impl std::io::Write for ByteCount {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// ListTasks over the caller's tasks on this agent, newest status first, with keyset pagination
 /// (a page token names the last task shown, so inserts do not shift later pages).
 pub(crate) async fn list_tasks(
@@ -1074,7 +1108,10 @@ pub(crate) async fn list_tasks(
     }
     page_tasks.sort_by(|a, b| a.0.cmp(&b.0));
     page_tasks.truncate(page_size);
-    let next_page_token = if after_token > page_size {
+    let fit = fitting(&page_tasks);
+    let cut_short = fit < page_tasks.len();
+    page_tasks.truncate(fit);
+    let next_page_token = if after_token > page_size || cut_short {
         page_tasks
             .last()
             .map(|(p, _)| p.token())

@@ -1921,6 +1921,58 @@ async fn a_damaged_task_record_is_left_out_of_listings_and_reported_by_get() {
 }
 
 #[tokio::test]
+async fn list_tasks_ends_a_page_early_rather_than_outgrow_a_clients_response_limit() {
+    // 16 tasks of about 150 KB (their history holds the request): 2.4 MB in one page of 100, more than our own
+    // client reads by default (2 MiB). The agent ends each page near 1 MiB and hands out a token for the rest.
+    let agent = start().await;
+    let pad = "x".repeat(150_000);
+    for i in 0..16 {
+        agent
+            .send(&format!("big-{i}"), "measure", json!({"pad": pad}))
+            .await;
+    }
+    let client = agent.client().await;
+    let mut seen = Vec::new();
+    let mut token = None;
+    let mut pages = 0;
+    loop {
+        let page = client
+            .list_tasks(a2a::ListTasksRequest {
+                context_id: None,
+                status: None,
+                page_size: Some(100),
+                page_token: token.take(),
+                history_length: None,
+                status_timestamp_after: None,
+                include_artifacts: None,
+                tenant: None,
+            })
+            .await
+            .unwrap();
+        pages += 1;
+        assert_eq!(page.total_size, 16);
+        assert!(!page.tasks.is_empty());
+        let bytes = serde_json::to_vec(&page.tasks).unwrap().len();
+        assert!(bytes <= 1024 * 1024 + 400_000, "page of {bytes} bytes");
+        assert!(
+            page.tasks
+                .iter()
+                .all(|t| t.history.as_ref().is_some_and(|h| !h.is_empty())),
+            "whole tasks, history kept"
+        );
+        seen.extend(page.tasks.into_iter().map(|t| t.id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = Some(page.next_page_token);
+    }
+    assert!(pages >= 3, "{pages} pages");
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen.len(), 16, "every task once: {seen:?}");
+}
+
+#[tokio::test]
 async fn list_tasks_filters_and_pages() {
     let agent = start().await;
     for i in 0..5 {
