@@ -39,8 +39,8 @@ const MAX_LIST_SCAN: usize = 20_000;
 const LIST_STORE_PAGE: u32 = 99;
 /// Most bytes of tasks (as JSON) one ListTasks page carries; the page ends early, with a token for the rest, rather
 /// than grow past it. A page of 100 tasks of up to 400 KB each would be 40 MB: past the response limits of the
-/// clients (ours reads at most 2 MiB by default) and of Lambda. A page always holds at least one task, and one task
-/// is under `limits::MAX_BODY`, so a page stays under 1.5 MB.
+/// clients (ours reads at most 2 MiB by default) and of Lambda. A page holds at least one task, and one task is
+/// under `limits::MAX_BODY`, so no page is larger.
 const MAX_LIST_BYTES: usize = 1024 * 1024;
 /// Longest page token accepted (a timestamp and a task id, base64url).
 const MAX_PAGE_TOKEN: usize = 2 * MAX_MESSAGE_ID;
@@ -977,19 +977,12 @@ impl Position {
     }
 }
 
-/// How many of `tasks`, from the first, fit in `MAX_LIST_BYTES` of JSON (at least one).
-fn fitting(tasks: &[(Position, Task)]) -> usize {
-    let mut bytes = 0usize;
-    for (i, (_, task)) in tasks.iter().enumerate() {
-        let mut size = ByteCount(0);
-        // Serialising a task to a counter cannot fail; counted as nothing if it did.
-        let _ = serde_json::to_writer(&mut size, task);
-        bytes += size.0;
-        if i > 0 && bytes > MAX_LIST_BYTES {
-            return i;
-        }
-    }
-    tasks.len()
+/// The size of `task` as JSON, counted without keeping the text.
+fn json_len(task: &Task) -> usize {
+    let mut size = ByteCount(0);
+    // Serialising a task to a counter cannot fail; counted as nothing if it did.
+    let _ = serde_json::to_writer(&mut size, task);
+    size.0
 }
 
 /// Counts the bytes written to it, to size JSON without keeping it.
@@ -1108,7 +1101,10 @@ pub(crate) async fn list_tasks(
     }
     page_tasks.sort_by(|a, b| a.0.cmp(&b.0));
     page_tasks.truncate(page_size);
-    let fit = fitting(&page_tasks);
+    let fit = limits::fitting(
+        page_tasks.iter().map(|(_, task)| json_len(task)),
+        MAX_LIST_BYTES,
+    );
     let cut_short = fit < page_tasks.len();
     page_tasks.truncate(fit);
     let next_page_token = if after_token > page_size || cut_short {

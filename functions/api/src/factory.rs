@@ -26,6 +26,11 @@ use crate::{ApiError, ApiState, Caller, convert, idem, scope};
 const SERVICE: &str = "/loams.factory.v1.FactoryService/";
 pub(crate) const DEFAULT_PAGE: u32 = 50;
 pub(crate) const MAX_PAGE: u32 = 200;
+/// Most bytes of events one GetTimeline page carries: a page ends early, with `has_more`, rather than grow past
+/// it. An event can be up to `limits::MAX_BODY` (the files a fix read or changed), so 200 of them would be far past
+/// the Connect clients' 1 MiB message limit; this budget, or one event alone, stays under it even in the JSON
+/// codec, which may double an event's text by escaping it.
+const MAX_TIMELINE_BYTES: usize = 384 * 1024;
 /// Longest kill reason kept.
 const MAX_REASON: usize = 500;
 /// Run states after which nothing more happens, so a watch can end.
@@ -144,8 +149,12 @@ async fn timeline(
         .store
         .events(&caller.org, &req.run_id, req.after_seq, limit + 1)
         .await?;
-    let has_more = rows.len() > limit as usize;
+    let mut has_more = rows.len() > limit as usize;
     rows.truncate(limit as usize);
+    let fit =
+        loams_platform::limits::fitting(rows.iter().map(|r| r.body.len()), MAX_TIMELINE_BYTES);
+    has_more |= fit < rows.len();
+    rows.truncate(fit);
     Ok(pf::GetTimelineResponse {
         events: rows.iter().map(convert::event).collect(),
         has_more,

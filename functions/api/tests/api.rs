@@ -12,7 +12,7 @@ use loams_factory::{Envelope, Input, Signal};
 use loams_platform::race::RaceBeforeWrite;
 use loams_platform::{Clock, Cond, Item, ManualClock, Page, Queue, Sqlite, Store};
 use loams_proto::approvals::v1 as pa;
-use loams_proto::connect::{Code, ConnectClient, ConnectError};
+use loams_proto::connect::{Code, Codec, ConnectClient, ConnectError};
 use loams_proto::devices::v1 as pd;
 use loams_proto::factory::v1 as pf;
 
@@ -597,6 +597,64 @@ async fn runs_timeline_and_watch() {
         })
         .collect();
     assert_eq!(seqs, vec![1, 2]);
+}
+
+#[tokio::test]
+async fn a_timeline_of_large_events_comes_in_pages_each_client_can_read() {
+    // Events that carry the files a fix read or changed can be up to 400 KB; 200 of them in one page would be
+    // far past a Connect client's 1 MiB message limit. The page ends early and says that more follow.
+    let env = start().await;
+    env.seed_run("acme", "waiting").await;
+    // Quotes double in the JSON codec, which escapes the event's text.
+    let big = |i: usize| {
+        serde_json::to_vec(&serde_json::json!({
+            "type": "files_read", "summary": format!("read file {i}"), "pad": "\"".repeat(190_000)
+        }))
+        .unwrap()
+    };
+    // Each event is a version: the run is at 1 after its opening event, then at 3 and 5.
+    for round in 0..3u64 {
+        let events = [big(2 * round as usize), big(2 * round as usize + 1)];
+        let (snapshot, _) = run_snapshot(
+            "acme",
+            loams_factory::Stage::Review,
+            loams_factory::Cursor::LeadReview,
+        );
+        env.db
+            .append("acme", RUN, 1 + 2 * round, "waiting", &snapshot, &events, 0)
+            .await
+            .unwrap();
+    }
+    for codec in [Codec::Proto, Codec::Json] {
+        let c = env.client("alice", "acme").with_codec(codec);
+        let (mut seqs, mut after, mut pages) = (Vec::new(), 0, 0);
+        loop {
+            let tl: pf::GetTimelineResponse = c
+                .unary(
+                    "/loams.factory.v1.FactoryService/GetTimeline",
+                    &pf::GetTimelineRequest {
+                        run_id: RUN.into(),
+                        after_seq: after,
+                        page_size: 200,
+                    },
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{codec:?} page {pages}: {e}"));
+            pages += 1;
+            assert!(!tl.events.is_empty(), "{codec:?}");
+            seqs.extend(tl.events.iter().map(|e| e.seq));
+            after = tl.events.last().unwrap().seq;
+            if !tl.has_more {
+                break;
+            }
+        }
+        assert_eq!(
+            seqs,
+            (1..=7).collect::<Vec<u64>>(),
+            "{codec:?}: every event once, in order"
+        );
+        assert!(pages >= 3, "{codec:?}: {pages} pages");
+    }
 }
 
 #[tokio::test]

@@ -29,6 +29,23 @@ pub const MAX_NAME: usize = 64;
 /// Longest cursor or receipt.
 pub const MAX_TOKEN: usize = 1024;
 
+/// How many items, from the first, one response holds when they weigh `sizes` bytes and it may carry `budget`: at
+/// least one, so an item over the budget still goes out, on a page of its own. A listing whose page ends early says
+/// that more follow, so a page of many large items (up to `MAX_BODY` each) stays within its callers' response
+/// limits instead of failing every time it is asked for.
+pub fn fitting(sizes: impl IntoIterator<Item = usize>, budget: usize) -> usize {
+    let mut total = 0usize;
+    let mut fit = 0;
+    for size in sizes {
+        total = total.saturating_add(size);
+        if fit > 0 && total > budget {
+            break;
+        }
+        fit += 1;
+    }
+    fit
+}
+
 fn invalid(msg: String) -> StoreError {
     StoreError::Invalid(msg)
 }
@@ -160,6 +177,24 @@ mod tests {
 
     fn invalid<T: std::fmt::Debug>(r: Result<T>) -> bool {
         matches!(r, Err(StoreError::Invalid(_)))
+    }
+
+    #[test]
+    fn a_page_fits_its_budget_and_holds_at_least_one_item() {
+        assert_eq!(fitting([], 10), 0);
+        assert_eq!(
+            fitting([4, 4, 2, 1], 10),
+            3,
+            "4+4+2 = 10 fits, one more does not"
+        );
+        assert_eq!(
+            fitting([11, 1], 10),
+            1,
+            "an item over the budget goes alone"
+        );
+        assert_eq!(fitting([3, 11], 10), 1, "and on a page of its own");
+        assert_eq!(fitting([usize::MAX, usize::MAX], 10), 1, "no overflow");
+        assert_eq!(fitting([1; 5], 10), 5);
     }
 
     #[test]
