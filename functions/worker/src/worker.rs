@@ -826,7 +826,12 @@ impl Worker {
                 match item.id.split_once(':') {
                     None if item.id == "org" => kill.org = true,
                     Some(("agent", name)) => kill.agents.push(name.to_string()),
-                    _ => warn!(id = %item.id, "ignoring a kill switch of unknown scope"),
+                    // A switch this build cannot place (a scope added by a later version, say) was still pulled to
+                    // stop something: stopping the whole organisation errs on the side the switch was pulled for.
+                    _ => {
+                        warn!(id = %item.id, "a kill switch of unknown scope stops the whole organisation");
+                        kill.org = true;
+                    }
                 }
             }
             match (runs_from, listed.next) {

@@ -1009,6 +1009,16 @@ async fn the_switches_of_runs_killed_before_cost_a_step_one_read_at_most_and_its
 }
 
 #[tokio::test]
+async fn a_kill_switch_of_a_scope_this_build_does_not_know_stops_the_run() {
+    // Written by a later version, say: it sorts before `run:` as every scope must, and it was pulled to stop something.
+    let run = AfterKilledRuns::new(3).await;
+    run.switch_on("env:prod").await;
+    run.step().await;
+    assert_eq!(run.performed(), Vec::<String>::new());
+    assert_eq!(run.state().await, RunState::Killed);
+}
+
+#[tokio::test]
 async fn a_run_switch_on_the_last_listing_page_stops_its_run_without_another_read() {
     let run = AfterKilledRuns::new(3).await;
     run.switch_on(&run_kill_switch_id(&run.id)).await;
