@@ -15,6 +15,7 @@ use a2a::{
     TRANSPORT_PROTOCOL_JSONRPC, Task, TaskState, error_code, methods,
 };
 use serde_json::{Value, json};
+use tower::ServiceExt;
 
 use crate::auth::TokenSource;
 use crate::card::{CARD_PATH, CardError, Jwks, verify_card};
@@ -136,7 +137,11 @@ fn invalid(e: impl std::fmt::Display) -> CallError {
 
 #[derive(Clone)]
 pub struct A2aClient {
+    /// Builds every request, and sends it unless `local` serves it.
     http: reqwest::Client,
+    /// The agent's own router when it runs in this process: requests go straight into it, without a loopback
+    /// connection, and come back as the same responses.
+    local: Option<axum::Router>,
     card: AgentCard,
     trusted: Jwks,
     endpoint: String,
@@ -195,6 +200,27 @@ impl A2aClient {
         trusted: &Jwks,
         options: ClientOptions,
     ) -> Result<Self, CallError> {
+        Self::connect(base_url, trusted, options, None).await
+    }
+
+    /// A client of an agent served by `router` in this process at `base_url`: the same protocol, card check and
+    /// tokens as over HTTP (the agent cannot tell the difference), with every request handed to the router
+    /// instead of sent through a loopback connection.
+    pub async fn in_process(
+        base_url: &str,
+        trusted: &Jwks,
+        options: ClientOptions,
+        router: axum::Router,
+    ) -> Result<Self, CallError> {
+        Self::connect(base_url, trusted, options, Some(router)).await
+    }
+
+    async fn connect(
+        base_url: &str,
+        trusted: &Jwks,
+        options: ClientOptions,
+        local: Option<axum::Router>,
+    ) -> Result<Self, CallError> {
         let http = reqwest::Client::builder()
             .timeout(options.timeout)
             // The endpoint comes from a verified card; redirects would lead past that check.
@@ -202,7 +228,7 @@ impl A2aClient {
             .build()
             .map_err(transport)?;
         let url = format!("{}{CARD_PATH}", base_url.trim_end_matches('/'));
-        let resp = http.get(&url).send().await.map_err(transport)?;
+        let resp = execute(local.as_ref(), http.get(&url), options.timeout).await?;
         if !resp.status().is_success() {
             return Err(CallError::Http(resp.status().as_u16()));
         }
@@ -225,6 +251,7 @@ impl A2aClient {
             endpoint: interface.url.trim_end_matches('/').to_string(),
             tenant: interface.tenant.clone().filter(|t| !t.is_empty()),
             http,
+            local,
             card,
             trusted: trusted.clone(),
             binding,
@@ -543,7 +570,8 @@ impl A2aClient {
     }
 
     async fn unary(&self, id: JsonRpcId, op: Op) -> Result<Value, CallError> {
-        let resp = self.build(&id, op).await?.send().await.map_err(transport)?;
+        let req = self.build(&id, op).await?;
+        let resp = execute(self.local.as_ref(), req, self.options.timeout).await?;
         let status = resp.status();
         match self.binding {
             Binding::JsonRpc => {
@@ -566,14 +594,12 @@ impl A2aClient {
 
     async fn stream(&self, op: Op) -> Result<EventStream, CallError> {
         let id = self.fresh_id();
-        let resp = self
+        let req = self
             .build(&id, op)
             .await?
             .header(reqwest::header::ACCEPT, "text/event-stream")
-            .timeout(self.options.stream_timeout)
-            .send()
-            .await
-            .map_err(transport)?;
+            .timeout(self.options.stream_timeout);
+        let resp = execute(self.local.as_ref(), req, self.options.stream_timeout).await?;
         let status = resp.status();
         let is_sse = resp
             .headers()
@@ -605,6 +631,33 @@ impl A2aClient {
             done: false,
         })
     }
+}
+
+/// Sends `req`, or hands it to the in-process agent's `local` router. `timeout` bounds the wait for the response's
+/// head in process; over HTTP the client's timeouts apply, to the body too.
+async fn execute(
+    local: Option<&axum::Router>,
+    req: reqwest::RequestBuilder,
+    timeout: Duration,
+) -> Result<reqwest::Response, CallError> {
+    let Some(router) = local else {
+        return req.send().await.map_err(transport);
+    };
+    let req: axum::http::Request<reqwest::Body> = req
+        .build()
+        .map_err(transport)?
+        .try_into()
+        .map_err(transport)?;
+    let served = tokio::time::timeout(
+        timeout,
+        router.clone().oneshot(req.map(axum::body::Body::new)),
+    )
+    .await
+    .map_err(|_| CallError::Transport(format!("no answer within {timeout:?}")))?;
+    let Ok(resp) = served;
+    Ok(resp
+        .map(|body| reqwest::Body::wrap_stream(body.into_data_stream()))
+        .into())
 }
 
 /// The outcome of a JSON-RPC response to request `id`.

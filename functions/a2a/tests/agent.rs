@@ -2226,6 +2226,92 @@ async fn client_speaks_both_bindings() {
     }
 }
 
+#[tokio::test]
+async fn an_in_process_client_reaches_its_agent_through_the_router_alone() {
+    // Nothing listens at this address, so every answer below came from the router, not a connection.
+    let base = "http://127.0.0.1:9";
+    let (router, agent) = app(
+        Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap()),
+        fast_polling(),
+        base,
+    );
+    assert!(matches!(
+        A2aClient::new(base, &agent.jwks).await.unwrap_err(),
+        CallError::Transport(_)
+    ));
+    for (n, binding) in [Binding::JsonRpc, Binding::HttpJson]
+        .into_iter()
+        .enumerate()
+    {
+        let options = ClientOptions {
+            binding,
+            timeout: Duration::from_millis(300),
+            ..ClientOptions::default()
+        };
+        let anonymous = A2aClient::in_process(base, &agent.jwks, options, router.clone())
+            .await
+            .unwrap();
+        let client = anonymous
+            .clone()
+            .with_tokens(Arc::new(TestTokens("agent:factory".into())));
+        let id = |what: &str| format!("{what}-{n}");
+
+        let out = client
+            .call(&id("c"), "count", json!({}), None)
+            .await
+            .unwrap();
+        assert!(out["count"].is_number(), "{out}");
+        let again = client
+            .call(&id("c"), "count", json!({}), None)
+            .await
+            .unwrap();
+        assert_eq!(
+            again, out,
+            "the same message id is answered from the task store"
+        );
+        let task = client.get_task(&id("c"), Some(0)).await.unwrap();
+        assert_eq!(task.status.state, a2a::TaskState::Completed);
+        match client.cancel_task(&id("c")).await.unwrap_err() {
+            CallError::Protocol { code, .. } => assert_eq!(code, -32002, "{binding:?}"),
+            other => panic!("{other}"),
+        }
+
+        let mut stream = client
+            .send_streaming(request(&id("s"), "count", false))
+            .await
+            .unwrap();
+        let mut events = 0;
+        let mut last = None;
+        while let Some(event) = stream.next().await {
+            events += 1;
+            last = Some(event.unwrap());
+        }
+        assert!(events >= 2, "{binding:?}: {events} events");
+        assert!(matches!(
+            last,
+            Some(a2a::StreamResponse::StatusUpdate(u)) if u.status.state == a2a::TaskState::Completed
+        ));
+
+        // The agent still checks who calls, in process as over HTTP.
+        assert!(matches!(
+            anonymous.get_task(&id("c"), None).await.unwrap_err(),
+            CallError::Http(401)
+        ));
+        // A skill that does not answer in time is a transport failure, as over HTTP.
+        let slow = client.call(&id("slow"), "slow", json!({}), None).await;
+        assert!(
+            matches!(&slow, Err(CallError::Transport(why)) if why.contains("no answer within")),
+            "{slow:?}"
+        );
+        agent.skills.slow_release.notify_one();
+    }
+    assert_eq!(
+        agent.calls(),
+        2 * 3,
+        "count, streamed count and slow, per binding"
+    );
+}
+
 /// The server closes a subscription after `max_follow`; `follow` subscribes again until the task
 /// settles.
 #[tokio::test]

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
 use async_trait::async_trait;
-use loams_a2a::{A2aClient, CardSigner, Guards, Skills};
+use loams_a2a::{A2aClient, CardSigner, ClientOptions, Guards, Skills};
 use loams_agents::{
     AnalyticsAgent, AnalyticsConfig, ForgejoAgent, ForgejoConfig, GlitchTipAgent, GlitchTipConfig,
     PlaneAgent, PlaneConfig, ZulipAgent, ZulipConfig,
@@ -115,9 +115,9 @@ impl Stack {
             )),
         };
         let tokens = Arc::new(AgentTokens::new(agent_tokens, config.org.clone()));
-        let mut clients = HashMap::new();
+        let mut served = HashMap::new();
         for (name, skills) in agents(apps)? {
-            let (url, task) = serve_agent(
+            let (agent, task) = serve_agent(
                 name,
                 skills,
                 backend.store.clone(),
@@ -127,15 +127,15 @@ impl Stack {
             )
             .await?;
             tasks.push(task);
-            clients.insert(name.to_string(), url);
+            served.insert(name.to_string(), agent);
         }
         let registry = AGENTS
             .iter()
             .map(|name| RegisteredApp {
                 id: name.to_string(),
-                agent: clients
+                agent: served
                     .get(*name)
-                    .map(|(url, jwks)| AgentLink::new(url, jwks.clone())),
+                    .map(|agent| AgentLink::new(&agent.url, agent.jwks.clone())),
             })
             .collect();
         let collab = Collab::new(
@@ -145,10 +145,17 @@ impl Stack {
             panel_tokens,
         );
         let mut directory = HashMap::new();
-        for (name, (url, jwks)) in clients {
-            let client = A2aClient::new(&url, &jwks)
-                .await
-                .with_context(|| format!("connecting to agent {name}"))?;
+        for (name, agent) in served {
+            // The agents run in this process: the worker hands its calls to their routers instead of sending them
+            // through loopback connections (their ports stay open for other clients).
+            let client = A2aClient::in_process(
+                &agent.url,
+                &agent.jwks,
+                ClientOptions::default(),
+                agent.router,
+            )
+            .await
+            .with_context(|| format!("connecting to agent {name}"))?;
             directory.insert(name, client.with_tokens(tokens.clone()));
         }
 
@@ -455,8 +462,16 @@ pub(crate) fn agent(app: &App) -> anyhow::Result<Arc<dyn Skills>> {
     })
 }
 
-/// Serves one agent on its own 127.0.0.1 port (its card lives at the root of its origin); returns its URL and the
-/// public keys its card is signed with.
+/// An agent this process serves.
+struct ServedAgent {
+    url: String,
+    /// The public keys its card is signed with.
+    jwks: loams_a2a::Jwks,
+    /// Its routes, for calls from within this process.
+    router: axum::Router,
+}
+
+/// Serves one agent on its own 127.0.0.1 port (its card lives at the root of its origin).
 async fn serve_agent(
     name: &str,
     skills: Arc<dyn Skills>,
@@ -464,7 +479,7 @@ async fn serve_agent(
     org: &str,
     guards: Guards,
     stop: watch::Receiver<bool>,
-) -> anyhow::Result<((String, loams_a2a::Jwks), JoinHandle<()>)> {
+) -> anyhow::Result<(ServedAgent, JoinHandle<()>)> {
     let listener = TcpListener::bind(("127.0.0.1", 0))
         .await
         .with_context(|| format!("binding agent {name}"))?;
@@ -474,7 +489,8 @@ async fn serve_agent(
         .jwks()
         .map_err(|e| anyhow!("agent {name} card key: {e}"))?;
     let router = loams_a2a::router(skills, store, org.to_string(), signer, url.clone(), guards);
-    Ok(((url, jwks), serve(listener, router, stop)))
+    let task = serve(listener, router.clone(), stop);
+    Ok((ServedAgent { url, jwks, router }, task))
 }
 
 fn serve(
