@@ -14,6 +14,7 @@ use a2a::{
     SendMessageResponse, StreamResponse, SubscribeToTaskRequest, TRANSPORT_PROTOCOL_HTTP_JSON,
     TRANSPORT_PROTOCOL_JSONRPC, Task, TaskState, error_code, methods,
 };
+use futures::StreamExt;
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
@@ -203,9 +204,9 @@ impl A2aClient {
         Self::connect(base_url, trusted, options, None).await
     }
 
-    /// A client of an agent served by `router` in this process at `base_url`: the same protocol, card check and
-    /// tokens as over HTTP (the agent cannot tell the difference), with every request handed to the router
-    /// instead of sent through a loopback connection.
+    /// A client of an agent served by `router` in this process at `base_url`: the same protocol, card check, tokens
+    /// and time limits as over HTTP, with every request handed to the router instead of sent through a loopback
+    /// connection.
     pub async fn in_process(
         base_url: &str,
         trusted: &Jwks,
@@ -633,8 +634,8 @@ impl A2aClient {
     }
 }
 
-/// Sends `req`, or hands it to the in-process agent's `local` router. `timeout` bounds the wait for the response's
-/// head in process; over HTTP the client's timeouts apply, to the body too.
+/// Sends `req`, or hands it to the in-process agent's `local` router. In process, `timeout` bounds the whole
+/// exchange, body included, as the client's timeouts do over HTTP.
 async fn execute(
     local: Option<&axum::Router>,
     req: reqwest::RequestBuilder,
@@ -643,21 +644,47 @@ async fn execute(
     let Some(router) = local else {
         return req.send().await.map_err(transport);
     };
+    let deadline = tokio::time::Instant::now() + timeout;
+    let late = move || format!("no answer within {timeout:?}");
     let req: axum::http::Request<reqwest::Body> = req
         .build()
         .map_err(transport)?
         .try_into()
         .map_err(transport)?;
-    let served = tokio::time::timeout(
-        timeout,
+    // The handler runs in a task of its own, as it would on a connection of its own: a panic in it fails this call
+    // only, and it is stopped when the call times out or is dropped, as a closed connection stops it.
+    let mut handler = AbortOnDrop(tokio::spawn(
         router.clone().oneshot(req.map(axum::body::Body::new)),
-    )
-    .await
-    .map_err(|_| CallError::Transport(format!("no answer within {timeout:?}")))?;
-    let Ok(resp) = served;
-    Ok(resp
-        .map(|body| reqwest::Body::wrap_stream(body.into_data_stream()))
-        .into())
+    ));
+    let resp = match tokio::time::timeout_at(deadline, &mut handler.0).await {
+        Err(_) => return Err(CallError::Transport(late())),
+        Ok(Err(failed)) => {
+            return Err(CallError::Transport(format!("the agent failed: {failed}")));
+        }
+        Ok(Ok(Ok(resp))) => resp,
+    };
+    let (parts, body) = resp.into_parts();
+    let body = futures::stream::unfold(Some(body.into_data_stream()), move |body| async move {
+        let mut body = body?;
+        match tokio::time::timeout_at(deadline, body.next()).await {
+            Ok(Some(Ok(chunk))) => Some((Ok(chunk), Some(body))),
+            Ok(Some(Err(e))) => Some((Err(BoxError::from(e)), None)),
+            Ok(None) => None,
+            Err(_) => Some((Err(BoxError::from(late())), None)),
+        }
+    });
+    Ok(axum::http::Response::from_parts(parts, reqwest::Body::wrap_stream(body)).into())
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Aborts the task when dropped: a call given up on stops its in-process handler.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The outcome of a JSON-RPC response to request `id`.

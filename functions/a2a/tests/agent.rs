@@ -2114,6 +2114,27 @@ fn request(message_id: &str, skill: &str, immediately: bool) -> a2a::SendMessage
     }
 }
 
+/// The kinds of events a streamed `count` sends under `message_id`, checking that it ends completed.
+async fn streamed_kinds(client: &A2aClient, message_id: &str) -> Vec<&'static str> {
+    let mut stream = client
+        .send_streaming(request(message_id, "count", false))
+        .await
+        .unwrap();
+    let mut kinds = Vec::new();
+    while let Some(event) = stream.next().await {
+        kinds.push(match event.unwrap() {
+            a2a::StreamResponse::Task(_) => "task",
+            a2a::StreamResponse::ArtifactUpdate(_) => "artifact",
+            a2a::StreamResponse::StatusUpdate(u) => {
+                assert_eq!(u.status.state, a2a::TaskState::Completed);
+                "status"
+            }
+            a2a::StreamResponse::Message(_) => "message",
+        });
+    }
+    kinds
+}
+
 #[tokio::test]
 async fn client_speaks_both_bindings() {
     let agent = start_with(
@@ -2151,23 +2172,11 @@ async fn client_speaks_both_bindings() {
             other => panic!("{other}"),
         }
 
-        let mut stream = client
-            .send_streaming(request(&id("s"), "count", false))
-            .await
-            .unwrap();
-        let mut kinds = Vec::new();
-        while let Some(event) = stream.next().await {
-            kinds.push(match event.unwrap() {
-                a2a::StreamResponse::Task(_) => "task",
-                a2a::StreamResponse::ArtifactUpdate(_) => "artifact",
-                a2a::StreamResponse::StatusUpdate(u) => {
-                    assert_eq!(u.status.state, a2a::TaskState::Completed);
-                    "status"
-                }
-                a2a::StreamResponse::Message(_) => "message",
-            });
-        }
-        assert_eq!(kinds, ["task", "artifact", "status"], "{binding:?}");
+        assert_eq!(
+            streamed_kinds(&client, &id("s")).await,
+            ["task", "artifact", "status"],
+            "{binding:?}"
+        );
 
         // returnImmediately, then follow the task to its end.
         let a2a::SendMessageResponse::Task(working) = client
@@ -2228,29 +2237,37 @@ async fn client_speaks_both_bindings() {
 
 #[tokio::test]
 async fn an_in_process_client_reaches_its_agent_through_the_router_alone() {
-    // Nothing listens at this address, so every answer below came from the router, not a connection.
-    let base = "http://127.0.0.1:9";
+    // Nothing listens on a freshly closed port, so every answer below came from the router, not a connection.
+    let base = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
     let (router, agent) = app(
         Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap()),
         fast_polling(),
-        base,
+        &base,
     );
     assert!(matches!(
-        A2aClient::new(base, &agent.jwks).await.unwrap_err(),
+        A2aClient::new(&base, &agent.jwks).await.unwrap_err(),
         CallError::Transport(_)
     ));
+    let in_process = |options: ClientOptions| {
+        let (base, jwks, router) = (base.clone(), agent.jwks.clone(), router.clone());
+        async move {
+            A2aClient::in_process(&base, &jwks, options, router)
+                .await
+                .unwrap()
+        }
+    };
     for (n, binding) in [Binding::JsonRpc, Binding::HttpJson]
         .into_iter()
         .enumerate()
     {
         let options = ClientOptions {
             binding,
-            timeout: Duration::from_millis(300),
             ..ClientOptions::default()
         };
-        let anonymous = A2aClient::in_process(base, &agent.jwks, options, router.clone())
-            .await
-            .unwrap();
+        let anonymous = in_process(options.clone()).await;
         let client = anonymous
             .clone()
             .with_tokens(Arc::new(TestTokens("agent:factory".into())));
@@ -2271,37 +2288,41 @@ async fn an_in_process_client_reaches_its_agent_through_the_router_alone() {
         );
         let task = client.get_task(&id("c"), Some(0)).await.unwrap();
         assert_eq!(task.status.state, a2a::TaskState::Completed);
-        match client.cancel_task(&id("c")).await.unwrap_err() {
-            CallError::Protocol { code, .. } => assert_eq!(code, -32002, "{binding:?}"),
-            other => panic!("{other}"),
-        }
-
-        let mut stream = client
-            .send_streaming(request(&id("s"), "count", false))
-            .await
-            .unwrap();
-        let mut events = 0;
-        let mut last = None;
-        while let Some(event) = stream.next().await {
-            events += 1;
-            last = Some(event.unwrap());
-        }
-        assert!(events >= 2, "{binding:?}: {events} events");
-        assert!(matches!(
-            last,
-            Some(a2a::StreamResponse::StatusUpdate(u)) if u.status.state == a2a::TaskState::Completed
-        ));
+        assert_eq!(
+            streamed_kinds(&client, &id("s")).await,
+            ["task", "artifact", "status"],
+            "{binding:?}"
+        );
 
         // The agent still checks who calls, in process as over HTTP.
         assert!(matches!(
             anonymous.get_task(&id("c"), None).await.unwrap_err(),
             CallError::Http(401)
         ));
-        // A skill that does not answer in time is a transport failure, as over HTTP.
-        let slow = client.call(&id("slow"), "slow", json!({}), None).await;
+
+        // The time limits hold as over HTTP: a call's, and a stream's over its whole body.
+        let hasty = in_process(ClientOptions {
+            timeout: Duration::from_millis(200),
+            stream_timeout: Duration::from_millis(300),
+            ..options
+        })
+        .await
+        .with_tokens(Arc::new(TestTokens("agent:factory".into())));
+        let slow = hasty.call(&id("slow"), "slow", json!({}), None).await;
         assert!(
             matches!(&slow, Err(CallError::Transport(why)) if why.contains("no answer within")),
             "{slow:?}"
+        );
+        let mut stream = hasty.subscribe(&id("slow")).await.unwrap();
+        let first = stream.next().await.unwrap().unwrap();
+        assert!(
+            matches!(first, a2a::StreamResponse::Task(ref t) if t.status.state == a2a::TaskState::Working),
+            "{first:?}"
+        );
+        let ended = stream.next().await;
+        assert!(
+            matches!(ended, Some(Err(CallError::Transport(_)))),
+            "{ended:?}"
         );
         agent.skills.slow_release.notify_one();
     }
