@@ -826,12 +826,10 @@ impl Worker {
                 match item.id.split_once(':') {
                     None if item.id == "org" => kill.org = true,
                     Some(("agent", name)) => kill.agents.push(name.to_string()),
-                    // A switch this build cannot place (a scope added by a later version, say) was still pulled to
-                    // stop something: stopping the whole organisation errs on the side the switch was pulled for.
-                    _ => {
-                        warn!(id = %item.id, "a kill switch of unknown scope stops the whole organisation");
-                        kill.org = true;
-                    }
+                    // A scope added by a later version, met during a rolling deploy: stopping the whole organisation
+                    // for it would kill every run there for good (a kill is final), which is worse than leaving the
+                    // switch to the workers that know its scope.
+                    _ => warn!(id = %item.id, "ignoring a kill switch of unknown scope"),
                 }
             }
             match (runs_from, listed.next) {
