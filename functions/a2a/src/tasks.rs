@@ -40,7 +40,7 @@ const LIST_STORE_PAGE: u32 = 99;
 /// Most bytes of tasks (as JSON) one ListTasks page carries; the page ends early, with a token for the rest, rather
 /// than grow past it. A page of 100 tasks of up to 400 KB each would be 40 MB: past the response limits of the
 /// clients (ours reads at most 2 MiB by default) and of Lambda. A page holds at least one task, and one task is
-/// under `limits::MAX_BODY`, so no page is larger.
+/// under `limits::MAX_BODY`, well below this, so no page is larger than this.
 const MAX_LIST_BYTES: usize = 1024 * 1024;
 /// Longest page token accepted (a timestamp and a task id, base64url).
 const MAX_PAGE_TOKEN: usize = 2 * MAX_MESSAGE_ID;

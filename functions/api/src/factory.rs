@@ -31,6 +31,8 @@ pub(crate) const MAX_PAGE: u32 = 200;
 /// the Connect clients' 1 MiB message limit; this budget, or one event alone, stays under it even in the JSON
 /// codec, which may double an event's text by escaping it.
 const MAX_TIMELINE_BYTES: usize = 384 * 1024;
+/// Events GetTimeline reads from the store at a time: at most 10 MB, however large the events.
+const TIMELINE_READ: u32 = 25;
 /// Longest kill reason kept.
 const MAX_REASON: usize = 500;
 /// Run states after which nothing more happens, so a watch can end.
@@ -143,22 +145,29 @@ async fn timeline(
     req: pf::GetTimelineRequest,
 ) -> Result<pf::GetTimelineResponse, ApiError> {
     load_run(state, caller, &req.run_id).await?;
-    let limit = page_size(req.page_size);
-    // One more than asked tells whether more follow without a second query.
-    let mut rows = state
-        .store
-        .events(&caller.org, &req.run_id, req.after_seq, limit + 1)
-        .await?;
-    let mut has_more = rows.len() > limit as usize;
-    rows.truncate(limit as usize);
-    let fit =
-        loams_platform::limits::fitting(rows.iter().map(|r| r.body.len()), MAX_TIMELINE_BYTES);
-    has_more |= fit < rows.len();
-    rows.truncate(fit);
-    Ok(pf::GetTimelineResponse {
-        events: rows.iter().map(convert::event).collect(),
-        has_more,
-    })
+    let limit = page_size(req.page_size) as usize;
+    let mut events = Vec::new();
+    let (mut after, mut bytes) = (req.after_seq, 0usize);
+    // Read a few events at a time, so a page that ends early on its byte budget has not read 200 large events.
+    let has_more = 'page: loop {
+        let rows = state
+            .store
+            .events(&caller.org, &req.run_id, after, TIMELINE_READ)
+            .await?;
+        let last_read = rows.len() < TIMELINE_READ as usize;
+        for row in rows {
+            bytes = bytes.saturating_add(row.body.len());
+            if events.len() == limit || (!events.is_empty() && bytes > MAX_TIMELINE_BYTES) {
+                break 'page true;
+            }
+            after = row.seq;
+            events.push(convert::event(&row));
+        }
+        if last_read {
+            break false;
+        }
+    };
+    Ok(pf::GetTimelineResponse { events, has_more })
 }
 
 async fn kill_challenge(

@@ -655,6 +655,43 @@ async fn a_timeline_of_large_events_comes_in_pages_each_client_can_read() {
         );
         assert!(pages >= 3, "{codec:?}: {pages} pages");
     }
+    // Small events span several store reads of a page; a full page says whether more follow.
+    let small: Vec<Vec<u8>> = (0..60)
+        .map(|i| {
+            serde_json::to_vec(&serde_json::json!({"type": "note", "summary": format!("n{i}")}))
+                .unwrap()
+        })
+        .collect();
+    let (snapshot, _) = run_snapshot(
+        "acme",
+        loams_factory::Stage::Review,
+        loams_factory::Cursor::LeadReview,
+    );
+    env.db
+        .append("acme", RUN, 7, "waiting", &snapshot, &small, 0)
+        .await
+        .unwrap();
+    let c = env.client("alice", "acme");
+    for (page_size, expected, more) in [(200, 60, false), (50, 50, true), (60, 60, false)] {
+        let tl: pf::GetTimelineResponse = c
+            .unary(
+                "/loams.factory.v1.FactoryService/GetTimeline",
+                &pf::GetTimelineRequest {
+                    run_id: RUN.into(),
+                    after_seq: 7,
+                    page_size,
+                },
+            )
+            .await
+            .unwrap();
+        let seqs: Vec<u64> = tl.events.iter().map(|e| e.seq).collect();
+        assert_eq!(
+            seqs,
+            (8..8 + expected).collect::<Vec<u64>>(),
+            "page of {page_size}"
+        );
+        assert_eq!(tl.has_more, more, "page of {page_size}");
+    }
 }
 
 #[tokio::test]
