@@ -128,8 +128,10 @@ impl CallError {
     }
 }
 
+/// A transport error with its causes: reqwest's own message alone ("error decoding response body") hides what went
+/// wrong.
 fn transport(e: reqwest::Error) -> CallError {
-    CallError::Transport(e.to_string())
+    CallError::Transport(loams_platform::with_causes(&e))
 }
 
 fn invalid(e: impl std::fmt::Display) -> CallError {
@@ -644,7 +646,11 @@ async fn execute(
     let Some(router) = local else {
         return req.send().await.map_err(transport);
     };
-    let deadline = tokio::time::Instant::now() + timeout;
+    let now = tokio::time::Instant::now();
+    // A timeout too long to add is no deadline at all: a year stands in for it.
+    let deadline = now
+        .checked_add(timeout)
+        .unwrap_or(now + Duration::from_secs(365 * 24 * 3600));
     let late = move || format!("no answer within {timeout:?}");
     let req: axum::http::Request<reqwest::Body> = req
         .build()
@@ -659,13 +665,19 @@ async fn execute(
     let resp = match tokio::time::timeout_at(deadline, &mut handler.0).await {
         Err(_) => return Err(CallError::Transport(late())),
         Ok(Err(failed)) => {
-            return Err(CallError::Transport(format!("the agent failed: {failed}")));
+            // A panic's message may hold internal detail, and call errors reach run timelines: it stays in the log.
+            tracing::error!(error = %failed, "an in-process agent's handler failed");
+            return Err(CallError::Transport("the agent failed".into()));
         }
         Ok(Ok(Ok(resp))) => resp,
     };
     let (parts, body) = resp.into_parts();
     let body = futures::stream::unfold(Some(body.into_data_stream()), move |body| async move {
         let mut body = body?;
+        // The clock first: a body that always has a chunk ready would otherwise never time out.
+        if tokio::time::Instant::now() >= deadline {
+            return Some((Err(BoxError::from(late())), None));
+        }
         match tokio::time::timeout_at(deadline, body.next()).await {
             Ok(Some(Ok(chunk))) => Some((Ok(chunk), Some(body))),
             Ok(Some(Err(e))) => Some((Err(BoxError::from(e)), None)),

@@ -2288,6 +2288,11 @@ async fn an_in_process_client_reaches_its_agent_through_the_router_alone() {
         );
         let task = client.get_task(&id("c"), Some(0)).await.unwrap();
         assert_eq!(task.status.state, a2a::TaskState::Completed);
+        // A protocol error comes back through the router as over HTTP.
+        assert!(matches!(
+            client.cancel_task(&id("c")).await.unwrap_err(),
+            CallError::Protocol { code: -32002, .. }
+        ));
         assert_eq!(
             streamed_kinds(&client, &id("s")).await,
             ["task", "artifact", "status"],
@@ -2319,9 +2324,11 @@ async fn an_in_process_client_reaches_its_agent_through_the_router_alone() {
             matches!(first, a2a::StreamResponse::Task(ref t) if t.status.state == a2a::TaskState::Working),
             "{first:?}"
         );
-        let ended = stream.next().await;
+        let ended = tokio::time::timeout(Duration::from_secs(30), stream.next())
+            .await
+            .expect("the stream's own deadline ends it");
         assert!(
-            matches!(ended, Some(Err(CallError::Transport(_)))),
+            matches!(&ended, Some(Err(CallError::Transport(why))) if why.contains("no answer within")),
             "{ended:?}"
         );
         agent.skills.slow_release.notify_one();
@@ -2330,6 +2337,23 @@ async fn an_in_process_client_reaches_its_agent_through_the_router_alone() {
         agent.calls(),
         2 * 3,
         "count, streamed count and slow, per binding"
+    );
+
+    // A handler that panics fails that call alone, without its message (call errors reach run timelines).
+    async fn panics() -> &'static str {
+        panic!("secret detail")
+    }
+    let panicking = axum::Router::new().fallback(panics);
+    let failed = A2aClient::in_process(&base, &agent.jwks, ClientOptions::default(), panicking)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&failed, CallError::Transport(why) if why == "the agent failed"),
+        "{failed:?}"
+    );
+    assert_eq!(
+        in_process(ClientOptions::default()).await.card().name,
+        "counter"
     );
 }
 

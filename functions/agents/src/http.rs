@@ -473,20 +473,8 @@ fn failure(e: reqwest::Error) -> Failure {
         unsent: e.is_connect(),
         timeout: e.is_timeout(),
         // without_url: query strings may carry caller data; the call names the endpoint.
-        message: error_chain(&e.without_url()),
+        message: loams_platform::with_causes(&e.without_url()),
     }
-}
-
-/// The error and its causes ("error sending request: connection closed before message completed").
-fn error_chain(e: &reqwest::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// `Retry-After` as a wait from `now`: delay-seconds or an HTTP date (a past date means now).

@@ -31,7 +31,7 @@ pub(crate) const MAX_PAGE: u32 = 200;
 /// the Connect clients' 1 MiB message limit; this budget, or one event alone, stays under it even in the JSON
 /// codec, which may double an event's text by escaping it.
 const MAX_TIMELINE_BYTES: usize = 384 * 1024;
-/// Events GetTimeline reads from the store at a time: at most 10 MB, however large the events.
+/// Events GetTimeline and WatchRun read from the store at a time: at most 10 MB, however large the events.
 const TIMELINE_READ: u32 = 25;
 /// Longest kill reason kept.
 const MAX_REASON: usize = 500;
@@ -145,25 +145,28 @@ async fn timeline(
     req: pf::GetTimelineRequest,
 ) -> Result<pf::GetTimelineResponse, ApiError> {
     load_run(state, caller, &req.run_id).await?;
-    let limit = page_size(req.page_size) as usize;
+    let limit = page_size(req.page_size);
     let mut events = Vec::new();
     let (mut after, mut bytes) = (req.after_seq, 0usize);
-    // Read a few events at a time, so a page that ends early on its byte budget has not read 200 large events.
+    // Read a few events at a time, and at most one more than the page still takes (to know whether more follow),
+    // so a page that ends early on its byte budget has not read 200 large events.
     let has_more = 'page: loop {
+        let want = TIMELINE_READ.min(limit - events.len() as u32 + 1);
         let rows = state
             .store
-            .events(&caller.org, &req.run_id, after, TIMELINE_READ)
+            .events(&caller.org, &req.run_id, after, want)
             .await?;
-        let last_read = rows.len() < TIMELINE_READ as usize;
+        let exhausted = rows.len() < want as usize;
         for row in rows {
             bytes = bytes.saturating_add(row.body.len());
-            if events.len() == limit || (!events.is_empty() && bytes > MAX_TIMELINE_BYTES) {
+            if events.len() == limit as usize || (!events.is_empty() && bytes > MAX_TIMELINE_BYTES)
+            {
                 break 'page true;
             }
             after = row.seq;
             events.push(convert::event(&row));
         }
-        if last_read {
+        if exhausted {
             break false;
         }
     };
@@ -562,13 +565,13 @@ fn watch(
                         let finished = ended(&run.state);
                         let rows = match state
                             .store
-                            .events(&caller.org, &req.run_id, after, MAX_PAGE)
+                            .events(&caller.org, &req.run_id, after, TIMELINE_READ)
                             .await
                         {
                             Ok(rows) => rows,
                             Err(e) => return Some((Err(ApiError::from(e).into()), Watch::Done)),
                         };
-                        let got_all = rows.len() < MAX_PAGE as usize;
+                        let got_all = rows.len() < TIMELINE_READ as usize;
                         let pending: VecDeque<_> = rows.iter().map(convert::event).collect();
                         if pending.is_empty() && !finished {
                             // Wake for the next poll, or earlier for a heartbeat or the end of the lifetime.

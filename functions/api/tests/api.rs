@@ -1,6 +1,6 @@
 //! The API over real HTTP: loams-proto's Connect client against the router, on the SQLite store in memory.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use aws_lc_rs::rand::SystemRandom;
@@ -10,7 +10,7 @@ use loams_api::{ApiConfig, ApiError, ApiState, GlitchtipHook, Issuer, RunOpener,
 use loams_factory::approval::{Approval, ApprovalAction, ApprovalState, Challenge};
 use loams_factory::{Envelope, Input, Signal};
 use loams_platform::race::RaceBeforeWrite;
-use loams_platform::{Clock, Cond, Item, ManualClock, Page, Queue, Sqlite, Store};
+use loams_platform::{Clock, Cond, Counting, Item, ManualClock, Page, Queue, Sqlite, Store};
 use loams_proto::approvals::v1 as pa;
 use loams_proto::connect::{Code, Codec, ConnectClient, ConnectError};
 use loams_proto::devices::v1 as pd;
@@ -603,7 +603,15 @@ async fn runs_timeline_and_watch() {
 async fn a_timeline_of_large_events_comes_in_pages_each_client_can_read() {
     // Events that carry the files a fix read or changed can be up to 400 KB; 200 of them in one page would be
     // far past a Connect client's 1 MiB message limit. The page ends early and says that more follow.
-    let env = start().await;
+    // The store is counted, to see how many reads a page takes.
+    static COUNTED: OnceLock<Arc<Counting<Sqlite>>> = OnceLock::new();
+    let wrap: WrapStore = |inner| {
+        COUNTED
+            .get_or_init(|| Arc::new(Counting::new((*inner).clone())))
+            .clone()
+    };
+    let env = start_with(ApiConfig::default(), Some(wrap)).await;
+    let counted = COUNTED.get().unwrap();
     env.seed_run("acme", "waiting").await;
     // Quotes double in the JSON codec, which escapes the event's text.
     let big = |i: usize| {
@@ -655,7 +663,8 @@ async fn a_timeline_of_large_events_comes_in_pages_each_client_can_read() {
         );
         assert!(pages >= 3, "{codec:?}: {pages} pages");
     }
-    // Small events span several store reads of a page; a full page says whether more follow.
+    // Small events: a page spans store reads of at most 25 events, and a full page reads one event more to say
+    // whether more follow. (after_seq, page_size) -> (first seq, last seq, has_more, store reads).
     let small: Vec<Vec<u8>> = (0..60)
         .map(|i| {
             serde_json::to_vec(&serde_json::json!({"type": "note", "summary": format!("n{i}")}))
@@ -672,25 +681,37 @@ async fn a_timeline_of_large_events_comes_in_pages_each_client_can_read() {
         .await
         .unwrap();
     let c = env.client("alice", "acme");
-    for (page_size, expected, more) in [(200, 60, false), (50, 50, true), (60, 60, false)] {
+    let cases = [
+        ((7, 200), (8, 67, false, 3)),
+        ((7, 50), (8, 57, true, 3)),
+        ((17, 50), (18, 67, false, 3)),
+        ((67, 50), (0, 0, false, 1)),
+        // One large event asked for: one read, of two events.
+        ((1, 1), (2, 2, true, 1)),
+    ];
+    for ((after_seq, page_size), (first, last, more, reads)) in cases {
+        let before = counted.counts().events;
         let tl: pf::GetTimelineResponse = c
             .unary(
                 "/loams.factory.v1.FactoryService/GetTimeline",
                 &pf::GetTimelineRequest {
                     run_id: RUN.into(),
-                    after_seq: 7,
+                    after_seq,
                     page_size,
                 },
             )
             .await
             .unwrap();
         let seqs: Vec<u64> = tl.events.iter().map(|e| e.seq).collect();
-        assert_eq!(
-            seqs,
-            (8..8 + expected).collect::<Vec<u64>>(),
-            "page of {page_size}"
-        );
-        assert_eq!(tl.has_more, more, "page of {page_size}");
+        let expected: Vec<u64> = if first == 0 {
+            Vec::new()
+        } else {
+            (first..=last).collect()
+        };
+        let case = format!("after {after_seq}, page of {page_size}");
+        assert_eq!(seqs, expected, "{case}");
+        assert_eq!(tl.has_more, more, "{case}");
+        assert_eq!(counted.counts().events - before, reads, "{case}");
     }
 }
 

@@ -24,7 +24,7 @@ mod types;
 
 pub use clock::{Clock, ManualClock, SystemClock, TimeControl};
 pub use counting::{Counting, OpCounts};
-pub use error::{Result, StoreError};
+pub use error::{Result, StoreError, with_causes};
 pub use ports::{Queue, Store, Timers};
 pub use sqlite::{DEFAULT_MAX_RECEIVES, Sqlite};
 pub use types::{Claim, Cond, Delivery, EventRow, Item, Page, Paged, RunRow, Timer};
