@@ -129,9 +129,9 @@ impl CallError {
 }
 
 /// A transport error with its causes: reqwest's own message alone ("error decoding response body") hides what went
-/// wrong.
+/// wrong. Without the URL: call errors reach run timelines, and a URL's query may carry caller data.
 fn transport(e: reqwest::Error) -> CallError {
-    CallError::Transport(loams_platform::with_causes(&e))
+    CallError::Transport(loams_platform::with_causes(&e.without_url()))
 }
 
 fn invalid(e: impl std::fmt::Display) -> CallError {
@@ -646,11 +646,8 @@ async fn execute(
     let Some(router) = local else {
         return req.send().await.map_err(transport);
     };
-    let now = tokio::time::Instant::now();
-    // A timeout too long to add is no deadline at all: a year stands in for it.
-    let deadline = now
-        .checked_add(timeout)
-        .unwrap_or(now + Duration::from_secs(365 * 24 * 3600));
+    // A year stands in for longer timeouts: tokio's timers overflow near the largest instant.
+    let deadline = tokio::time::Instant::now() + timeout.min(Duration::from_secs(365 * 24 * 3600));
     let late = move || format!("no answer within {timeout:?}");
     let req: axum::http::Request<reqwest::Body> = req
         .build()
@@ -918,6 +915,60 @@ async fn read_limited(mut resp: reqwest::Response, max: usize) -> Result<Vec<u8>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A router answering anything with `chunks` SSE comments, each ready at once.
+    fn always_ready(chunks: usize) -> axum::Router {
+        axum::Router::new().fallback(move || async move {
+            axum::body::Body::from_stream(futures::stream::iter(
+                (0..chunks).map(|_| Ok::<_, std::convert::Infallible>(": k\n\n")),
+            ))
+        })
+    }
+
+    #[tokio::test]
+    async fn an_in_process_body_that_is_always_ready_still_ends_at_the_deadline() {
+        let get = reqwest::Client::new().get("http://agent.test/");
+        let resp = execute(
+            Some(&always_ready(10_000_000)),
+            get,
+            Duration::from_millis(100),
+        )
+        .await
+        .unwrap();
+        let err = read_limited(resp, usize::MAX).await.unwrap_err();
+        assert!(
+            matches!(&err, CallError::Transport(why) if why.contains("no answer within")),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_in_process_call_without_a_time_limit_is_served() {
+        let get = reqwest::Client::new().get("http://agent.test/");
+        let resp = execute(Some(&always_ready(3)), get, Duration::MAX)
+            .await
+            .unwrap();
+        assert_eq!(read_limited(resp, 100).await.unwrap(), b": k\n\n".repeat(3));
+    }
+
+    #[tokio::test]
+    async fn transport_errors_name_their_cause_but_not_the_url() {
+        // Nothing listens on a freshly closed port.
+        let dead = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let url = format!("http://{dead}/tasks?pageToken=SECRET");
+        let err = reqwest::Client::new().get(url).send().await.unwrap_err();
+        let CallError::Transport(why) = transport(err) else {
+            panic!("expected a transport error")
+        };
+        assert!(!why.contains("SECRET"), "{why}");
+        assert!(
+            why.contains("error sending request: "),
+            "with its cause: {why}"
+        );
+    }
 
     #[test]
     fn path_segments_are_escaped() {

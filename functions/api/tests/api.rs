@@ -663,8 +663,9 @@ async fn a_timeline_of_large_events_comes_in_pages_each_client_can_read() {
         );
         assert!(pages >= 3, "{codec:?}: {pages} pages");
     }
-    // Small events: a page spans store reads of at most 25 events, and a full page reads one event more to say
-    // whether more follow. (after_seq, page_size) -> (first seq, last seq, has_more, store reads).
+    // Small events: a page spans store reads of at most 25 events and at most one more than it still takes, to say
+    // whether more follow. (after_seq, page_size) -> (first seq shown, events shown, has_more, store reads, events
+    // read).
     let small: Vec<Vec<u8>> = (0..60)
         .map(|i| {
             serde_json::to_vec(&serde_json::json!({"type": "note", "summary": format!("n{i}")}))
@@ -682,15 +683,15 @@ async fn a_timeline_of_large_events_comes_in_pages_each_client_can_read() {
         .unwrap();
     let c = env.client("alice", "acme");
     let cases = [
-        ((7, 200), (8, 67, false, 3)),
-        ((7, 50), (8, 57, true, 3)),
-        ((17, 50), (18, 67, false, 3)),
-        ((67, 50), (0, 0, false, 1)),
-        // One large event asked for: one read, of two events.
-        ((1, 1), (2, 2, true, 1)),
+        ((7, 200), (8, 60, false, 3, 60)),
+        ((7, 50), (8, 50, true, 3, 51)),
+        ((17, 50), (18, 50, false, 3, 50)),
+        ((67, 50), (68, 0, false, 1, 0)),
+        // One large event asked for: two read, not a whole read of 25.
+        ((1, 1), (2, 1, true, 1, 2)),
     ];
-    for ((after_seq, page_size), (first, last, more, reads)) in cases {
-        let before = counted.counts().events;
+    for ((after_seq, page_size), (first, shown, more, reads, read)) in cases {
+        let before = counted.counts();
         let tl: pf::GetTimelineResponse = c
             .unary(
                 "/loams.factory.v1.FactoryService/GetTimeline",
@@ -703,16 +704,45 @@ async fn a_timeline_of_large_events_comes_in_pages_each_client_can_read() {
             .await
             .unwrap();
         let seqs: Vec<u64> = tl.events.iter().map(|e| e.seq).collect();
-        let expected: Vec<u64> = if first == 0 {
-            Vec::new()
-        } else {
-            (first..=last).collect()
-        };
         let case = format!("after {after_seq}, page of {page_size}");
-        assert_eq!(seqs, expected, "{case}");
+        assert_eq!(seqs, (first..first + shown).collect::<Vec<u64>>(), "{case}");
         assert_eq!(tl.has_more, more, "{case}");
-        assert_eq!(counted.counts().events - before, reads, "{case}");
+        let spent = counted.counts().since(&before);
+        assert_eq!((spent.events, spent.events_read), (reads, read), "{case}");
     }
+
+    // A watch of the ended run gets every event once, in order, refilled 25 at a time, and then ends.
+    let ended =
+        serde_json::to_vec(&serde_json::json!({"type": "run_killed", "reason": "stop"})).unwrap();
+    env.db
+        .append("acme", RUN, 67, "killed", &snapshot, &[ended], 0)
+        .await
+        .unwrap();
+    let before = counted.counts();
+    let stream = c.server_stream::<_, pf::WatchRunResponse>(
+        "/loams.factory.v1.FactoryService/WatchRun",
+        &pf::WatchRunRequest {
+            run_id: RUN.into(),
+            after_seq: 0,
+        },
+    );
+    let items: Vec<_> = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        stream.collect::<Vec<_>>(),
+    )
+    .await
+    .expect("the watch of an ended run ends");
+    use pf::watch_run_response::Item as W;
+    let seqs: Vec<u64> = items
+        .into_iter()
+        .filter_map(|i| match i.unwrap().item {
+            Some(W::Event(e)) => Some(e.seq),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(seqs, (1..=68).collect::<Vec<u64>>());
+    let spent = counted.counts().since(&before);
+    assert_eq!((spent.events, spent.events_read), (3, 68), "25 + 25 + 18");
 }
 
 #[tokio::test]

@@ -61,6 +61,8 @@ counters! {
     list_runs,
     /// `Store::events` calls.
     events,
+    /// Events those calls returned.
+    events_read,
     /// `Store::get_item` calls.
     get_item,
     /// `Store::put_item` calls (conditional unless `Cond::Any`).
@@ -220,7 +222,11 @@ impl<T: Store> Store for Counting<T> {
         limit: u32,
     ) -> Result<Vec<EventRow>> {
         Self::bump(&self.counters.events);
-        self.inner.events(org, id, after_seq, limit).await
+        let rows = self.inner.events(org, id, after_seq, limit).await?;
+        self.counters
+            .events_read
+            .fetch_add(rows.len() as u64, Relaxed);
+        Ok(rows)
     }
 
     async fn get_item(&self, org: &str, kind: &str, id: &str) -> Result<Option<Item>> {
@@ -403,9 +409,10 @@ mod tests {
             (1, 2, 2, 2)
         );
         assert_eq!(
-            (c.get_run, c.events, c.put_item, c.claim, c.finish),
-            (1, 1, 2, 1, 1)
+            (c.get_run, c.events, c.events_read, c.put_item, c.claim),
+            (1, 1, 3, 2, 1)
         );
+        assert_eq!(c.finish, 1);
         assert_eq!((c.send, c.receive, c.received, c.ack), (2, 2, 2, 2));
         assert_eq!((c.schedule, c.due, c.cancel), (1, 1, 1));
         assert_eq!(c.store_reads(), 2);
