@@ -687,7 +687,7 @@ async fn a_timeline_of_large_events_comes_in_pages_each_client_can_read() {
         ((7, 50), (8, 50, true, 3, 51)),
         ((17, 50), (18, 50, false, 3, 50)),
         ((67, 50), (68, 0, false, 1, 0)),
-        // One large event asked for: two read, not a whole read of 25.
+        // One large event asked for: two events read (the one shown, and one to say more follow), not 25.
         ((1, 1), (2, 1, true, 1, 2)),
     ];
     for ((after_seq, page_size), (first, shown, more, reads, read)) in cases {
