@@ -1101,10 +1101,11 @@ pub(crate) async fn list_tasks(
     }
     page_tasks.sort_by(|a, b| a.0.cmp(&b.0));
     page_tasks.truncate(page_size);
-    let fit = limits::fitting(
-        page_tasks.iter().map(|(_, task)| json_len(task)),
-        MAX_LIST_BYTES,
-    );
+    let mut budget = limits::ByteBudget::new(MAX_LIST_BYTES);
+    let fit = page_tasks
+        .iter()
+        .take_while(|(_, task)| budget.take(json_len(task)))
+        .count();
     let cut_short = fit < page_tasks.len();
     page_tasks.truncate(fit);
     let next_page_token = if after_token > page_size || cut_short {

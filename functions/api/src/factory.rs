@@ -13,6 +13,7 @@ use futures::Stream;
 use loams_factory::approval::{self, KillRequest, Refusal};
 use loams_factory::{Cursor, Envelope, Input, ObserveVerdict, run_kill_switch_id};
 use loams_platform::Claim;
+use loams_platform::limits::ByteBudget;
 use loams_platform::{Cond, Item, Page, RunRow, StoreError};
 use loams_proto::connect::{CallContext, ConnectError, Router};
 use loams_proto::factory::v1 as pf;
@@ -147,7 +148,8 @@ async fn timeline(
     load_run(state, caller, &req.run_id).await?;
     let limit = page_size(req.page_size);
     let mut events = Vec::new();
-    let (mut after, mut bytes) = (req.after_seq, 0usize);
+    let mut after = req.after_seq;
+    let mut budget = ByteBudget::new(MAX_TIMELINE_BYTES);
     // Read a few events at a time, and at most one more than the page still takes (to know whether more follow),
     // so a page that ends early on its byte budget has not read 200 large events.
     let has_more = 'page: loop {
@@ -158,9 +160,7 @@ async fn timeline(
             .await?;
         let exhausted = rows.len() < want as usize;
         for row in rows {
-            bytes = bytes.saturating_add(row.body.len());
-            if events.len() == limit as usize || (!events.is_empty() && bytes > MAX_TIMELINE_BYTES)
-            {
+            if events.len() == limit as usize || !budget.take(row.body.len()) {
                 break 'page true;
             }
             after = row.seq;

@@ -29,21 +29,35 @@ pub const MAX_NAME: usize = 64;
 /// Longest cursor or receipt.
 pub const MAX_TOKEN: usize = 1024;
 
-/// How many items, from the first, one response holds when they weigh `sizes` bytes and it may carry `budget`: at
-/// least one, so an item over the budget still goes out, on a page of its own. A listing whose page ends early says
-/// that more follow, so a page of many large items (up to `MAX_BODY` each) stays within its callers' response
-/// limits instead of failing every time it is asked for.
-pub fn fitting(sizes: impl IntoIterator<Item = usize>, budget: usize) -> usize {
-    let mut total = 0usize;
-    let mut fit = 0;
-    for size in sizes {
-        total = total.saturating_add(size);
-        if fit > 0 && total > budget {
-            break;
+/// The bytes one response may carry, spent item by item. The first item always fits, so an item over the budget
+/// still goes out, on a page of its own; the others fit while the total stays within the budget. A listing whose
+/// page ends early says that more follow, so a page of many large items (up to `MAX_BODY` each) stays within its
+/// callers' response limits instead of failing every time it is asked for.
+pub struct ByteBudget {
+    budget: usize,
+    spent: usize,
+    items: usize,
+}
+
+impl ByteBudget {
+    pub fn new(budget: usize) -> Self {
+        ByteBudget {
+            budget,
+            spent: 0,
+            items: 0,
         }
-        fit += 1;
     }
-    fit
+
+    /// Whether an item of `size` bytes still fits; if it does, it is spent.
+    pub fn take(&mut self, size: usize) -> bool {
+        let spent = self.spent.saturating_add(size);
+        if self.items > 0 && spent > self.budget {
+            return false;
+        }
+        self.spent = spent;
+        self.items += 1;
+        true
+    }
 }
 
 fn invalid(msg: String) -> StoreError {
@@ -181,20 +195,16 @@ mod tests {
 
     #[test]
     fn a_page_fits_its_budget_and_holds_at_least_one_item() {
-        assert_eq!(fitting([], 10), 0);
-        assert_eq!(
-            fitting([4, 4, 2, 1], 10),
-            3,
-            "4+4+2 = 10 fits, one more does not"
-        );
-        assert_eq!(
-            fitting([11, 1], 10),
-            1,
-            "an item over the budget goes alone"
-        );
-        assert_eq!(fitting([3, 11], 10), 1, "and on a page of its own");
-        assert_eq!(fitting([usize::MAX, usize::MAX], 10), 1, "no overflow");
-        assert_eq!(fitting([1; 5], 10), 5);
+        let fit = |sizes: &[usize]| {
+            let mut budget = ByteBudget::new(10);
+            sizes.iter().take_while(|&&size| budget.take(size)).count()
+        };
+        assert_eq!(fit(&[]), 0);
+        assert_eq!(fit(&[4, 4, 2, 1]), 3, "4+4+2 = 10 fits, one more does not");
+        assert_eq!(fit(&[11, 1]), 1, "an item over the budget goes alone");
+        assert_eq!(fit(&[3, 11]), 1, "and on a page of its own");
+        assert_eq!(fit(&[usize::MAX, usize::MAX]), 1, "no overflow");
+        assert_eq!(fit(&[1; 5]), 5);
     }
 
     #[test]
