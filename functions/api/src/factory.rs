@@ -466,11 +466,14 @@ async fn give_verdict(
 }
 
 enum Watch {
-    Snapshot,
+    Snapshot(Box<pf::Run>),
     Events {
         after: u64,
         pending: VecDeque<pf::TimelineEvent>,
-        finished: bool,
+        /// The run was seen in a final state: it stays there, so its state need not be read again.
+        run_ended: bool,
+        /// The last read reached the end of the log.
+        caught_up: bool,
         last_sent: Instant,
     },
     Done,
@@ -482,38 +485,37 @@ fn watch(
     state: ApiState,
     caller: Caller,
     req: pf::WatchRunRequest,
+    run: pf::Run,
 ) -> impl Stream<Item = Result<pf::WatchRunResponse, ConnectError>> + Send + 'static {
     use pf::watch_run_response::Item as W;
     let poll = Duration::from_millis(state.config.watch_poll_ms.max(10));
     let heartbeat = Duration::from_millis(state.config.watch_heartbeat_ms.max(10));
     // A bounded lifetime keeps one client from holding a connection (and a Lambda invocation) open forever.
     let deadline = Instant::now() + Duration::from_millis(state.config.watch_max_ms);
-    futures::stream::unfold(Watch::Snapshot, move |mut step| {
+    futures::stream::unfold(Watch::Snapshot(Box::new(run)), move |mut step| {
         let (state, caller, req) = (state.clone(), caller.clone(), req.clone());
         async move {
             loop {
                 match step {
                     Watch::Done => return None,
-                    Watch::Snapshot => {
-                        return Some(match load_run(&state, &caller, &req.run_id).await {
-                            Ok(run) => (
-                                Ok(pf::WatchRunResponse {
-                                    item: Some(W::Snapshot(run)),
-                                }),
-                                Watch::Events {
-                                    after: req.after_seq,
-                                    pending: VecDeque::new(),
-                                    finished: false,
-                                    last_sent: Instant::now(),
-                                },
-                            ),
-                            Err(e) => (Err(e.into()), Watch::Done),
-                        });
+                    Watch::Snapshot(run) => {
+                        let next = Watch::Events {
+                            after: req.after_seq,
+                            pending: VecDeque::new(),
+                            run_ended: ended(&run.state),
+                            caught_up: false,
+                            last_sent: Instant::now(),
+                        };
+                        let snapshot = pf::WatchRunResponse {
+                            item: Some(W::Snapshot(*run)),
+                        };
+                        return Some((Ok(snapshot), next));
                     }
                     Watch::Events {
                         after,
                         mut pending,
-                        finished,
+                        mut run_ended,
+                        caught_up,
                         last_sent,
                     } => {
                         if let Some(ev) = pending.pop_front() {
@@ -525,14 +527,15 @@ fn watch(
                                 Watch::Events {
                                     after,
                                     pending,
-                                    finished,
+                                    run_ended,
+                                    caught_up,
                                     last_sent: Instant::now(),
                                 },
                             ));
                         }
                         let now = Instant::now();
                         // Checked only once the fetched events are sent, so the stream ends on a known seq.
-                        if finished || now >= deadline {
+                        if (run_ended && caught_up) || now >= deadline {
                             return None;
                         }
                         if now.duration_since(last_sent) >= heartbeat {
@@ -546,23 +549,27 @@ fn watch(
                                 Watch::Events {
                                     after,
                                     pending,
-                                    finished,
+                                    run_ended,
+                                    caught_up,
                                     last_sent: now,
                                 },
                             ));
                         }
                         // Read the state before the events: a run seen terminal here has all its events below.
-                        let run = match state.store.get_run(&caller.org, &req.run_id).await {
-                            Ok(Some(r)) => r,
-                            Ok(None) => {
-                                return Some((
-                                    Err(ApiError::NotFound("run gone".into()).into()),
-                                    Watch::Done,
-                                ));
-                            }
-                            Err(e) => return Some((Err(ApiError::from(e).into()), Watch::Done)),
-                        };
-                        let finished = ended(&run.state);
+                        if !run_ended {
+                            run_ended = match state.store.get_run(&caller.org, &req.run_id).await {
+                                Ok(Some(run)) => ended(&run.state),
+                                Ok(None) => {
+                                    return Some((
+                                        Err(ApiError::NotFound("run gone".into()).into()),
+                                        Watch::Done,
+                                    ));
+                                }
+                                Err(e) => {
+                                    return Some((Err(ApiError::from(e).into()), Watch::Done));
+                                }
+                            };
+                        }
                         let rows = match state
                             .store
                             .events(&caller.org, &req.run_id, after, TIMELINE_READ)
@@ -571,9 +578,11 @@ fn watch(
                             Ok(rows) => rows,
                             Err(e) => return Some((Err(ApiError::from(e).into()), Watch::Done)),
                         };
-                        let got_all = rows.len() < TIMELINE_READ as usize;
-                        let pending: VecDeque<_> = rows.iter().map(convert::event).collect();
-                        if pending.is_empty() && !finished {
+                        let caught_up = rows.len() < TIMELINE_READ as usize;
+                        // Each row is let go once converted, so a refill is not held twice.
+                        let pending: VecDeque<_> =
+                            rows.into_iter().map(|row| convert::event(&row)).collect();
+                        if pending.is_empty() && !run_ended {
                             // Wake for the next poll, or earlier for a heartbeat or the end of the lifetime.
                             let wake = (last_sent + heartbeat).min(deadline);
                             tokio::time::sleep(
@@ -584,7 +593,8 @@ fn watch(
                         step = Watch::Events {
                             after,
                             pending,
-                            finished: finished && got_all,
+                            run_ended,
+                            caught_up,
                             last_sent,
                         };
                     }
@@ -681,9 +691,10 @@ pub(crate) fn routes(state: ApiState, router: Router) -> Router {
             let s = s.clone();
             async move {
                 let caller = s.caller(&ctx, scope::RUNS_READ).await?;
-                // Fail before the stream starts for a run that is not there, so the client sees a plain error.
-                load_run(&s, &caller, &req.run_id).await?;
-                Ok(watch(s, caller, req))
+                // Fail before the stream starts for a run that is not there, so the client sees a plain error;
+                // the run read is the stream's snapshot.
+                let run = load_run(&s, &caller, &req.run_id).await?;
+                Ok(watch(s, caller, req, run))
             }
         },
     )

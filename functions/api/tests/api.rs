@@ -559,13 +559,6 @@ async fn runs_timeline_and_watch() {
     assert!(!tl.has_more);
 
     // Watch: snapshot, the existing event, then one appended later; the stream ends when the run is finished.
-    let stream = c.server_stream::<_, pf::WatchRunResponse>(
-        "/loams.factory.v1.FactoryService/WatchRun",
-        &pf::WatchRunRequest {
-            run_id: RUN.into(),
-            after_seq: 0,
-        },
-    );
     let db = env.db.clone();
     tokio::spawn(async move {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
@@ -580,23 +573,44 @@ async fn runs_timeline_and_watch() {
             .await
             .unwrap();
     });
-    let items: Vec<_> = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
+    let items = watch_to_end(&c, 0).await;
+    use pf::watch_run_response::Item as W;
+    assert!(matches!(&items[0].item, Some(W::Snapshot(r)) if r.id == RUN));
+    assert_eq!(event_seqs(&items), vec![1, 2]);
+    assert_eq!(items.len(), 3, "nothing but the snapshot and the events");
+}
+
+/// Watches `RUN` from `after_seq` until the server ends the stream (the run ended, or the watch's lifetime did),
+/// each item unwrapped.
+async fn watch_to_end(c: &ConnectClient, after_seq: u64) -> Vec<pf::WatchRunResponse> {
+    let stream = c.server_stream::<_, pf::WatchRunResponse>(
+        "/loams.factory.v1.FactoryService/WatchRun",
+        &pf::WatchRunRequest {
+            run_id: RUN.into(),
+            after_seq,
+        },
+    );
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
         stream.collect::<Vec<_>>(),
     )
     .await
-    .unwrap();
-    let items: Vec<_> = items.into_iter().map(Result::unwrap).collect();
+    .expect("the server ends every watch")
+    .into_iter()
+    .map(Result::unwrap)
+    .collect()
+}
+
+/// The seqs of the events among a watch's items, in the order they came.
+fn event_seqs(items: &[pf::WatchRunResponse]) -> Vec<u64> {
     use pf::watch_run_response::Item as W;
-    assert!(matches!(&items[0].item, Some(W::Snapshot(r)) if r.id == RUN));
-    let seqs: Vec<u64> = items[1..]
+    items
         .iter()
-        .map(|i| match &i.item {
-            Some(W::Event(e)) => e.seq,
-            _ => 0,
+        .filter_map(|i| match &i.item {
+            Some(W::Event(e)) => Some(e.seq),
+            _ => None,
         })
-        .collect();
-    assert_eq!(seqs, vec![1, 2]);
+        .collect()
 }
 
 #[tokio::test]
@@ -719,30 +733,12 @@ async fn a_timeline_of_large_events_comes_in_pages_each_client_can_read() {
         .await
         .unwrap();
     let before = counted.counts();
-    let stream = c.server_stream::<_, pf::WatchRunResponse>(
-        "/loams.factory.v1.FactoryService/WatchRun",
-        &pf::WatchRunRequest {
-            run_id: RUN.into(),
-            after_seq: 0,
-        },
-    );
-    let items: Vec<_> = tokio::time::timeout(
-        std::time::Duration::from_secs(30),
-        stream.collect::<Vec<_>>(),
-    )
-    .await
-    .expect("the watch of an ended run ends");
-    use pf::watch_run_response::Item as W;
-    let seqs: Vec<u64> = items
-        .into_iter()
-        .filter_map(|i| match i.unwrap().item {
-            Some(W::Event(e)) => Some(e.seq),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(seqs, (1..=68).collect::<Vec<u64>>());
+    let items = watch_to_end(&c, 0).await;
+    assert_eq!(event_seqs(&items), (1..=68).collect::<Vec<u64>>());
     let spent = counted.counts().since(&before);
     assert_eq!((spent.events, spent.events_read), (3, 68), "25 + 25 + 18");
+    // The run's state is read once, for the snapshot: a run seen ended stays ended.
+    assert_eq!(spent.get_run, 1);
 }
 
 #[tokio::test]
@@ -2076,22 +2072,9 @@ async fn watch_sends_heartbeats_ends_after_its_lifetime_and_resumes() {
     env.seed_run("acme", "waiting").await;
     let c = env.client("alice", "acme");
     let started = std::time::Instant::now();
-    let stream = c.server_stream::<_, pf::WatchRunResponse>(
-        "/loams.factory.v1.FactoryService/WatchRun",
-        &pf::WatchRunRequest {
-            run_id: RUN.into(),
-            after_seq: 0,
-        },
-    );
     // The run never finishes, so only the lifetime ends this stream.
-    let items: Vec<_> = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        stream.collect::<Vec<_>>(),
-    )
-    .await
-    .unwrap();
+    let items = watch_to_end(&c, 0).await;
     assert!(started.elapsed() >= std::time::Duration::from_millis(600));
-    let items: Vec<_> = items.into_iter().map(Result::unwrap).collect();
     use pf::watch_run_response::Item as W;
     assert!(matches!(&items[0].item, Some(W::Snapshot(_))));
     assert!(matches!(&items[1].item, Some(W::Event(e)) if e.seq == 1));
@@ -2123,20 +2106,7 @@ async fn watch_sends_heartbeats_ends_after_its_lifetime_and_resumes() {
         .append("acme", RUN, 1, "killed", &snapshot, &[ev], 2)
         .await
         .unwrap();
-    let resumed = c.server_stream::<_, pf::WatchRunResponse>(
-        "/loams.factory.v1.FactoryService/WatchRun",
-        &pf::WatchRunRequest {
-            run_id: RUN.into(),
-            after_seq: 1,
-        },
-    );
-    let items: Vec<_> = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        resumed.collect::<Vec<_>>(),
-    )
-    .await
-    .unwrap();
-    let items: Vec<_> = items.into_iter().map(Result::unwrap).collect();
+    let items = watch_to_end(&c, 1).await;
     assert!(matches!(&items[0].item, Some(W::Snapshot(r)) if r.state == "killed"));
     assert_eq!(items.len(), 2);
     assert!(matches!(&items[1].item, Some(W::Event(e)) if e.seq == 2 && e.r#type == "run_killed"));
