@@ -30,13 +30,15 @@ pub const MAX_NAME: usize = 64;
 pub const MAX_TOKEN: usize = 1024;
 
 /// The bytes one response may carry, spent item by item. The first item always fits, so an item over the budget
-/// still goes out, on a page of its own; the others fit while the total stays within the budget. A listing whose
+/// still goes out, on a page of its own; the others fit while the total stays within the budget, and once one does
+/// not, none after it does (a page is a prefix: its token points past its last item). A listing whose
 /// page ends early says that more follow, so a page of many large items (up to `MAX_BODY` each) stays within its
 /// callers' response limits instead of failing every time it is asked for.
 pub struct ByteBudget {
     budget: usize,
     spent: usize,
     items: usize,
+    full: bool,
 }
 
 impl ByteBudget {
@@ -45,13 +47,15 @@ impl ByteBudget {
             budget,
             spent: 0,
             items: 0,
+            full: false,
         }
     }
 
     /// Whether an item of `size` bytes still fits; if it does, it is spent.
     pub fn take(&mut self, size: usize) -> bool {
         let spent = self.spent.saturating_add(size);
-        if self.items > 0 && spent > self.budget {
+        if self.full || (self.items > 0 && spent > self.budget) {
+            self.full = true;
             return false;
         }
         self.spent = spent;
@@ -205,6 +209,9 @@ mod tests {
         assert_eq!(fit(&[3, 11]), 1, "and on a page of its own");
         assert_eq!(fit(&[usize::MAX, usize::MAX]), 1, "no overflow");
         assert_eq!(fit(&[1; 5]), 5);
+        let mut budget = ByteBudget::new(10);
+        assert!(budget.take(8) && !budget.take(5));
+        assert!(!budget.take(1), "nothing after an item that did not fit");
     }
 
     #[test]
