@@ -44,6 +44,16 @@ const STATEMENT_CACHE: usize = 64;
 /// much one failed commit takes down with it.
 const MAX_GROUP: usize = 64;
 
+/// WAL pages after which the writer checkpoints by itself (SQLite's default is 1,000). The checkpointer thread
+/// copies the WAL into the database file as it grows, so the writer seldom has more than a few pages left to copy;
+/// what it cannot hand off is the final step that lets the WAL start over, which waits for a sync of the database
+/// file. At the default that wait came every second or so of busy writing and set the tail latency (a2a agent
+/// benchmark: p99 9 ms; at 20,000 pages 2.5 ms). The WAL file grows to about this many pages (40 MB).
+const WRITER_CHECKPOINT_PAGES: i64 = 10_000;
+/// Least time between two checkpoints of the checkpointer thread: each syncs the WAL and the database file, so
+/// this bounds the syncs it adds to the writer's.
+const CHECKPOINT_PAUSE: Duration = Duration::from_millis(50);
+
 /// Numbered schema migrations; migration N (1-based) brings `PRAGMA user_version` from N-1 to N. Only ever
 /// append to this list: databases in the field have run the earlier entries.
 const MIGRATIONS: &[&str] = &[
@@ -139,16 +149,28 @@ impl Sqlite {
         migrate(&mut conn)?;
         // Only a file in WAL mode has readers: without WAL a reader would block on (and block) the writer, and a
         // ":memory:" path or URI opened again would be a different, empty database.
-        let readers = match path {
-            Some(path) if journal.eq_ignore_ascii_case("wal") => (0..READERS)
+        let wal = match path {
+            Some(path) if journal.eq_ignore_ascii_case("wal") => Some(path),
+            _ => None,
+        };
+        let readers = match wal {
+            Some(path) => (0..READERS)
                 .map(|_| open_reader(path))
                 .collect::<Result<Vec<_>>>()?,
-            _ => Vec::new(),
+            None => Vec::new(),
+        };
+        let checkpointer = match wal {
+            Some(path) => {
+                conn.pragma_update(None, "wal_autocheckpoint", WRITER_CHECKPOINT_PAGES)
+                    .map_err(db)?;
+                Some(start_checkpointer(path)?)
+            }
+            None => None,
         };
         let (jobs, queue) = mpsc::channel();
         std::thread::Builder::new()
             .name("loams-sqlite-writer".into())
-            .spawn(move || write_groups(conn, queue))
+            .spawn(move || write_groups(conn, queue, checkpointer))
             .map_err(|e| StoreError::Backend(format!("starting the database writer: {e}")))?;
         Ok(Self {
             inner: Arc::new(Inner {
@@ -230,8 +252,12 @@ impl Inner {
 }
 
 /// The writer thread: runs the calls it is sent in groups of up to `MAX_GROUP`, one transaction and one commit
-/// per group, until every sender is gone.
-fn write_groups(mut conn: Connection, queue: mpsc::Receiver<Job>) {
+/// per group, until every sender is gone. After each commit it wakes the checkpointer, if there is one.
+fn write_groups(
+    mut conn: Connection,
+    queue: mpsc::Receiver<Job>,
+    checkpointer: Option<mpsc::SyncSender<()>>,
+) {
     while let Ok(first) = queue.recv() {
         let mut group = vec![first];
         while group.len() < MAX_GROUP {
@@ -283,14 +309,43 @@ fn write_groups(mut conn: Connection, queue: mpsc::Receiver<Job>) {
         } else {
             control(&conn, "COMMIT").map_err(db)
         };
-        if committed.is_err() {
+        match (&committed, &checkpointer) {
             // A failed COMMIT may leave the transaction open; end it so the next group starts clean.
-            let _ = control(&conn, "ROLLBACK");
+            (Err(_), _) => {
+                let _ = control(&conn, "ROLLBACK");
+            }
+            // A wake-up already pending covers this commit too.
+            (Ok(()), Some(wake)) => {
+                let _ = wake.try_send(());
+            }
+            (Ok(()), None) => {}
         }
         for reply in replies {
             reply(committed.as_ref().err().cloned());
         }
     }
+}
+
+/// Starts the checkpointer thread of the WAL database at `path` and returns how to wake it. Woken after commits, it
+/// copies the WAL's new pages into the database file (a passive checkpoint: it never blocks the writer or the
+/// readers), at most once per `CHECKPOINT_PAUSE`, so the writer does not stop for that copy and its sync. It ends
+/// when the writer thread does.
+fn start_checkpointer(path: &Path) -> Result<mpsc::SyncSender<()>> {
+    let conn = Connection::open(path).map_err(db)?;
+    configure(&conn)?;
+    let (wake, woken) = mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name("loams-sqlite-checkpoint".into())
+        .spawn(move || {
+            while woken.recv().is_ok() {
+                if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                    tracing::warn!(error = %e, "database checkpoint failed; the writer's own checkpoints go on");
+                }
+                std::thread::sleep(CHECKPOINT_PAUSE);
+            }
+        })
+        .map_err(|e| StoreError::Backend(format!("starting the database checkpointer: {e}")))?;
+    Ok(wake)
 }
 
 /// Runs a transaction-control statement through the statement cache: the writer runs two or three per call and
@@ -444,6 +499,42 @@ mod tests {
             drop(self.release);
             self.holder.await.expect("holder task")
         }
+    }
+
+    #[tokio::test]
+    async fn the_checkpointer_copies_commits_into_the_database_file() {
+        // The writer checkpoints only past WRITER_CHECKPOINT_PAGES; one small commit reaches the database file
+        // itself (not only the WAL) through the checkpointer thread.
+        let dir = tempfile::TempDir::new().expect("temp dir");
+        let db = file_db(&dir);
+        let item = crate::Item {
+            org: "o".into(),
+            kind: "k".into(),
+            id: "i".into(),
+            version: 0,
+            index: None,
+            body: b"{}".to_vec(),
+            expires_ms: None,
+        };
+        db.put_item(&item, crate::Cond::Absent).await.expect("put");
+        // `immutable=1` reads the database file alone, as if there were no WAL; until the checkpoint it has no
+        // items table at all, and a read racing the checkpoint's copy may fail: both count as not there yet.
+        let uri = format!("file:{}?immutable=1", dir.path().join("loams.db").display());
+        let in_file = || -> i64 {
+            let flags = rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_URI;
+            rusqlite::Connection::open_with_flags(&uri, flags)
+                .and_then(|conn| conn.query_row("SELECT count(*) FROM items", [], |r| r.get(0)))
+                .unwrap_or(0)
+        };
+        let mut seen = 0;
+        for _ in 0..250 {
+            seen = in_file();
+            if seen == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(seen, 1, "the commit is in the database file within 5 s");
     }
 
     #[tokio::test]
