@@ -41,6 +41,10 @@ use loams_platform::{Sqlite, SystemClock};
 use loams_sandbox::{Sandbox, SandboxConfig, SandboxInfo};
 use serde_json::{Value, json};
 
+/// The allocator the `loams` binary serves the agents with (functions/loams/src/main.rs).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const ORG: &str = "local";
 /// Where the real agents' apps are said to be: nothing listens there.
 const NO_APP: &str = "http://127.0.0.1:9";

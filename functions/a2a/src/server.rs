@@ -395,7 +395,7 @@ async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<R
             let history = tasks::history_length(config.and_then(|c| c.history_length))?;
             let immediately = config.and_then(|c| c.return_immediately) == Some(true);
             let push = config.and_then(|c| c.task_push_notification_config.clone());
-            let task = match tasks::begin(agent, caller, req.message, push).await? {
+            let task = match tasks::begin(agent, caller, req.message, push, !immediately).await? {
                 Begun::Stored(task) | Begun::Elsewhere(task) => task,
                 Begun::Started(task, _) if immediately => task,
                 Begun::Started(_, run) => tasks::finish(run).await?,
@@ -414,7 +414,7 @@ async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<R
             let config = req.configuration.as_ref();
             let history = tasks::history_length(config.and_then(|c| c.history_length))?;
             let push = config.and_then(|c| c.task_push_notification_config.clone());
-            let begun = tasks::begin(agent, caller, req.message, push).await?;
+            let begun = tasks::begin(agent, caller, req.message, push, false).await?;
             let (tx, rx) = mpsc::channel(STREAM_BUFFER);
             match begun {
                 Begun::Stored(task) | Begun::Elsewhere(task) => {

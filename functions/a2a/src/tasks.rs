@@ -254,8 +254,7 @@ impl StoredTask {
 
 /// Hex SHA-256 of `bytes`.
 pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
-    let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, bytes);
-    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
+    hex::encode(aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, bytes))
 }
 
 /// Hex SHA-256 over the RFC 8785 canonical form of `{"skill", "args"}`: the same call hashes the
@@ -348,19 +347,20 @@ impl Agent {
     }
 }
 
-/// What storing a new WORKING task found for its message id.
+/// What storing a new task found for its message id.
 enum Claimed {
-    /// This request stored it, at this version, and runs the skill.
-    Ours(u64),
+    /// This request stored it, at this version; `replaced`: over a task left unfinished or failed retryably.
+    Ours { version: u64, replaced: bool },
     /// The same call, finished: its recorded task.
     Finished(Task),
     /// The same call, being run by another request: the task as stored.
     Running(Task),
 }
 
-/// Stores `record` (WORKING, with this request's lease) as the claim on its message id: the task item is its own
-/// claim, so starting a call is one conditional write. A task left by a process that died (lease over), or a
-/// failure that may be repeated, is taken over at its version; of two requests racing for it, one wins.
+/// Stores `record` as the claim on its message id: WORKING with this request's lease, or (a read, see
+/// [`read_once`]) already finished. The task item is its own claim, so starting a call is one conditional write. A
+/// task left by a process that died (lease over), or a failure that may be repeated, is taken over at its version;
+/// of two requests racing for it, one wins.
 async fn claim(
     agent: &Agent,
     record: &mut StoredTask,
@@ -369,10 +369,15 @@ async fn claim(
     let mut cond = Cond::Absent;
     for _ in 0..CLAIM_ATTEMPTS {
         // The lease starts with the write that takes it, whatever came before.
-        record.lease_until_ms = Some(now_ms().saturating_add(agent.lease_ms()));
+        if !settled(&record.task.status.state) {
+            record.lease_until_ms = Some(now_ms().saturating_add(agent.lease_ms()));
+        }
         let body = storable(record)?;
         match agent.put(record, body, cond).await {
-            Ok(version) => return Ok(Claimed::Ours(version)),
+            Ok(version) => {
+                let replaced = cond != Cond::Absent;
+                return Ok(Claimed::Ours { version, replaced });
+            }
             Err(StoreError::Conflict) => {}
             Err(e) => return Err(store_failure(e)),
         }
@@ -491,11 +496,15 @@ pub(crate) enum Begun {
 /// same approved call is admitted and repeats the identical action, which the app treats as a
 /// no-op (merge of a merged PR answers the same merge sha, closing a closed PR stays closed). A
 /// replay with the same message id is the dedupe case and runs nothing.
+///
+/// `waits`: the caller waits for the outcome in the answer to this request (a blocking SendMessage), so it learns
+/// of the task only from that answer.
 pub(crate) async fn begin(
     agent: &Arc<Agent>,
     caller: &Principal,
     message: Message,
     push: Option<TaskPushNotificationConfig>,
+    waits: bool,
 ) -> Result<Begun, A2AError> {
     check_id("messageId", &message.message_id)?;
     if let Some(ctx) = &message.context_id {
@@ -569,10 +578,13 @@ pub(crate) async fn begin(
     if let Some(config) = &push {
         crate::push::check_config(config, &agent.options.push)?;
     }
+    if risk == Risk::Read && waits && push.is_none() {
+        return read_once(agent, caller, record, skill, args).await;
+    }
     // The WORKING task is stored before anyone is told about it: with returnImmediately the caller's next
     // request may reach another process. A repeat of a stored call ends here, without asking the gate.
     let version = match claim(agent, &mut record, caller).await? {
-        Claimed::Ours(version) => version,
+        Claimed::Ours { version, .. } => version,
         // A finished task sends no more updates: a webhook given now has nothing to get.
         Claimed::Finished(task) => return Ok(Begun::Stored(task)),
         Claimed::Running(task) => {
@@ -617,6 +629,39 @@ pub(crate) async fn begin(
     Ok(Begun::Started(shown, run))
 }
 
+/// Runs a read for a caller who waits for its answer, then stores the finished task: one write, where a call
+/// with an effect takes two (the WORKING claim, then the outcome). A read changes nothing at the app, so nothing is
+/// lost if a repeat of the message id runs it again meanwhile, and nobody can follow the task before the answer
+/// names it; no push config can name it either (creating one needs the stored task), so none is read. A repeat of
+/// a stored call runs the read once more and answers the stored task, as [`claim`] finds it.
+async fn read_once(
+    agent: &Arc<Agent>,
+    caller: &Principal,
+    mut record: StoredTask,
+    skill: String,
+    args: Value,
+) -> Result<Begun, A2AError> {
+    let admitted = gate(agent, caller, &skill, Risk::Read, &args, None)
+        .await
+        .map_err(|e| {
+            tracing::error!(error = %e, "a2a approval gate");
+            A2AError::internal("the approval check is unavailable")
+        })?;
+    settle(agent, &mut record, &skill, args, admitted).await?;
+    Ok(match claim(agent, &mut record, caller).await? {
+        Claimed::Ours { replaced, .. } => {
+            if replaced {
+                // The task taken over was stored before, and may have push configs.
+                let update = vec![StreamResponse::Task(record.task.clone())];
+                crate::push::notify(agent, &record.task.id, update).await;
+            }
+            Begun::Stored(record.task)
+        }
+        Claimed::Finished(task) => Begun::Stored(task),
+        Claimed::Running(task) => Begun::Elsewhere(task),
+    })
+}
+
 /// Runs an admitted call (or records its refusal), stores the finished task and settles the claim.
 async fn run(
     agent: Arc<Agent>,
@@ -626,13 +671,50 @@ async fn run(
     args: Value,
     admitted: Result<(), SkillError>,
 ) -> Result<Task, A2AError> {
+    let working = record.task.clone();
+    let body = settle(&agent, &mut record, &skill, args, admitted).await?;
+    let task_id = record.task.id.clone();
+    // Conditional on the WORKING version: if the task changed meanwhile, another process took it
+    // over after this run's lease ran out (and, say, canceled it); its record stands.
+    match agent
+        .put(&record, body, Cond::Version(working_version))
+        .await
+    {
+        Ok(_) => {}
+        Err(StoreError::Conflict) => {
+            tracing::warn!(task = %task_id, "a2a task changed while its skill ran; keeping the stored one");
+            return match agent.load(&task_id).await? {
+                Some((stored, _)) => Ok(stored.task),
+                None => Err(A2AError::task_not_found(&task_id)),
+            };
+        }
+        Err(e) => {
+            // The effect may have happened but is not recorded. The store failing here is rare and the caller
+            // hears an error either way; a repeat of the call runs the skill again once the lease is over (most
+            // skills look up what they may have made).
+            return Err(store_failure(e));
+        }
+    }
+    crate::push::notify(&agent, &task_id, changes(&working, &record.task)).await;
+    Ok(record.task)
+}
+
+/// Runs an admitted call (or takes its refusal) and sets `record` to the finished task: COMPLETED with the skill's
+/// output, or FAILED. Returns the record's stored bytes.
+async fn settle(
+    agent: &Agent,
+    record: &mut StoredTask,
+    skill: &str,
+    args: Value,
+    admitted: Result<(), SkillError>,
+) -> Result<Vec<u8>, A2AError> {
     // A skill must end before its claim's lease does, or a repeat would run it a second time
     // alongside. Cut off, its effect is unknown, and not every skill can be repeated safely (a
     // chat message has no dedupe key): the failure is final, and a person looks at what happened.
     let timeout = agent.options.skill_timeout();
     let outcome = match admitted {
         Err(refusal) => Err(refusal),
-        Ok(()) => match tokio::time::timeout(timeout, agent.skills.invoke(&skill, args)).await {
+        Ok(()) => match tokio::time::timeout(timeout, agent.skills.invoke(skill, args)).await {
             Ok(outcome) => outcome,
             Err(_) => Err(SkillError::permanent(format!(
                 "the skill did not finish within {} ms; whether it took effect is unknown",
@@ -641,7 +723,6 @@ async fn run(
         },
     };
     let finished = now_ms();
-    let working = record.task.clone();
     // Once settled the lease no longer counts (see `running`); a retryable failure (nothing happened on the
     // app's side) lets a repeat of the same message id try again at once (see `reclaimable`).
     let task_id = record.task.id.clone();
@@ -673,38 +754,15 @@ async fn run(
             task.status = failed_status(&task_id, &context_id, &e.message, e.retryable, finished)
         }
     }
-    let mut body = storable(&mut record)?;
+    let mut body = storable(record)?;
     if body.len() > limits::MAX_BODY {
         // Too big to store means too big to dedupe; report it as a permanent failure of the call.
         let why = format!("skill output exceeds {} bytes", limits::MAX_BODY);
         record.task.artifacts = None;
         record.task.status = failed_status(&task_id, &context_id, &why, false, finished);
-        body = storable(&mut record)?;
+        body = storable(record)?;
     }
-
-    // Conditional on the WORKING version: if the task changed meanwhile, another process took it
-    // over after this run's lease ran out (and, say, canceled it); its record stands.
-    match agent
-        .put(&record, body, Cond::Version(working_version))
-        .await
-    {
-        Ok(_) => {}
-        Err(StoreError::Conflict) => {
-            tracing::warn!(task = %task_id, "a2a task changed while its skill ran; keeping the stored one");
-            return match agent.load(&task_id).await? {
-                Some((stored, _)) => Ok(stored.task),
-                None => Err(A2AError::task_not_found(&task_id)),
-            };
-        }
-        Err(e) => {
-            // The effect may have happened but is not recorded. The store failing here is rare and the caller
-            // hears an error either way; a repeat of the call runs the skill again once the lease is over (most
-            // skills look up what they may have made).
-            return Err(store_failure(e));
-        }
-    }
-    crate::push::notify(&agent, &task_id, changes(&working, &record.task)).await;
-    Ok(record.task)
+    Ok(body)
 }
 
 /// The record's stored bytes. The history holds the request, which may be large (file contents

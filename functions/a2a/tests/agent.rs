@@ -11,7 +11,7 @@ use loams_a2a::{
     SkillSpec, Skills, TASK_KIND, TokenError, TokenSource, router_with,
 };
 use loams_platform::race::RaceBeforeWrite;
-use loams_platform::{Clock, Cond, Counting, Sqlite, Store, SystemClock};
+use loams_platform::{Clock, Cond, Counting, OpCounts, Sqlite, Store, SystemClock};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 
@@ -48,7 +48,7 @@ impl Skills for Counter {
             app: None,
             skills: vec![
                 skill("count", Risk::Write),
-                skill("fail", Risk::Read),
+                skill("fail", Risk::Write),
                 skill("slow", Risk::Write),
                 skill("measure", Risk::Read),
                 skill("wipe", Risk::Destructive),
@@ -454,8 +454,15 @@ async fn large_requests_are_stored_without_history_and_still_deduplicated() {
     let repeat = agent
         .send("m-big", "measure", json!({"content": big}))
         .await;
-    assert_eq!(repeat["result"], first["result"]);
-    assert_eq!(agent.calls(), 1);
+    assert_eq!(
+        repeat["result"], first["result"],
+        "the answer is the stored task"
+    );
+    assert_eq!(
+        agent.calls(),
+        2,
+        "a read is not claimed: its repeat runs again"
+    );
 
     // An output too large to record cannot be deduplicated: a permanent failure, said so.
     let huge = agent
@@ -1074,7 +1081,8 @@ async fn a_message_id_is_bound_to_its_call_and_its_caller() {
         assert_error(&resp, -32602, "INVALID_PARAMS");
         assert!(resp.get("result").is_none(), "{resp}");
     }
-    assert_eq!(agent.calls(), 1);
+    // The write ran once; the read ran (a read is stored once it has run) and its answer was refused.
+    assert_eq!(agent.calls(), 2);
 
     // Another caller can neither replay, read nor cancel the task: it does not exist for them.
     let mallory = token("agent:mallory", "acme", &agent.base);
@@ -1111,7 +1119,11 @@ async fn a_message_id_is_bound_to_its_call_and_its_caller() {
             .unwrap();
         assert_error(&resp, -32001, "TASK_NOT_FOUND");
     }
-    assert_eq!(agent.calls(), 1);
+    assert_eq!(
+        agent.calls(),
+        2,
+        "mallory's replay of the write ran nothing"
+    );
     // The creator still reads it.
     let own = agent.rpc("GetTask", json!({"id": "m-bound"})).await;
     assert_eq!(own["result"]["status"]["state"], "TASK_STATE_COMPLETED");
@@ -1577,6 +1589,59 @@ fn fast_polling() -> ServerOptions {
         poll_interval: Duration::from_millis(20),
         ..ServerOptions::default()
     }
+}
+
+#[tokio::test]
+async fn a_blocking_read_is_stored_once_it_has_run_and_anything_else_is_claimed_first() {
+    let store = Arc::new(Counting::new(
+        Sqlite::memory(Arc::new(SystemClock)).unwrap(),
+    ));
+    let agent = start_with(store.clone(), ServerOptions::default()).await;
+    // (item writes, item reads) since `before`.
+    let ops = |before: &OpCounts| {
+        let d = store.counts().since(before);
+        (d.put_item, d.get_item + d.list_items)
+    };
+
+    // A read the caller waits for changes nothing and is known to nobody else until answered: one write.
+    let before = store.counts();
+    let read = agent.send("m-read-once", "measure", json!({"n": 1})).await;
+    let task = &read["result"]["task"];
+    assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{read}");
+    assert_eq!(ops(&before), (1, 0), "one write and no read");
+    let got = agent.rpc("GetTask", json!({"id": "m-read-once"})).await;
+    assert_eq!(got["result"]["status"], task["status"], "{got}");
+    assert_eq!(got["result"]["artifacts"], task["artifacts"], "{got}");
+    // A repeat runs the read again and answers the stored task.
+    let repeat = agent.send("m-read-once", "measure", json!({"n": 1})).await;
+    assert_eq!(repeat["result"], read["result"]);
+    assert_eq!(agent.calls(), 2);
+
+    // A write is claimed (stored WORKING) before it runs, then finished, and its push configs are looked up.
+    let before = store.counts();
+    agent.send("m-write", "count", json!({})).await;
+    assert_eq!(ops(&before), (2, 1));
+
+    // So is a read whose caller follows the task instead of waiting for it.
+    let before = store.counts();
+    let mut send = send_params("m-read-later", json!({"skill": "measure", "args": {}}));
+    send["configuration"] = json!({"returnImmediately": true});
+    let started = agent.rpc("SendMessage", send).await;
+    assert_eq!(
+        started["result"]["task"]["status"]["state"], "TASK_STATE_WORKING",
+        "{started}"
+    );
+    let mut state = Value::Null;
+    for _ in 0..200 {
+        let got = agent.rpc("GetTask", json!({"id": "m-read-later"})).await;
+        state = got["result"]["status"]["state"].clone();
+        if state == "TASK_STATE_COMPLETED" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(state, "TASK_STATE_COMPLETED");
+    assert_eq!(store.counts().since(&before).put_item, 2);
 }
 
 #[tokio::test]
