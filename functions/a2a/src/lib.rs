@@ -5,7 +5,8 @@
 //!   tenant-prefixed), every RPC of A2A 1.0: SendMessage (blocking or `returnImmediately`),
 //!   SendStreamingMessage and SubscribeToTask over SSE, GetTask, ListTasks, CancelTask, the four
 //!   push-notification config RPCs with webhook delivery, GetExtendedAgentCard. Each skill call
-//!   runs once per message id (its stored task is the claim); tasks and push configs live in the platform `Store`, so a
+//!   runs once per message id (its stored task is the claim), except a read the caller waits for, which is stored
+//!   once it has run and may run again on a repeat; tasks and push configs live in the platform `Store`, so a
 //!   restarted process (or another one) serves tasks it did not start. Calls need a bearer token
 //!   the host's [`CallerAuth`] accepts; destructive skills need an approval the host's
 //!   [`ApprovalGate`] admits.

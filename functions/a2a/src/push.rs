@@ -302,7 +302,7 @@ pub(crate) fn check_config(
 fn random_id() -> Result<String, A2AError> {
     let mut bytes = [0u8; 12];
     aws_lc_rs::rand::fill(&mut bytes).map_err(|_| A2AError::internal("no randomness"))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hex::encode(bytes))
 }
 
 impl Agent {

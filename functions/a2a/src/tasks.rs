@@ -6,6 +6,7 @@
 //! memory is the skill run itself, which no other process could continue anyway.
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -16,6 +17,7 @@ use a2a::{
 };
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
+use futures::FutureExt;
 use loams_platform::{Cond, Item, Page, Store, StoreError, limits};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -446,15 +448,10 @@ async fn gate(
     args: &Value,
     approval_id: Option<&str>,
 ) -> Result<Result<(), SkillError>, GateError> {
-    let refused = |why: String| {
-        Ok(Err(SkillError::permanent(format!(
-            "{}.{skill} refused: {why}",
-            agent.name
-        ))))
-    };
-    if let Some(scope) = caller.missing_scope(&agent.name, risk) {
-        return refused(format!("the caller's token does not grant {scope}"));
+    if let Some(refusal) = scope_refusal(agent, caller, skill, risk) {
+        return Ok(Err(refusal));
     }
+    let refused = |why: String| Ok(Err(refusal(agent, skill, &why)));
     if risk != Risk::Destructive {
         return Ok(Ok(()));
     }
@@ -474,6 +471,20 @@ async fn gate(
     }
 }
 
+/// The refusal of a call whose caller lacks a scope the skill requires.
+fn scope_refusal(agent: &Agent, caller: &Principal, skill: &str, risk: Risk) -> Option<SkillError> {
+    let scope = caller.missing_scope(&agent.name, risk)?;
+    Some(refusal(
+        agent,
+        skill,
+        &format!("the caller's token does not grant {scope}"),
+    ))
+}
+
+fn refusal(agent: &Agent, skill: &str, why: &str) -> SkillError {
+    SkillError::permanent(format!("{}.{skill} refused: {why}", agent.name))
+}
+
 /// What SendMessage found for a message id.
 pub(crate) enum Begun {
     /// The call already ran: its recorded task.
@@ -490,15 +501,13 @@ pub(crate) enum Begun {
 /// SendMessage up to the start of the skill, exactly once per message id: validate, store the
 /// WORKING task (which is the claim on the id, see [`claim`]), ask the approval gate, then spawn
 /// the run. A repeat of the same call by the same caller gets the stored task (the WORKING one
-/// during the run); the id reused for another call or by another caller is refused.
+/// during the run); the id reused for another call or by another caller is refused. The exception
+/// is a read the caller waits for (`waits`: a blocking SendMessage), see [`read_once`].
 ///
 /// An approval binds agent, skill and args, not the message id: another message id carrying the
 /// same approved call is admitted and repeats the identical action, which the app treats as a
 /// no-op (merge of a merged PR answers the same merge sha, closing a closed PR stays closed). A
 /// replay with the same message id is the dedupe case and runs nothing.
-///
-/// `waits`: the caller waits for the outcome in the answer to this request (a blocking SendMessage), so it learns
-/// of the task only from that answer.
 pub(crate) async fn begin(
     agent: &Arc<Agent>,
     caller: &Principal,
@@ -629,11 +638,13 @@ pub(crate) async fn begin(
     Ok(Begun::Started(shown, run))
 }
 
-/// Runs a read for a caller who waits for its answer, then stores the finished task: one write, where a call
-/// with an effect takes two (the WORKING claim, then the outcome). A read changes nothing at the app, so nothing is
-/// lost if a repeat of the message id runs it again meanwhile, and nobody can follow the task before the answer
-/// names it; no push config can name it either (creating one needs the stored task), so none is read. A repeat of
-/// a stored call runs the read once more and answers the stored task, as [`claim`] finds it.
+/// Runs a read for a caller who waits for its answer, then stores the finished task: one store write, where a call
+/// with an effect takes two writes and a read (the WORKING claim, the outcome, the push configs to notify). A read
+/// changes nothing at its app, so running it more than once does no harm, and it needs no claim. What that changes:
+/// until the read ends its task is not stored (GetTask, CancelTask, SubscribeToTask and push-config calls on its id
+/// answer TaskNotFound, and no push config can name it, so none is read); a process that dies during it stores
+/// nothing; a repeat of a stored call runs the read again and answers the stored task, as [`claim`] finds it; and a
+/// message id reused for another call runs the read before the request is refused.
 async fn read_once(
     agent: &Arc<Agent>,
     caller: &Principal,
@@ -641,13 +652,12 @@ async fn read_once(
     skill: String,
     args: Value,
 ) -> Result<Begun, A2AError> {
-    let admitted = gate(agent, caller, &skill, Risk::Read, &args, None)
+    let admitted = scope_refusal(agent, caller, &skill, Risk::Read).map_or(Ok(()), Err);
+    // A skill that panics fails its call alone, as a spawned run does (see `finish`).
+    AssertUnwindSafe(settle(agent, &mut record, &skill, args, admitted))
+        .catch_unwind()
         .await
-        .map_err(|e| {
-            tracing::error!(error = %e, "a2a approval gate");
-            A2AError::internal("the approval check is unavailable")
-        })?;
-    settle(agent, &mut record, &skill, args, admitted).await?;
+        .map_err(|_| A2AError::internal("the skill run ended abnormally: it panicked"))??;
     Ok(match claim(agent, &mut record, caller).await? {
         Claimed::Ours { replaced, .. } => {
             if replaced {

@@ -53,6 +53,8 @@ impl Skills for Counter {
                 skill("measure", Risk::Read),
                 skill("wipe", Risk::Destructive),
                 skill("nest", Risk::Read),
+                skill("peek", Risk::Read),
+                skill("explode", Risk::Read),
             ],
         }
     }
@@ -73,6 +75,9 @@ impl Skills for Counter {
             "measure" => Ok(json!({"bytes": args.to_string().len()})),
             "wipe" => Ok(json!({"wiped": args})),
             "nest" => Ok(nested(args["levels"].as_u64().unwrap_or(0) as usize)),
+            // A read whose every run answers differently, so a stored answer tells itself from a fresh one.
+            "peek" => Ok(json!({"run": n})),
+            "explode" => panic!("the explode skill always panics"),
             other => Err(SkillError::permanent(format!("no skill {other}"))),
         }
     }
@@ -358,7 +363,7 @@ async fn card_is_signed_cached_and_describes_the_agent() {
     assert_eq!(again.status(), 304);
 
     let client = agent.client().await;
-    assert_eq!(client.card().skills.len(), 6);
+    assert_eq!(client.card().skills.len(), 8);
 }
 
 #[tokio::test]
@@ -451,18 +456,15 @@ async fn large_requests_are_stored_without_history_and_still_deduplicated() {
         task["artifacts"][0]["parts"][0]["data"]["bytes"],
         600 * 1024 + 14
     );
-    let repeat = agent
-        .send("m-big", "measure", json!({"content": big}))
-        .await;
-    assert_eq!(
-        repeat["result"], first["result"],
-        "the answer is the stored task"
+    // A repeat the caller follows (returnImmediately) is claimed, and finds the stored task: nothing runs.
+    let mut repeat = send_params(
+        "m-big",
+        json!({"skill": "measure", "args": {"content": big}}),
     );
-    assert_eq!(
-        agent.calls(),
-        2,
-        "a read is not claimed: its repeat runs again"
-    );
+    repeat["configuration"] = json!({"returnImmediately": true});
+    let repeat = agent.rpc("SendMessage", repeat).await;
+    assert_eq!(repeat["result"], first["result"]);
+    assert_eq!(agent.calls(), 1);
 
     // An output too large to record cannot be deduplicated: a permanent failure, said so.
     let huge = agent
@@ -1603,17 +1605,18 @@ async fn a_blocking_read_is_stored_once_it_has_run_and_anything_else_is_claimed_
         (d.put_item, d.get_item + d.list_items)
     };
 
-    // A read the caller waits for changes nothing and is known to nobody else until answered: one write.
+    // A read the caller waits for changes nothing and needs no claim: one write.
     let before = store.counts();
-    let read = agent.send("m-read-once", "measure", json!({"n": 1})).await;
+    let read = agent.send("m-read-once", "peek", json!({})).await;
     let task = &read["result"]["task"];
     assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{read}");
+    assert_eq!(task["artifacts"][0]["parts"][0]["data"]["run"], 1);
     assert_eq!(ops(&before), (1, 0), "one write and no read");
     let got = agent.rpc("GetTask", json!({"id": "m-read-once"})).await;
     assert_eq!(got["result"]["status"], task["status"], "{got}");
     assert_eq!(got["result"]["artifacts"], task["artifacts"], "{got}");
-    // A repeat runs the read again and answers the stored task.
-    let repeat = agent.send("m-read-once", "measure", json!({"n": 1})).await;
+    // A repeat runs the read again (run 2) and answers the stored task (run 1).
+    let repeat = agent.send("m-read-once", "peek", json!({})).await;
     assert_eq!(repeat["result"], read["result"]);
     assert_eq!(agent.calls(), 2);
 
@@ -1864,8 +1867,8 @@ async fn a_refused_push_config_leaves_the_message_id_free() {
     assert_eq!(agent.calls(), 1);
 }
 
-/// Rewrites the stored task `task_id` as the code before leases wrote it (no lease in the record), with `state`.
-async fn as_stored_before_leases(store: &Arc<dyn Store>, task_id: &str, state: &str) {
+/// Rewrites the stored record of the task `task_id` with `edit`.
+async fn rewrite_stored(store: &dyn Store, task_id: &str, edit: impl FnOnce(&mut Value)) {
     let id = format!("counter:{task_id}");
     let mut item = store
         .get_item("acme", TASK_KIND, &id)
@@ -1873,10 +1876,18 @@ async fn as_stored_before_leases(store: &Arc<dyn Store>, task_id: &str, state: &
         .unwrap()
         .unwrap();
     let mut record: Value = serde_json::from_slice(&item.body).unwrap();
-    record.as_object_mut().unwrap().remove("lease_until_ms");
-    record["task"]["status"]["state"] = json!(state);
+    edit(&mut record);
     item.body = serde_json::to_vec(&record).unwrap();
     store.put_item(&item, Cond::Any).await.unwrap();
+}
+
+/// Rewrites the stored task `task_id` as the code before leases wrote it (no lease in the record), with `state`.
+async fn as_stored_before_leases(store: &Arc<dyn Store>, task_id: &str, state: &str) {
+    rewrite_stored(store.as_ref(), task_id, |record| {
+        record.as_object_mut().unwrap().remove("lease_until_ms");
+        record["task"]["status"]["state"] = json!(state);
+    })
+    .await;
 }
 
 /// Tasks stored before the lease was kept in the record: a WORKING one counts as run until its status time plus
@@ -2507,6 +2518,74 @@ impl Hooks {
         .await
         .expect("webhook deliveries did not arrive");
     }
+}
+
+/// The blocking read's answers when its message id is taken: a read being run elsewhere answers as stored, one whose
+/// run lapsed is taken over and its webhooks hear the outcome, and a panicking read fails its call alone.
+#[tokio::test]
+async fn a_blocking_read_over_a_stored_task_answers_or_takes_it_over() {
+    let (hook_url, hooks) = start_hooks().await;
+    let options = ServerOptions {
+        push: loams_a2a::PushOptions {
+            allow_private_targets: true,
+            backoff: Duration::from_millis(20),
+            ..loams_a2a::PushOptions::default()
+        },
+        ..fast_polling()
+    };
+    let store = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let agent = start_with(store.clone(), options).await;
+    let set_lease = |until_ms: i64| {
+        move |record: &mut Value| {
+            record["task"]["status"]["state"] = json!("TASK_STATE_WORKING");
+            record["lease_until_ms"] = json!(until_ms);
+        }
+    };
+    let now_ms = SystemClock.now_ms();
+    let run =
+        |resp: &Value| resp["result"]["task"]["artifacts"][0]["parts"][0]["data"]["run"].clone();
+
+    let first = agent.send("m-peek", "peek", json!({})).await;
+    assert_eq!(run(&first), 1, "{first}");
+
+    // Stored as being run by another request (its lease is on): the answer is that WORKING task.
+    rewrite_stored(store.as_ref(), "m-peek", set_lease(now_ms + 60_000)).await;
+    let running = agent.send("m-peek", "peek", json!({})).await;
+    let state = &running["result"]["task"]["status"]["state"];
+    assert_eq!(state, "TASK_STATE_WORKING", "{running}");
+
+    // Its run lapsed (the process died): this read takes the task over, and the task's webhook hears of it.
+    let (status, _, config) = agent
+        .rest(
+            Method::POST,
+            "/tasks/m-peek/pushNotificationConfigs",
+            Some(json!({"url": format!("{hook_url}/peek")})),
+        )
+        .await;
+    assert_eq!(status, 200, "{config}");
+    rewrite_stored(store.as_ref(), "m-peek", set_lease(now_ms - 1)).await;
+    let taken = agent.send("m-peek", "peek", json!({})).await;
+    assert_eq!(run(&taken), 3, "{taken}");
+    let got = agent.rpc("GetTask", json!({"id": "m-peek"})).await;
+    assert_eq!(got["result"]["artifacts"][0]["parts"][0]["data"]["run"], 3);
+    hooks
+        .wait_for(|seen| {
+            seen.iter().any(|(p, _, body)| {
+                p == "/peek"
+                    && body["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+                    && body["task"]["artifacts"][0]["parts"][0]["data"]["run"] == 3
+            })
+        })
+        .await;
+
+    let exploded = agent.send("m-explode", "explode", json!({})).await;
+    assert_error(&exploded, -32603, "");
+    assert_eq!(
+        exploded["error"]["message"],
+        "the skill run ended abnormally: it panicked"
+    );
+    let after = agent.send("m-after", "peek", json!({})).await;
+    assert_eq!(run(&after), 5, "the agent goes on serving");
 }
 
 #[tokio::test]

@@ -12,6 +12,9 @@
 //! Plain reads of a file database go to a small pool of read-only connections on tokio's blocking pool: under
 //! WAL they see the last committed state without waiting for the writer. An in-memory database is private to its
 //! connection, so it has no readers and its reads are calls to the writer.
+//!
+//! A file database also has a checkpointer thread, which copies the WAL into the database file as commits come in,
+//! so the writer seldom stops for that copy and its syncs (see `WRITER_CHECKPOINT_PAGES`).
 
 mod queue;
 mod store;
@@ -48,7 +51,8 @@ const MAX_GROUP: usize = 64;
 /// copies the WAL into the database file as it grows, so the writer seldom has more than a few pages left to copy;
 /// what it cannot hand off is the final step that lets the WAL start over, which waits for a sync of the database
 /// file. At the default that wait came every second or so of busy writing and set the tail latency (a2a agent
-/// benchmark: p99 9 ms; at 20,000 pages 2.5 ms). The WAL file grows to about this many pages (40 MB).
+/// benchmark, docs/benchmarks.md: p99 9 ms, about 5 ms with the checkpointer and this value). More pages would space
+/// the waits further, but the WAL file grows to about this many pages (here 40 MB) and stays that large.
 const WRITER_CHECKPOINT_PAGES: i64 = 10_000;
 /// Least time between two checkpoints of the checkpointer thread: each syncs the WAL and the database file, so
 /// this bounds the syncs it adds to the writer's.
