@@ -287,8 +287,8 @@ impl A2aClient {
 
     /// Runs `skill` with `args` under `message_id` (the step id): repeats with the same id return
     /// the first outcome instead of running the skill again (a read skill may run again; the
-    /// answer is still the first outcome). A gated call names its settled
-    /// approval in the message metadata (`approval_id`), for the agent to check against the call.
+    /// answer is still the first outcome). A gated call names its settled approval in the
+    /// message metadata (`approval_id`), for the agent to check against the call.
     pub async fn call(
         &self,
         message_id: &str,

@@ -7,8 +7,8 @@ use serde_json::Value;
 /// policy can gate on it without trusting the skill's free-text description.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Risk {
-    /// Changes nothing at the app: a blocking call of it is not claimed before it runs, so a repeat of its message
-    /// id may run it again (it answers the stored outcome).
+    /// Changes nothing at the app: a blocking call of it without a push config is not claimed before it runs, so a
+    /// repeat of its message id may run it again (it answers the stored outcome).
     Read,
     /// Changes something at the app: runs once per message id.
     Write,

@@ -324,6 +324,13 @@ impl Agent {
         self.store.put_item(&item, cond).await
     }
 
+    /// The stored bytes of the WORKING `record` with this request's lease, which starts with the write that takes
+    /// it, whatever came before.
+    fn leased(&self, record: &mut StoredTask) -> Result<Vec<u8>, A2AError> {
+        record.lease_until_ms = Some(now_ms().saturating_add(self.lease_ms()));
+        storable(record)
+    }
+
     /// How long a stored WORKING task counts as being run by the request that stored it.
     fn lease_ms(&self) -> i64 {
         i64::try_from(self.options.claim_lease.as_millis()).unwrap_or(i64::MAX)
@@ -360,21 +367,25 @@ enum Claimed {
 }
 
 /// Stores `record` as the claim on its message id: WORKING with this request's lease, or (a read, see
-/// [`read_once`]) already finished. The task item is its own claim, so starting a call is one conditional write. A
-/// task left by a process that died (lease over), or a failure that may be repeated, is taken over at its version;
-/// of two requests racing for it, one wins.
+/// [`read_then_store`]) already finished. The task item is its own claim, so starting a call is one conditional
+/// write. A task left by a process that died (lease over), or a failure that may be repeated, is taken over at its
+/// version; of two requests racing for it, one wins.
+///
+/// `body` is the record's stored bytes ([`Agent::leased`] for a WORKING one); each further try renews them.
 async fn claim(
     agent: &Agent,
     record: &mut StoredTask,
     caller: &Principal,
+    body: Vec<u8>,
 ) -> Result<Claimed, A2AError> {
     let mut cond = Cond::Absent;
+    let mut first = Some(body);
     for _ in 0..CLAIM_ATTEMPTS {
-        // The lease starts with the write that takes it, whatever came before.
-        if !settled(&record.task.status.state) {
-            record.lease_until_ms = Some(now_ms().saturating_add(agent.lease_ms()));
-        }
-        let body = storable(record)?;
+        let body = match first.take() {
+            Some(body) => body,
+            None if settled(&record.task.status.state) => storable(record)?,
+            None => agent.leased(record)?,
+        };
         match agent.put(record, body, cond).await {
             Ok(version) => {
                 let replaced = cond != Cond::Absent;
@@ -502,7 +513,7 @@ pub(crate) enum Begun {
 /// WORKING task (which is the claim on the id, see [`claim`]), ask the approval gate, then spawn
 /// the run. A repeat of the same call by the same caller gets the stored task (the WORKING one
 /// during the run); the id reused for another call or by another caller is refused. The exception
-/// is a read the caller waits for (`waits`: a blocking SendMessage), see [`read_once`].
+/// is a read the caller waits for (`waits`: a blocking SendMessage), see [`read_then_store`].
 ///
 /// An approval binds agent, skill and args, not the message id: another message id carrying the
 /// same approved call is admitted and repeats the identical action, which the app treats as a
@@ -588,11 +599,12 @@ pub(crate) async fn begin(
         crate::push::check_config(config, &agent.options.push)?;
     }
     if risk == Risk::Read && waits && push.is_none() {
-        return read_once(agent, caller, record, skill, args).await;
+        return read_then_store(agent, caller, record, skill, args).await;
     }
     // The WORKING task is stored before anyone is told about it: with returnImmediately the caller's next
     // request may reach another process. A repeat of a stored call ends here, without asking the gate.
-    let version = match claim(agent, &mut record, caller).await? {
+    let body = agent.leased(&mut record)?;
+    let version = match claim(agent, &mut record, caller, body).await? {
         Claimed::Ours { version, .. } => version,
         // A finished task sends no more updates: a webhook given now has nothing to get.
         Claimed::Finished(task) => return Ok(Begun::Stored(task)),
@@ -643,9 +655,10 @@ pub(crate) async fn begin(
 /// changes nothing at its app, so running it more than once does no harm, and it needs no claim. What that changes:
 /// until the read ends its task is not stored (GetTask, CancelTask, SubscribeToTask and push-config calls on its id
 /// answer TaskNotFound, and no push config can name it, so none is read); a process that dies during it stores
-/// nothing; a repeat of a stored call runs the read again and answers the stored task, as [`claim`] finds it; and a
-/// message id reused for another call runs the read before the request is refused.
-async fn read_once(
+/// nothing, as does a caller leaving before the answer (the read stops with its request); a repeat of a stored call
+/// runs the read again and answers the stored task, as [`claim`] finds it; and a message id reused for another call
+/// runs the read before the request is refused.
+async fn read_then_store(
     agent: &Arc<Agent>,
     caller: &Principal,
     mut record: StoredTask,
@@ -654,11 +667,11 @@ async fn read_once(
 ) -> Result<Begun, A2AError> {
     let admitted = scope_refusal(agent, caller, &skill, Risk::Read).map_or(Ok(()), Err);
     // A skill that panics fails its call alone, as a spawned run does (see `finish`).
-    AssertUnwindSafe(settle(agent, &mut record, &skill, args, admitted))
+    let body = AssertUnwindSafe(settle(agent, &mut record, &skill, args, admitted))
         .catch_unwind()
         .await
         .map_err(|_| A2AError::internal("the skill run ended abnormally: it panicked"))??;
-    Ok(match claim(agent, &mut record, caller).await? {
+    Ok(match claim(agent, &mut record, caller, body).await? {
         Claimed::Ours { replaced, .. } => {
             if replaced {
                 // The task taken over was stored before, and may have push configs.

@@ -44,8 +44,8 @@ impl AgentReply {
 }
 
 /// Calls an agent's skill with the step id as A2A `messageId`, so a repeated call is answered from the agent's
-/// task store and performs nothing twice (a read may run again; its answer is the stored one). A gated call names its settled approval, which the agent checks against
-/// the call before acting.
+/// task store and performs nothing twice (a read may run again; its answer is the stored one). A gated call names
+/// its settled approval, which the agent checks against the call before acting.
 #[async_trait]
 pub trait AgentCaller: Send + Sync {
     async fn call(
