@@ -29,6 +29,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -379,12 +380,14 @@ enum Call {
 }
 
 enum Reply {
-    Value(Value),
+    /// The result, serialised.
+    Value(Box<RawValue>),
     Events(mpsc::Receiver<Result<StreamResponse, A2AError>>),
 }
 
-fn to_value<T: serde::Serialize>(v: &T) -> Result<Value, A2AError> {
-    serde_json::to_value(v).map_err(|e| A2AError::internal(format!("serialising the result: {e}")))
+fn to_value<T: serde::Serialize>(v: &T) -> Result<Box<RawValue>, A2AError> {
+    serde_json::value::to_raw_value(v)
+        .map_err(|e| A2AError::internal(format!("serialising the result: {e}")))
 }
 
 async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<Reply, A2AError> {
@@ -469,7 +472,7 @@ async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<R
         Call::DeletePush(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
             push::delete(agent, caller, &req).await?;
-            json!({})
+            to_value(&json!({}))?
         }
     };
     Ok(Reply::Value(value))
@@ -480,7 +483,7 @@ fn spawn_follow(agent: &Arc<Agent>, caller: &Principal, first: a2a::Task, tx: Ev
 }
 
 /// The card as this caller sees it: the public card plus the caller-limits extension, signed.
-fn extended_card(agent: &Agent, caller: &Principal) -> Result<Value, A2AError> {
+fn extended_card(agent: &Agent, caller: &Principal) -> Result<Box<RawValue>, A2AError> {
     let mut card = agent.card.clone();
     let gated: Vec<Value> = agent
         .card
@@ -562,6 +565,31 @@ fn rpc_response(status: StatusCode, resp: &JsonRpcResponse) -> Response {
     }
 }
 
+/// A success response around the serialised `result`: [`JsonRpcResponse`] holds a `Value`, which would parse the
+/// result again only to write it out.
+fn rpc_success(id: &JsonRpcId, result: &RawValue) -> Response {
+    #[derive(serde::Serialize)]
+    struct Success<'a> {
+        jsonrpc: &'static str,
+        id: &'a JsonRpcId,
+        result: &'a RawValue,
+    }
+    let body = Success {
+        jsonrpc: "2.0",
+        id,
+        result,
+    };
+    match serde_json::to_vec(&body) {
+        Ok(body) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
 fn rpc_error(id: JsonRpcId, e: &A2AError) -> Response {
     rpc_response(
         StatusCode::OK,
@@ -611,9 +639,7 @@ async fn serve_jsonrpc(
         Err(e) => Err(e),
     };
     match outcome {
-        Ok(Reply::Value(result)) => {
-            rpc_response(StatusCode::OK, &JsonRpcResponse::success(id, result))
-        }
+        Ok(Reply::Value(result)) => rpc_success(&id, &result),
         Ok(Reply::Events(rx)) => sse(rx, move |item| {
             let resp = match item {
                 Ok(event) => match serde_json::to_value(&event) {
@@ -680,8 +706,25 @@ fn snake_to_camel(name: &str) -> String {
     out
 }
 
+/// Whether a key of `value` outside free JSON is a proto field name (has an underscore). Most requests have none and
+/// are read as they are, without the copy [`proto_names_to_json`] makes.
+fn has_proto_names(value: &Value) -> bool {
+    match value {
+        Value::Object(map) => map.iter().any(|(key, v)| {
+            key.contains('_') || (!FREE_JSON_FIELDS.contains(&key.as_str()) && has_proto_names(v))
+        }),
+        Value::Array(items) => items.iter().any(has_proto_names),
+        _ => false,
+    }
+}
+
 fn parse_params<T: serde::de::DeserializeOwned>(params: Value) -> Result<T, A2AError> {
-    serde_json::from_value(proto_names_to_json(params))
+    let params = if has_proto_names(&params) {
+        proto_names_to_json(params)
+    } else {
+        params
+    };
+    serde_json::from_value(params)
         .map_err(|e| A2AError::invalid_params(format!("invalid params: {e}")))
 }
 
@@ -950,7 +993,12 @@ async fn serve_rest(
         Err(e) => Err(e),
     };
     match outcome {
-        Ok(Reply::Value(v)) => a2a_json(StatusCode::OK, media, &v),
+        Ok(Reply::Value(v)) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, media)],
+            v.get().to_owned(),
+        )
+            .into_response(),
         Ok(Reply::Events(rx)) => sse(rx, |item| match item {
             Ok(event) => serde_json::to_string(&event).unwrap_or_default(),
             Err(e) => rest_error_body(&e).1.to_string(),
@@ -1094,6 +1142,11 @@ mod tests {
 
     #[test]
     fn proto_field_names_are_read_as_json_names_outside_free_json() {
+        let free = json!({"messageId": "m", "parts": [{"data": {"issue_id": 7}}], "metadata": {"approval_id": "a"}});
+        assert!(!has_proto_names(&free), "keys of free JSON are data");
+        assert!(has_proto_names(
+            &json!({"message": {"parts": [{"media_type": "x"}]}})
+        ));
         let got = proto_names_to_json(json!({
             "task_id": "t",
             "history_length": 1,
