@@ -9,18 +9,25 @@
 //! a2a_load --url http://127.0.0.1:PORT [--connections 16] [--seconds 10] [--warmup 2] [--token T] [--label L]
 //! ```
 //!
-//! A request counts as an error unless the answer is HTTP 200 with a task in state COMPLETED.
+//! A request counts as an error unless the answer is HTTP 200 with a task in state COMPLETED. The
+//! client is hyper's HTTP/1.1 connection itself (plain `http://` only), so that the tool spends as
+//! little of its core per request as it can and the agent under test, not the tool, sets the pace.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use serde::Deserialize;
+use serde_json::json;
 
-const USAGE: &str = "usage: a2a_load --url URL [--connections N] [--seconds S] [--warmup S] [--token T] [--label L]";
+const USAGE: &str = "usage: a2a_load --url http://HOST:PORT[/PATH] [--connections N] [--seconds S] [--warmup S] [--token T] [--label L]";
 
 struct Options {
-    url: String,
+    url: hyper::Uri,
     connections: usize,
     seconds: u64,
     warmup: u64,
@@ -29,8 +36,9 @@ struct Options {
 }
 
 fn options() -> Result<Options, Box<dyn std::error::Error>> {
+    let mut url = String::new();
     let mut o = Options {
-        url: String::new(),
+        url: hyper::Uri::default(),
         connections: 16,
         seconds: 10,
         warmup: 2,
@@ -41,7 +49,7 @@ fn options() -> Result<Options, Box<dyn std::error::Error>> {
     while let Some(arg) = args.next() {
         let mut value = || args.next().ok_or(USAGE);
         match arg.as_str() {
-            "--url" => o.url = value()?,
+            "--url" => url = value()?,
             "--connections" => o.connections = value()?.parse()?,
             "--seconds" => o.seconds = value()?.parse()?,
             "--warmup" => o.warmup = value()?.parse()?,
@@ -50,15 +58,79 @@ fn options() -> Result<Options, Box<dyn std::error::Error>> {
             _ => return Err(USAGE.into()),
         }
     }
-    if o.url.is_empty() || o.connections == 0 {
+    o.url = url.parse()?;
+    if o.url.scheme_str() != Some("http") || o.url.authority().is_none() || o.connections == 0 {
         return Err(USAGE.into());
     }
     Ok(o)
 }
 
+/// The part of a SendMessage answer the tool checks; the rest is skipped unread.
+#[derive(Deserialize)]
+struct Answer<'a> {
+    #[serde(borrow)]
+    result: Option<AnswerResult<'a>>,
+}
+#[derive(Deserialize)]
+struct AnswerResult<'a> {
+    #[serde(borrow)]
+    task: Option<AnswerTask<'a>>,
+}
+#[derive(Deserialize)]
+struct AnswerTask<'a> {
+    #[serde(borrow)]
+    status: AnswerStatus<'a>,
+}
+#[derive(Deserialize)]
+struct AnswerStatus<'a> {
+    state: &'a str,
+}
+
 fn completed(body: &[u8]) -> bool {
-    serde_json::from_slice::<Value>(body)
-        .is_ok_and(|v| v["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED")
+    serde_json::from_slice::<Answer>(body).is_ok_and(|a| {
+        a.result
+            .and_then(|r| r.task)
+            .is_some_and(|t| t.status.state == "TASK_STATE_COMPLETED")
+    })
+}
+
+/// A fresh keep-alive connection to the agent.
+async fn connect(url: &hyper::Uri) -> Result<SendRequest<Full<Bytes>>, String> {
+    let authority = url.authority().ok_or(USAGE)?.as_str();
+    let stream = tokio::net::TcpStream::connect(authority)
+        .await
+        .map_err(|e| format!("connecting to {authority}: {e}"))?;
+    stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(connection);
+    Ok(sender)
+}
+
+/// Sends one call on `sender`; whether it was answered with a COMPLETED task.
+async fn call(sender: &mut SendRequest<Full<Bytes>>, o: &Options, body: String) -> bool {
+    let authority = o.url.authority().map_or("", |a| a.as_str());
+    let mut req = hyper::Request::post(o.url.path())
+        .header("host", authority)
+        .header("a2a-version", "1.0")
+        .header("content-type", "application/json");
+    if let Some(t) = &o.token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let Ok(req) = req.body(Full::new(Bytes::from(body))) else {
+        return false;
+    };
+    if sender.ready().await.is_err() {
+        return false;
+    }
+    match sender.send_request(req).await {
+        Ok(resp) if resp.status().is_success() => match resp.into_body().collect().await {
+            Ok(body) => completed(&body.to_bytes()),
+            Err(_) => false,
+        },
+        _ => false,
+    }
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -72,11 +144,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (o, run, measuring, errors) =
             (o.clone(), run.clone(), measuring.clone(), errors.clone());
         workers.push(tokio::spawn(async move {
-            // One client per worker: one connection each, as a load tool's `-c` means.
-            let client = reqwest::Client::builder()
-                .pool_max_idle_per_host(1)
-                .build()
-                .map_err(|e| e.to_string())?;
+            // One connection per worker, as a load tool's `-c` means; a broken one is replaced.
+            let mut sender = connect(&o.url).await?;
             let mut latencies: Vec<u32> = Vec::with_capacity(1 << 16);
             let mut n: u64 = 0;
             while run.load(Ordering::Relaxed) {
@@ -85,21 +154,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     "message": {"messageId": format!("bench-{worker}-{n}-{}", std::process::id()),
                         "role": "ROLE_USER",
                         "parts": [{"data": {"skill": "echo", "args": {"text": "hello"}}}]}}});
-                let mut req = client
-                    .post(&o.url)
-                    .header("A2A-Version", "1.0")
-                    .header("content-type", "application/json")
-                    .body(body.to_string());
-                if let Some(t) = &o.token {
-                    req = req.bearer_auth(t);
-                }
                 let start = Instant::now();
-                let ok = match req.send().await {
-                    Ok(resp) if resp.status().is_success() => {
-                        resp.bytes().await.is_ok_and(|b| completed(&b))
-                    }
-                    _ => false,
-                };
+                let ok = call(&mut sender, &o, body.to_string()).await;
                 let micros = u32::try_from(start.elapsed().as_micros()).unwrap_or(u32::MAX);
                 if measuring.load(Ordering::Relaxed) {
                     if ok {
@@ -107,6 +163,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     } else {
                         errors.fetch_add(1, Ordering::Relaxed);
                     }
+                }
+                if sender.is_closed() {
+                    sender = connect(&o.url).await?;
                 }
             }
             Ok::<_, String>(latencies)
