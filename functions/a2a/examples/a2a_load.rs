@@ -9,7 +9,7 @@
 //! a2a_load --url http://127.0.0.1:PORT [--connections 16] [--seconds 10] [--warmup 2] [--token T] [--label L]
 //! ```
 //!
-//! A request counts as an error unless the answer is HTTP 200 with a task in state COMPLETED. The
+//! A request counts as an error unless the answer is HTTP 2xx with a task in state COMPLETED. The
 //! client is hyper's HTTP/1.1 connection itself (plain `http://` only), so that the tool spends as
 //! little of its core per request as it can and the agent under test, not the tool, sets the pace.
 
@@ -59,7 +59,8 @@ fn options() -> Result<Options, Box<dyn std::error::Error>> {
         }
     }
     o.url = url.parse()?;
-    if o.url.scheme_str() != Some("http") || o.url.authority().is_none() || o.connections == 0 {
+    let has_port = o.url.authority().and_then(|a| a.port_u16()).is_some();
+    if o.url.scheme_str() != Some("http") || !has_port || o.connections == 0 {
         return Err(USAGE.into());
     }
     Ok(o)
@@ -108,10 +109,32 @@ async fn connect(url: &hyper::Uri) -> Result<SendRequest<Full<Bytes>>, String> {
     Ok(sender)
 }
 
-/// Sends one call on `sender`; whether it was answered with a COMPLETED task.
-async fn call(sender: &mut SendRequest<Full<Bytes>>, o: &Options, body: String) -> bool {
+/// A worker's connection, opened again when the agent closed it.
+struct Connection {
+    sender: Option<SendRequest<Full<Bytes>>>,
+}
+
+impl Connection {
+    /// A connection ready to send on: the open one, or a new one if the agent closed it.
+    async fn ready(&mut self, url: &hyper::Uri) -> Result<&mut SendRequest<Full<Bytes>>, String> {
+        if let Some(sender) = &mut self.sender
+            && sender.ready().await.is_err()
+        {
+            self.sender = None;
+        }
+        if self.sender.is_none() {
+            self.sender = Some(connect(url).await?);
+        }
+        Ok(self.sender.as_mut().expect("connected above"))
+    }
+}
+
+/// Sends one call; whether it was answered with a COMPLETED task. A connection that cannot be opened, or fails
+/// during the call, is an error of this call, and the next call opens a new one.
+async fn call(conn: &mut Connection, o: &Options, body: String) -> bool {
     let authority = o.url.authority().map_or("", |a| a.as_str());
-    let mut req = hyper::Request::post(o.url.path())
+    let path = o.url.path_and_query().map_or("/", |p| p.as_str());
+    let mut req = hyper::Request::post(path)
         .header("host", authority)
         .header("a2a-version", "1.0")
         .header("content-type", "application/json");
@@ -121,15 +144,21 @@ async fn call(sender: &mut SendRequest<Full<Bytes>>, o: &Options, body: String) 
     let Ok(req) = req.body(Full::new(Bytes::from(body))) else {
         return false;
     };
-    if sender.ready().await.is_err() {
+    let Ok(sender) = conn.ready(&o.url).await else {
         return false;
-    }
-    match sender.send_request(req).await {
-        Ok(resp) if resp.status().is_success() => match resp.into_body().collect().await {
-            Ok(body) => completed(&body.to_bytes()),
-            Err(_) => false,
-        },
-        _ => false,
+    };
+    let Ok(resp) = sender.send_request(req).await else {
+        conn.sender = None;
+        return false;
+    };
+    let success = resp.status().is_success();
+    // Read every answer whole, a refusal too, so the connection stays usable for the next call.
+    match resp.into_body().collect().await {
+        Ok(body) => success && completed(&body.to_bytes()),
+        Err(_) => {
+            conn.sender = None;
+            false
+        }
     }
 }
 
@@ -145,7 +174,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             (o.clone(), run.clone(), measuring.clone(), errors.clone());
         workers.push(tokio::spawn(async move {
             // One connection per worker, as a load tool's `-c` means; a broken one is replaced.
-            let mut sender = connect(&o.url).await?;
+            let mut conn = Connection {
+                sender: Some(connect(&o.url).await?),
+            };
             let mut latencies: Vec<u32> = Vec::with_capacity(1 << 16);
             let mut n: u64 = 0;
             while run.load(Ordering::Relaxed) {
@@ -155,7 +186,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                         "role": "ROLE_USER",
                         "parts": [{"data": {"skill": "echo", "args": {"text": "hello"}}}]}}});
                 let start = Instant::now();
-                let ok = call(&mut sender, &o, body.to_string()).await;
+                let ok = call(&mut conn, &o, body.to_string()).await;
                 let micros = u32::try_from(start.elapsed().as_micros()).unwrap_or(u32::MAX);
                 if measuring.load(Ordering::Relaxed) {
                     if ok {
@@ -163,9 +194,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     } else {
                         errors.fetch_add(1, Ordering::Relaxed);
                     }
-                }
-                if sender.is_closed() {
-                    sender = connect(&o.url).await?;
                 }
             }
             Ok::<_, String>(latencies)

@@ -385,7 +385,7 @@ enum Reply {
     Events(mpsc::Receiver<Result<StreamResponse, A2AError>>),
 }
 
-fn to_value<T: serde::Serialize>(v: &T) -> Result<Box<RawValue>, A2AError> {
+fn to_raw<T: serde::Serialize>(v: &T) -> Result<Box<RawValue>, A2AError> {
     serde_json::value::to_raw_value(v)
         .map_err(|e| A2AError::internal(format!("serialising the result: {e}")))
 }
@@ -403,12 +403,12 @@ async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<R
                 Begun::Started(task, _) if immediately => task,
                 Begun::Started(_, run) => tasks::finish(run).await?,
                 Begun::Reply(message) => {
-                    return Ok(Reply::Value(to_value(&SendMessageResponse::Message(
+                    return Ok(Reply::Value(to_raw(&SendMessageResponse::Message(
                         message,
                     ))?));
                 }
             };
-            to_value(&SendMessageResponse::Task(tasks::trim_history(
+            to_raw(&SendMessageResponse::Task(tasks::trim_history(
                 task, history,
             )))?
         }
@@ -439,15 +439,15 @@ async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<R
         }
         Call::Get(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
-            to_value(&tasks::get_task(agent, caller, &req.id, req.history_length).await?)?
+            to_raw(&tasks::get_task(agent, caller, &req.id, req.history_length).await?)?
         }
         Call::List(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
-            to_value(&tasks::list_tasks(agent, caller, &req).await?)?
+            to_raw(&tasks::list_tasks(agent, caller, &req).await?)?
         }
         Call::Cancel(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
-            to_value(&tasks::cancel_task(agent, caller, &req.id).await?)?
+            to_raw(&tasks::cancel_task(agent, caller, &req.id).await?)?
         }
         Call::Subscribe(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
@@ -459,20 +459,20 @@ async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<R
         Call::ExtendedCard => extended_card(agent, caller)?,
         Call::CreatePush(config) => {
             check_tenant(agent, config.tenant.as_deref())?;
-            to_value(&push::create(agent, caller, config).await?)?
+            to_raw(&push::create(agent, caller, config).await?)?
         }
         Call::GetPush(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
-            to_value(&push::get(agent, caller, &req).await?)?
+            to_raw(&push::get(agent, caller, &req).await?)?
         }
         Call::ListPush(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
-            to_value(&push::list(agent, caller, &req).await?)?
+            to_raw(&push::list(agent, caller, &req).await?)?
         }
         Call::DeletePush(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
             push::delete(agent, caller, &req).await?;
-            to_value(&json!({}))?
+            to_raw(&json!({}))?
         }
     };
     Ok(Reply::Value(value))
@@ -525,7 +525,7 @@ fn extended_card(agent: &Agent, caller: &Principal) -> Result<Box<RawValue>, A2A
         .signer
         .sign(&card)
         .map_err(|e| A2AError::internal(format!("signing the extended card: {e}")))?;
-    to_value(&signed)
+    to_raw(&signed)
 }
 
 /// Every request: the card, JSON-RPC at the root, or an HTTP+JSON route.
@@ -558,7 +558,7 @@ async fn serve(
 // JSON-RPC binding (A2A §9)
 // ---------------------------------------------------------------------------------------------
 
-fn rpc_response(status: StatusCode, resp: &JsonRpcResponse) -> Response {
+fn rpc_response(status: StatusCode, resp: &impl serde::Serialize) -> Response {
     match serde_json::to_vec(resp) {
         Ok(body) => (status, [(header::CONTENT_TYPE, "application/json")], body).into_response(),
         Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
@@ -579,15 +579,7 @@ fn rpc_success(id: &JsonRpcId, result: &RawValue) -> Response {
         id,
         result,
     };
-    match serde_json::to_vec(&body) {
-        Ok(body) => (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, "application/json")],
-            body,
-        )
-            .into_response(),
-        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
-    }
+    rpc_response(StatusCode::OK, &body)
 }
 
 fn rpc_error(id: JsonRpcId, e: &A2AError) -> Response {
@@ -882,8 +874,8 @@ fn status_body(http: StatusCode, status: &str, message: &str, reason: Option<&st
     json!({"error": {"code": http.as_u16(), "status": status, "message": message, "details": details}})
 }
 
-fn a2a_json(status: StatusCode, media: &'static str, body: &Value) -> Response {
-    (status, [(header::CONTENT_TYPE, media)], body.to_string()).into_response()
+fn a2a_json(status: StatusCode, media: &'static str, body: String) -> Response {
+    (status, [(header::CONTENT_TYPE, media)], body).into_response()
 }
 
 /// The media type of HTTP+JSON responses: `application/a2a+json` (A2A 1.0.1 §11) for a client
@@ -918,7 +910,7 @@ fn rest_error_body(e: &A2AError) -> (StatusCode, Value) {
 
 fn rest_error(e: &A2AError, media: &'static str) -> Response {
     let (http, body) = rest_error_body(e);
-    a2a_json(http, media, &body)
+    a2a_json(http, media, body.to_string())
 }
 
 /// First path segments of the HTTP+JSON routes; anything else in front of them is a tenant.
@@ -942,7 +934,7 @@ async fn serve_rest(
         a2a_json(
             StatusCode::NOT_FOUND,
             media,
-            &status_body(StatusCode::NOT_FOUND, "NOT_FOUND", "no such route", None),
+            status_body(StatusCode::NOT_FOUND, "NOT_FOUND", "no such route", None).to_string(),
         )
     };
     let Some(segments) = path
@@ -982,7 +974,8 @@ async fn serve_rest(
             } else {
                 "UNAVAILABLE"
             };
-            let resp = a2a_json(status, media, &status_body(status, name, &message, None));
+            let body = status_body(status, name, &message, None).to_string();
+            let resp = a2a_json(status, media, body);
             return with_challenge(resp, status);
         }
     };
@@ -993,12 +986,7 @@ async fn serve_rest(
         Err(e) => Err(e),
     };
     match outcome {
-        Ok(Reply::Value(v)) => (
-            StatusCode::OK,
-            [(header::CONTENT_TYPE, media)],
-            v.get().to_owned(),
-        )
-            .into_response(),
+        Ok(Reply::Value(v)) => a2a_json(StatusCode::OK, media, Box::<str>::from(v).into_string()),
         Ok(Reply::Events(rx)) => sse(rx, |item| match item {
             Ok(event) => serde_json::to_string(&event).unwrap_or_default(),
             Err(e) => rest_error_body(&e).1.to_string(),
