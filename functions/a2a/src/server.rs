@@ -29,7 +29,6 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
-use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -380,14 +379,13 @@ enum Call {
 }
 
 enum Reply {
-    /// The result, serialised.
-    Value(Box<RawValue>),
+    /// The result, serialised as JSON.
+    Value(String),
     Events(mpsc::Receiver<Result<StreamResponse, A2AError>>),
 }
 
-fn to_raw<T: serde::Serialize>(v: &T) -> Result<Box<RawValue>, A2AError> {
-    serde_json::value::to_raw_value(v)
-        .map_err(|e| A2AError::internal(format!("serialising the result: {e}")))
+fn to_json<T: serde::Serialize>(v: &T) -> Result<String, A2AError> {
+    serde_json::to_string(v).map_err(|e| A2AError::internal(format!("serialising the result: {e}")))
 }
 
 async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<Reply, A2AError> {
@@ -403,12 +401,12 @@ async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<R
                 Begun::Started(task, _) if immediately => task,
                 Begun::Started(_, run) => tasks::finish(run).await?,
                 Begun::Reply(message) => {
-                    return Ok(Reply::Value(to_raw(&SendMessageResponse::Message(
+                    return Ok(Reply::Value(to_json(&SendMessageResponse::Message(
                         message,
                     ))?));
                 }
             };
-            to_raw(&SendMessageResponse::Task(tasks::trim_history(
+            to_json(&SendMessageResponse::Task(tasks::trim_history(
                 task, history,
             )))?
         }
@@ -439,15 +437,15 @@ async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<R
         }
         Call::Get(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
-            to_raw(&tasks::get_task(agent, caller, &req.id, req.history_length).await?)?
+            to_json(&tasks::get_task(agent, caller, &req.id, req.history_length).await?)?
         }
         Call::List(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
-            to_raw(&tasks::list_tasks(agent, caller, &req).await?)?
+            to_json(&tasks::list_tasks(agent, caller, &req).await?)?
         }
         Call::Cancel(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
-            to_raw(&tasks::cancel_task(agent, caller, &req.id).await?)?
+            to_json(&tasks::cancel_task(agent, caller, &req.id).await?)?
         }
         Call::Subscribe(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
@@ -459,20 +457,20 @@ async fn execute(agent: &Arc<Agent>, caller: &Principal, call: Call) -> Result<R
         Call::ExtendedCard => extended_card(agent, caller)?,
         Call::CreatePush(config) => {
             check_tenant(agent, config.tenant.as_deref())?;
-            to_raw(&push::create(agent, caller, config).await?)?
+            to_json(&push::create(agent, caller, config).await?)?
         }
         Call::GetPush(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
-            to_raw(&push::get(agent, caller, &req).await?)?
+            to_json(&push::get(agent, caller, &req).await?)?
         }
         Call::ListPush(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
-            to_raw(&push::list(agent, caller, &req).await?)?
+            to_json(&push::list(agent, caller, &req).await?)?
         }
         Call::DeletePush(req) => {
             check_tenant(agent, req.tenant.as_deref())?;
             push::delete(agent, caller, &req).await?;
-            to_raw(&json!({}))?
+            to_json(&json!({}))?
         }
     };
     Ok(Reply::Value(value))
@@ -483,7 +481,7 @@ fn spawn_follow(agent: &Arc<Agent>, caller: &Principal, first: a2a::Task, tx: Ev
 }
 
 /// The card as this caller sees it: the public card plus the caller-limits extension, signed.
-fn extended_card(agent: &Agent, caller: &Principal) -> Result<Box<RawValue>, A2AError> {
+fn extended_card(agent: &Agent, caller: &Principal) -> Result<String, A2AError> {
     let mut card = agent.card.clone();
     let gated: Vec<Value> = agent
         .card
@@ -525,7 +523,7 @@ fn extended_card(agent: &Agent, caller: &Principal) -> Result<Box<RawValue>, A2A
         .signer
         .sign(&card)
         .map_err(|e| A2AError::internal(format!("signing the extended card: {e}")))?;
-    to_raw(&signed)
+    to_json(&signed)
 }
 
 /// Every request: the card, JSON-RPC at the root, or an HTTP+JSON route.
@@ -558,28 +556,23 @@ async fn serve(
 // JSON-RPC binding (A2A §9)
 // ---------------------------------------------------------------------------------------------
 
-fn rpc_response(status: StatusCode, resp: &impl serde::Serialize) -> Response {
-    match serde_json::to_vec(resp) {
-        Ok(body) => (status, [(header::CONTENT_TYPE, "application/json")], body).into_response(),
-        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
-    }
+fn rpc_response(status: StatusCode, resp: &JsonRpcResponse) -> Response {
+    rpc_json(status, serde_json::to_string(resp))
 }
 
 /// A success response around the serialised `result`: [`JsonRpcResponse`] holds a `Value`, which would parse the
 /// result again only to write it out.
-fn rpc_success(id: &JsonRpcId, result: &RawValue) -> Response {
-    #[derive(serde::Serialize)]
-    struct Success<'a> {
-        jsonrpc: &'static str,
-        id: &'a JsonRpcId,
-        result: &'a RawValue,
+fn rpc_success(id: &JsonRpcId, result: &str) -> Response {
+    let body = serde_json::to_string(id)
+        .map(|id| format!(r#"{{"jsonrpc":"2.0","id":{id},"result":{result}}}"#));
+    rpc_json(StatusCode::OK, body)
+}
+
+fn rpc_json(status: StatusCode, body: serde_json::Result<String>) -> Response {
+    match body {
+        Ok(body) => (status, [(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     }
-    let body = Success {
-        jsonrpc: "2.0",
-        id,
-        result,
-    };
-    rpc_response(StatusCode::OK, &body)
 }
 
 fn rpc_error(id: JsonRpcId, e: &A2AError) -> Response {
@@ -598,7 +591,7 @@ async fn serve_jsonrpc(
     if let Err(e) = check_content_type(headers) {
         return rpc_error(JsonRpcId::Null, &e);
     }
-    let value: Value = match serde_json::from_slice(body) {
+    let value: Value = match parse_json(body) {
         Ok(v) => v,
         Err(e) => {
             return rpc_error(
@@ -708,6 +701,15 @@ fn has_proto_names(value: &Value) -> bool {
         Value::Array(items) => items.iter().any(has_proto_names),
         _ => false,
     }
+}
+
+/// A request body as JSON. serde_json's private keys are refused before the parse, which they could make
+/// overflow the stack (see `loams_platform::has_serde_private_key`).
+fn parse_json(body: &[u8]) -> Result<Value, String> {
+    if loams_platform::has_serde_private_key(body) {
+        return Err("a string starts with serde_json's private prefix".into());
+    }
+    serde_json::from_slice(body).map_err(|e| e.to_string())
 }
 
 fn parse_params<T: serde::de::DeserializeOwned>(params: Value) -> Result<T, A2AError> {
@@ -986,7 +988,7 @@ async fn serve_rest(
         Err(e) => Err(e),
     };
     match outcome {
-        Ok(Reply::Value(v)) => a2a_json(StatusCode::OK, media, Box::<str>::from(v).into_string()),
+        Ok(Reply::Value(v)) => a2a_json(StatusCode::OK, media, v),
         Ok(Reply::Events(rx)) => sse(rx, |item| match item {
             Ok(event) => serde_json::to_string(&event).unwrap_or_default(),
             Err(e) => rest_error_body(&e).1.to_string(),
@@ -1003,7 +1005,7 @@ fn rest_route(
     body: &[u8],
 ) -> Option<Result<Call, A2AError>> {
     let json_body = || -> Result<SendMessageRequest, A2AError> {
-        let value: Value = serde_json::from_slice(body)
+        let value = parse_json(body)
             .map_err(|e| A2AError::invalid_params(format!("invalid request body: {e}")))?;
         parse_params(value)
     };
@@ -1039,15 +1041,13 @@ fn rest_route(
                 tenant: None,
             })
         }),
-        (Method::POST, ["tasks", task, "pushNotificationConfigs"]) => {
-            serde_json::from_slice::<Value>(body)
-                .map_err(|e| A2AError::invalid_params(format!("invalid request body: {e}")))
-                .and_then(parse_params::<TaskPushNotificationConfig>)
-                .map(|mut config| {
-                    config.task_id = (*task).to_string();
-                    Call::CreatePush(config)
-                })
-        }
+        (Method::POST, ["tasks", task, "pushNotificationConfigs"]) => parse_json(body)
+            .map_err(|e| A2AError::invalid_params(format!("invalid request body: {e}")))
+            .and_then(parse_params::<TaskPushNotificationConfig>)
+            .map(|mut config| {
+                config.task_id = (*task).to_string();
+                Call::CreatePush(config)
+            }),
         (Method::GET, ["tasks", task, "pushNotificationConfigs"]) => int_param(&param, "pageSize")
             .map(|page_size| {
                 Call::ListPush(ListTaskPushNotificationConfigsRequest {

@@ -2588,6 +2588,49 @@ async fn a_blocking_read_over_a_stored_task_answers_or_takes_it_over() {
     assert_eq!(run(&after), 5, "the agent goes on serving");
 }
 
+/// With serde_json's `raw_value` on (axum asks for it), a `Value` parse reads the string under the private key
+/// `$serde_json::private::RawValue` as JSON again, with a nesting limit of its own: nested, one body could go deep
+/// enough to overflow the stack and abort the process. Bodies holding the key, however escaped, are refused unparsed.
+#[tokio::test]
+async fn serde_json_private_keys_are_refused_before_parsing() {
+    let agent = start().await;
+    let mut nested = json!(1).to_string();
+    for _ in 0..8 {
+        nested = json!({"$serde_json::private::RawValue": nested}).to_string();
+    }
+    let rpc = format!(
+        r#"{{"jsonrpc":"2.0","id":3,"method":"SendMessage","params":{{"message":{{"messageId":"m-priv","role":"ROLE_USER","parts":[{{"data":{{"skill":"peek","args":{nested}}}}}]}}}}}}"#
+    );
+    let resp: Value = agent.rpc_raw(Some("1.0"), rpc).await.json().await.unwrap();
+    assert_error(&resp, -32700, "PARSE_ERROR");
+    // Sent as written: parsing it into a `Value` here would meet the same key.
+    let escaped = r#"{"message":{"messageId":"m-priv-2","role":"ROLE_USER","parts":[{"data":{"skill":"peek","args":{"\u0024serde_json::private::RawValue":"{}"}}}]}}"#;
+    let resp = agent
+        .http
+        .post(format!("{}/message:send", agent.base))
+        .header("A2A-Version", "1.0")
+        .header("content-type", "application/a2a+json")
+        .bearer_auth(token("agent:factory", "acme", &agent.base))
+        .body(escaped)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    assert_eq!(agent.calls(), 0, "nothing ran");
+    // The key as data of an ordinary string value is not a key: it passes.
+    let ok = agent
+        .send(
+            "m-after-priv",
+            "peek",
+            json!({"note": "serde_json::private::RawValue"}),
+        )
+        .await;
+    assert_eq!(
+        ok["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{ok}"
+    );
+}
+
 #[tokio::test]
 async fn push_notification_configs_and_delivery() {
     let (hook_url, hooks) = start_hooks().await;

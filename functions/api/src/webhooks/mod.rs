@@ -170,7 +170,8 @@ fn error_reply(e: ApiError) -> Response {
     }
 }
 
-/// The body, read up to `max` bytes; a larger one (declared or sent) is a 413.
+/// The body, read up to `max` bytes; a larger one (declared or sent) is a 413. A body holding serde_json's private
+/// keys is a 400 before anything parses it (see `loams_platform::has_serde_private_key`).
 async fn read_body(
     headers: &HeaderMap,
     body: axum::body::Body,
@@ -189,10 +190,16 @@ async fn read_body(
     if declared.is_some_and(|n| n > max) {
         return Err(too_large());
     }
-    axum::body::to_bytes(body, max)
+    let body = axum::body::to_bytes(body, max)
         .await
-        .map(|b| b.to_vec())
-        .map_err(|_| too_large())
+        .map_err(|_| too_large())?;
+    if loams_platform::has_serde_private_key(&body) {
+        return Err(reply(
+            StatusCode::BAD_REQUEST,
+            serde_json::json!({"error": "a string starts with serde_json's private prefix"}),
+        ));
+    }
+    Ok(body.to_vec())
 }
 
 /// The configured hook named by the path. A hook whose secret is too short is refused as misconfigured (logged)

@@ -525,7 +525,8 @@ mod tests {
         // items table at all, and a read racing the checkpoint's copy may fail: both count as not there yet.
         let uri = format!("file:{}?immutable=1", dir.path().join("loams.db").display());
         let in_file = || -> i64 {
-            let flags = rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_URI;
+            let flags =
+                rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_URI;
             rusqlite::Connection::open_with_flags(&uri, flags)
                 .and_then(|conn| conn.query_row("SELECT count(*) FROM items", [], |r| r.get(0)))
                 .unwrap_or(0)
