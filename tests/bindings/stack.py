@@ -131,20 +131,34 @@ def alert(info, issue_id, text="checkout.apply_discount"):
     }
 
 
+def start_dev(d, cfg, info, attempts=3):
+    """`loams dev` on a free port, and its API's URL. The port is free when chosen but may be taken before the
+    server binds it (its own agents bind ports too): a server that exits saying so is started again on another."""
+    log = d / "dev.log"
+    for _ in range(attempts):
+        port = free_port()
+        api = f"http://127.0.0.1:{port}"
+        cfg.write_text(config(d, port, info))
+        dev = spawn([LOAMS, "dev", "--config", cfg], log, d / "dev.pid")
+        wait_for(f"the API at {api}", lambda: dev.poll() is not None or up(f"{api}/.well-known/jwks.json"))
+        if dev.poll() is None:
+            return dev, api
+        said = log.read_text(errors="replace")
+        if "in use" not in said:
+            break
+    raise SystemExit(f"stack.py: loams dev exited (code {dev.returncode}):\n{said[-4000:]}")
+
+
 def start(d):
     d.mkdir(parents=True, exist_ok=True)
     urls = d / "urls.json"
     spawn([LOAMS, "sandbox", "--state", d / "sandbox.json", "--urls-file", urls], d / "sandbox.log", d / "sandbox.pid")
     info = json.loads(wait_for("the sandbox apps", lambda: urls.exists() and urls.read_text()))
-    port = free_port()
-    api = f"http://127.0.0.1:{port}"
     # The demo's recorded completions twice over: one set for each run the tests open.
     demo = json.loads(CASSETTE.read_text())
     (d / "cassette.json").write_text(json.dumps({"completions": demo["completions"] * 2}))
     cfg = d / "loams.toml"
-    cfg.write_text(config(d, port, info))
-    dev = spawn([LOAMS, "dev", "--config", cfg], d / "dev.log", d / "dev.pid")
-    wait_for(f"the API at {api}", lambda: dev.poll() is None and up(f"{api}/.well-known/jwks.json"))
+    dev, api = start_dev(d, cfg, info)
     token = subprocess.run(
         [LOAMS, "token", "--config", cfg, "--user", "alice"], check=True, capture_output=True, text=True
     ).stdout.strip()

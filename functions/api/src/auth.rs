@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use aws_lc_rs::rand::SystemRandom;
 use aws_lc_rs::signature::{ECDSA_P256_SHA256_FIXED_SIGNING, EcdsaKeyPair, KeyPair};
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use jsonwebtoken::jwk::{Jwk, JwkSet, PublicKeyUse};
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
@@ -263,6 +265,16 @@ impl Verifier {
         if token.len() > MAX_TOKEN_BYTES {
             return Err(ApiError::Unauthenticated("token too large".into()));
         }
+        // jsonwebtoken reads the header's other members into `Value`s: serde_json's private keys are refused first
+        // (see `loams_platform::has_serde_private_key`).
+        let header_json = token
+            .split('.')
+            .next()
+            .and_then(|h| URL_SAFE_NO_PAD.decode(h).ok())
+            .ok_or_else(unauth)?;
+        if loams_platform::has_serde_private_key(&header_json) {
+            return Err(unauth());
+        }
         let header = jsonwebtoken::decode_header(token).map_err(|_| unauth())?;
         if header.alg != Algorithm::ES256 {
             return Err(unauth());
@@ -434,6 +446,36 @@ mod tests {
         assert!(issuer.verifier().verify(&hmac).await.is_err());
     }
 
+    #[tokio::test]
+    async fn refuses_a_header_with_serde_jsons_private_keys_even_when_signed() {
+        // A header member under `$serde_json::private::RawValue` would be parsed again, unbounded when nested: the
+        // token is refused although its signature holds.
+        let issuer = Issuer::generate("https://loams.test", "loams-api").unwrap();
+        let good = issuer.issue("alice", "acme", "", now(), 600).unwrap();
+        let payload = good.split('.').nth(1).unwrap();
+        let header = format!(
+            r#"{{"alg":"ES256","kid":"{}","x":{{"$serde_json::private::RawValue":"1"}}}}"#,
+            issuer.kid
+        );
+        let message = format!("{}.{payload}", base64_url(header.as_bytes()));
+        let signature =
+            jsonwebtoken::crypto::sign(message.as_bytes(), &issuer.key, Algorithm::ES256).unwrap();
+        let token = format!("{message}.{signature}");
+        assert!(issuer.verifier().verify(&token).await.is_err());
+        // The same header without the private key verifies: the signature is not what refuses it.
+        let plain = format!(r#"{{"alg":"ES256","kid":"{}","x":1}}"#, issuer.kid);
+        let message = format!("{}.{payload}", base64_url(plain.as_bytes()));
+        let signature =
+            jsonwebtoken::crypto::sign(message.as_bytes(), &issuer.key, Algorithm::ES256).unwrap();
+        assert!(
+            issuer
+                .verifier()
+                .verify(&format!("{message}.{signature}"))
+                .await
+                .is_ok()
+        );
+    }
+
     #[test]
     fn require_checks_the_token_scopes() {
         let caller = Caller {
@@ -522,7 +564,6 @@ mod tests {
     }
 
     fn base64_url(b: &[u8]) -> String {
-        use base64::Engine as _;
-        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b)
+        URL_SAFE_NO_PAD.encode(b)
     }
 }

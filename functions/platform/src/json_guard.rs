@@ -5,13 +5,14 @@
 //! `$serde_json::private::RawValue` by parsing that key's string as JSON again, with a nesting limit of its own.
 //! Nested inside itself, that lets a body well under a megabyte reach tens of thousands of levels, and the parse
 //! overflows the stack, which aborts the whole process. No client means to send serde_json's private keys, so a body
-//! that holds one is refused before it is parsed.
+//! that holds one is refused before it is parsed. Only keys count: a value that merely starts the same way (a pull
+//! request title, say) is data, and refusing it would let anyone suppress a delivery.
 
 /// What every private key of serde_json starts with.
 const PRIVATE_PREFIX: &[u8] = b"$serde_json::private::";
 
-/// Whether a string in `json` (a key or a value, escapes decoded) starts with serde_json's private prefix. Reads
-/// the bytes once, without recursion, whatever `json` holds.
+/// Whether an object key in `json` (a string followed by `:`, escapes decoded) starts with serde_json's private
+/// prefix. Reads the bytes once, without recursion, whatever `json` holds.
 pub fn has_serde_private_key(json: &[u8]) -> bool {
     let mut i = 0;
     while i < json.len() {
@@ -36,12 +37,20 @@ pub fn has_serde_private_key(json: &[u8]) -> bool {
             };
             i += len;
         }
-        if matched == Some(PRIVATE_PREFIX.len()) {
+        i += 1;
+        if matched == Some(PRIVATE_PREFIX.len()) && is_key(&json[i.min(json.len())..]) {
             return true;
         }
-        i += 1;
     }
     false
+}
+
+/// Whether the bytes after a string make it an object key: JSON whitespace, then `:`.
+fn is_key(after: &[u8]) -> bool {
+    after
+        .iter()
+        .find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+        .is_some_and(|&b| b == b':')
 }
 
 /// The escape at the start of `s` (which starts with a backslash): the ASCII byte it stands for (`None` for
@@ -72,7 +81,7 @@ mod tests {
             r#"{"a":[{"b":{"$serde_json::private::Number":"1"}}]}"#,
             r#"{"\u0024serde_json::private::RawValue":"1"}"#,
             r#"{"$serde\u005fjson\u003a:private::RawValue":"1"}"#,
-            r#"["$serde_json::private::RawValue and more"]"#,
+            "{\"$serde_json::private::RawValue\" \n\t : \"1\"}",
         ] {
             assert!(has_serde_private_key(json.as_bytes()), "{json}");
         }
@@ -85,6 +94,7 @@ mod tests {
             r#"{"a":"\"$serde_json::private::RawValue\""}"#,
             r#"{"quote":"\\","next":"$serde_json::public"}"#,
             r#"{"\u0024serde":1}"#,
+            r#"{"title":"$serde_json::private::RawValue","tags":["$serde_json::private::Number"]}"#,
             "\"unterminated \\u00",
             "",
         ] {
