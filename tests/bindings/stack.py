@@ -139,11 +139,14 @@ def start_dev(d, cfg, info, attempts=3):
         port = free_port()
         api = f"http://127.0.0.1:{port}"
         cfg.write_text(config(d, port, info))
+        logged = log.stat().st_size if log.exists() else 0
         dev = spawn([LOAMS, "dev", "--config", cfg], log, d / "dev.pid")
         wait_for(f"the API at {api}", lambda: dev.poll() is not None or up(f"{api}/.well-known/jwks.json"))
         if dev.poll() is None:
             return dev, api
-        said = log.read_text(errors="replace")
+        with open(log, "rb") as f:
+            f.seek(logged)
+            said = f.read().decode(errors="replace")
         if "in use" not in said:
             break
     raise SystemExit(f"stack.py: loams dev exited (code {dev.returncode}):\n{said[-4000:]}")

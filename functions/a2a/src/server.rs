@@ -707,7 +707,7 @@ fn has_proto_names(value: &Value) -> bool {
 /// overflow the stack (see `loams_platform::has_serde_private_key`).
 fn parse_json(body: &[u8]) -> Result<Value, String> {
     if loams_platform::has_serde_private_key(body) {
-        return Err("a string starts with serde_json's private prefix".into());
+        return Err("an object key starts with serde_json's private prefix".into());
     }
     serde_json::from_slice(body).map_err(|e| e.to_string())
 }

@@ -539,7 +539,7 @@ async fn zulip_records_a_mention_once_and_refuses_bad_tokens() {
         loams_api::webhooks::ZULIP_MAX_BYTES,
     ));
     assert_eq!(env.post(path, &[], big).await.0, 413);
-    // serde_json's private key would have the payload's `Value` fields parsed again, unbounded: refused unread.
+    // serde_json's private key would have the payload's `Value` fields parsed again, unbounded: refused unparsed.
     let private =
         br#"{"token": "t", "message": {"$serde_json::private::RawValue": "{}"}}"#.to_vec();
     assert_eq!(env.post(path, &[], private).await.0, 400);

@@ -6,7 +6,9 @@
 //! Nested inside itself, that lets a body well under a megabyte reach tens of thousands of levels, and the parse
 //! overflows the stack, which aborts the whole process. No client means to send serde_json's private keys, so a body
 //! that holds one is refused before it is parsed. Only keys count: a value that merely starts the same way (a pull
-//! request title, say) is data, and refusing it would let anyone suppress a delivery.
+//! request title, say) is data, and refusing it would let anyone suppress a delivery. Answers from configured peers
+//! (the agents the worker calls, the apps the agents call, the server the phones call) are not checked: the
+//! deployment trusts them already.
 
 /// What every private key of serde_json starts with.
 const PRIVATE_PREFIX: &[u8] = b"$serde_json::private::";
@@ -82,6 +84,9 @@ mod tests {
             r#"{"\u0024serde_json::private::RawValue":"1"}"#,
             r#"{"$serde\u005fjson\u003a:private::RawValue":"1"}"#,
             "{\"$serde_json::private::RawValue\" \n\t : \"1\"}",
+            // An escaped quote or backslash does not end the string before it.
+            r#"{"a\"":{"$serde_json::private::RawValue":"1"}}"#,
+            r#"{"a\\":0,"$serde_json::private::RawValue":"1"}"#,
         ] {
             assert!(has_serde_private_key(json.as_bytes()), "{json}");
         }
@@ -91,8 +96,8 @@ mod tests {
     fn leaves_ordinary_json_alone() {
         for json in [
             r#"{"text":"$serde_json::privat","x":"serde_json::private::RawValue"}"#,
-            r#"{"a":"\"$serde_json::private::RawValue\""}"#,
-            r#"{"quote":"\\","next":"$serde_json::public"}"#,
+            r#"{"\"$serde_json::private::RawValue":1}"#,
+            r#"{"quote\\":1,"$serde_json::public":2}"#,
             r#"{"\u0024serde":1}"#,
             r#"{"title":"$serde_json::private::RawValue","tags":["$serde_json::private::Number"]}"#,
             "\"unterminated \\u00",

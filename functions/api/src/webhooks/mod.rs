@@ -196,7 +196,7 @@ async fn read_body(
     if loams_platform::has_serde_private_key(&body) {
         return Err(reply(
             StatusCode::BAD_REQUEST,
-            serde_json::json!({"error": "a string starts with serde_json's private prefix"}),
+            serde_json::json!({"error": "an object key starts with serde_json's private prefix"}),
         ));
     }
     Ok(body.to_vec())
