@@ -2520,19 +2520,24 @@ impl Hooks {
     }
 }
 
-/// The blocking read's answers when its message id is taken: a read being run elsewhere answers as stored, one whose
-/// run lapsed is taken over and its webhooks hear the outcome, and a panicking read fails its call alone.
-#[tokio::test]
-async fn a_blocking_read_over_a_stored_task_answers_or_takes_it_over() {
-    let (hook_url, hooks) = start_hooks().await;
-    let options = ServerOptions {
+/// Options for webhooks on 127.0.0.1 (the test receiver), retried quickly.
+fn push_to_local_hooks() -> ServerOptions {
+    ServerOptions {
         push: loams_a2a::PushOptions {
             allow_private_targets: true,
             backoff: Duration::from_millis(20),
             ..loams_a2a::PushOptions::default()
         },
         ..fast_polling()
-    };
+    }
+}
+
+/// The blocking read's answers when its message id is taken: a read being run elsewhere answers as stored, one whose
+/// run lapsed is taken over and its webhooks hear the outcome, and a panicking read fails its call alone.
+#[tokio::test]
+async fn a_blocking_read_over_a_stored_task_answers_or_takes_it_over() {
+    let (hook_url, hooks) = start_hooks().await;
+    let options = push_to_local_hooks();
     let store = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
     let agent = start_with(store.clone(), options).await;
     let set_lease = |until_ms: i64| {
@@ -2634,14 +2639,7 @@ async fn serde_json_private_keys_are_refused_before_parsing() {
 #[tokio::test]
 async fn push_notification_configs_and_delivery() {
     let (hook_url, hooks) = start_hooks().await;
-    let options = ServerOptions {
-        push: loams_a2a::PushOptions {
-            allow_private_targets: true,
-            backoff: Duration::from_millis(20),
-            ..loams_a2a::PushOptions::default()
-        },
-        ..fast_polling()
-    };
+    let options = push_to_local_hooks();
     let agent = start_with(
         Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap()),
         options,
