@@ -647,31 +647,30 @@ async fn serve_jsonrpc(
 const FREE_JSON_FIELDS: [&str; 3] = ["data", "metadata", "params"];
 
 /// ProtoJSON parsers accept a field by its proto name as well as its JSON name
-/// (`task_id` = `taskId`); serde knows only the JSON name, so proto names are renamed first.
-/// A key given both ways keeps the JSON-name value.
-fn proto_names_to_json(value: Value) -> Value {
+/// (`task_id` = `taskId`); serde knows only the JSON name, so proto names are renamed first, in
+/// place: an object is rebuilt only when one of its keys needs it, so most requests are read as
+/// they came. A key given both ways keeps the JSON-name value.
+fn proto_names_to_json(value: &mut Value) {
     match value {
         Value::Object(map) => {
-            let mut out = serde_json::Map::with_capacity(map.len());
-            for (key, v) in map {
-                let v = if FREE_JSON_FIELDS.contains(&key.as_str()) {
-                    v
-                } else {
-                    proto_names_to_json(v)
-                };
-                if key.contains('_') {
-                    let camel = snake_to_camel(&key);
-                    if !out.contains_key(&camel) {
-                        out.insert(camel, v);
-                    }
-                } else {
-                    out.insert(key, v);
+            for (key, v) in map.iter_mut() {
+                if !FREE_JSON_FIELDS.contains(&key.as_str()) {
+                    proto_names_to_json(v);
                 }
             }
-            Value::Object(out)
+            if !map.keys().any(|key| key.contains('_')) {
+                return;
+            }
+            let (snake, json): (Vec<_>, Vec<_>) = std::mem::take(map)
+                .into_iter()
+                .partition(|(key, _)| key.contains('_'));
+            map.extend(json);
+            for (key, v) in snake {
+                map.entry(snake_to_camel(&key)).or_insert(v);
+            }
         }
-        Value::Array(items) => Value::Array(items.into_iter().map(proto_names_to_json).collect()),
-        other => other,
+        Value::Array(items) => items.iter_mut().for_each(proto_names_to_json),
+        _ => {}
     }
 }
 
@@ -691,18 +690,6 @@ fn snake_to_camel(name: &str) -> String {
     out
 }
 
-/// Whether a key of `value` outside free JSON is a proto field name (has an underscore). Most requests have none and
-/// are read as they are, without the copy [`proto_names_to_json`] makes.
-fn has_proto_names(value: &Value) -> bool {
-    match value {
-        Value::Object(map) => map.iter().any(|(key, v)| {
-            key.contains('_') || (!FREE_JSON_FIELDS.contains(&key.as_str()) && has_proto_names(v))
-        }),
-        Value::Array(items) => items.iter().any(has_proto_names),
-        _ => false,
-    }
-}
-
 /// A request body as JSON. serde_json's private keys are refused before the parse, which they could make
 /// overflow the stack (see `loams_platform::has_serde_private_key`).
 fn parse_json(body: &[u8]) -> Result<Value, String> {
@@ -712,12 +699,8 @@ fn parse_json(body: &[u8]) -> Result<Value, String> {
     serde_json::from_slice(body).map_err(|e| e.to_string())
 }
 
-fn parse_params<T: serde::de::DeserializeOwned>(params: Value) -> Result<T, A2AError> {
-    let params = if has_proto_names(&params) {
-        proto_names_to_json(params)
-    } else {
-        params
-    };
+fn parse_params<T: serde::de::DeserializeOwned>(mut params: Value) -> Result<T, A2AError> {
+    proto_names_to_json(&mut params);
     serde_json::from_value(params)
         .map_err(|e| A2AError::invalid_params(format!("invalid params: {e}")))
 }
@@ -1131,18 +1114,21 @@ mod tests {
     #[test]
     fn proto_field_names_are_read_as_json_names_outside_free_json() {
         let free = json!({"messageId": "m", "parts": [{"data": {"issue_id": 7}}], "metadata": {"approval_id": "a"}});
-        assert!(!has_proto_names(&free), "keys of free JSON are data");
-        assert!(has_proto_names(
-            &json!({"message": {"parts": [{"media_type": "x"}]}})
-        ));
-        let got = proto_names_to_json(json!({
+        let mut same = free.clone();
+        proto_names_to_json(&mut same);
+        assert_eq!(same, free, "keys of free JSON are data");
+        let mut nested = json!({"message": {"parts": [{"media_type": "x"}]}});
+        proto_names_to_json(&mut nested);
+        assert_eq!(nested, json!({"message": {"parts": [{"mediaType": "x"}]}}));
+        let mut got = json!({
             "task_id": "t",
             "history_length": 1,
             "message": {"message_id": "m", "parts": [{"data": {"issue_id": 7}}],
                         "metadata": {"approval_id": "a"}},
             "context_id": "snake",
             "contextId": "camel",
-        }));
+        });
+        proto_names_to_json(&mut got);
         assert_eq!(got["taskId"], "t");
         assert_eq!(got["historyLength"], 1);
         assert_eq!(got["message"]["messageId"], "m");

@@ -153,10 +153,7 @@ impl Sqlite {
         migrate(&mut conn)?;
         // Only a file in WAL mode has readers: without WAL a reader would block on (and block) the writer, and a
         // ":memory:" path or URI opened again would be a different, empty database.
-        let wal = match path {
-            Some(path) if journal.eq_ignore_ascii_case("wal") => Some(path),
-            _ => None,
-        };
+        let wal = path.filter(|_| journal.eq_ignore_ascii_case("wal"));
         let readers = match wal {
             Some(path) => (0..READERS)
                 .map(|_| open_reader(path))
