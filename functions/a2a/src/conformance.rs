@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use a2a::{A2AError, Artifact, Message, Part, Role, Task, TaskPushNotificationConfig};
-use loams_platform::{Cond, StoreError};
+use loams_platform::{Cond, Durability, StoreError};
 use serde_json::json;
 
 use crate::auth::Principal;
@@ -187,7 +187,7 @@ pub(crate) async fn begin(
     };
     let body = tasks::storable(&mut record)?;
     let version = agent
-        .put(&record, body, Cond::Any)
+        .put(&record, body, Cond::Any, Durability::Durable)
         .await
         .map_err(tasks::store_failure)?;
     let task_id = record.task.id.clone();
@@ -253,7 +253,10 @@ async fn run(
         }
     }
     let body = tasks::storable(&mut record)?;
-    match agent.put(&record, body, Cond::Version(version)).await {
+    match agent
+        .put(&record, body, Cond::Version(version), Durability::Durable)
+        .await
+    {
         Ok(_) => {}
         Err(StoreError::Conflict) => {
             let (stored, _) = agent.own(&record.caller, &record.task.id).await?;

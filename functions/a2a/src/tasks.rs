@@ -18,7 +18,7 @@ use a2a::{
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use futures::FutureExt;
-use loams_platform::{Cond, Item, Page, Store, StoreError, limits};
+use loams_platform::{Cond, Durability, Item, Page, Store, StoreError, limits};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -306,11 +306,14 @@ impl Agent {
         }
     }
 
+    /// Stores `record` as `body` if `cond` holds. `durability` is `Replayable` only for the finished task of a read
+    /// ([`read_then_store`]): lost to a power failure, it is made again by running the read again.
     pub(crate) async fn put(
         &self,
         record: &StoredTask,
         body: Vec<u8>,
         cond: Cond,
+        durability: Durability,
     ) -> Result<u64, StoreError> {
         let item = Item {
             org: self.org.clone(),
@@ -321,7 +324,7 @@ impl Agent {
             body,
             expires_ms: record.expires_ms,
         };
-        self.store.put_item(&item, cond).await
+        self.store.put_item_with(&item, cond, durability).await
     }
 
     /// The stored bytes of the WORKING `record` with this request's lease, which starts with the write that takes
@@ -344,7 +347,7 @@ impl Agent {
         record.task.status = failed_status(id, context, why, true, now_ms());
         let withdrawn = match storable(record) {
             Ok(body) => self
-                .put(record, body, Cond::Version(version))
+                .put(record, body, Cond::Version(version), Durability::Durable)
                 .await
                 .map(drop)
                 .map_err(store_failure),
@@ -377,6 +380,7 @@ async fn claim(
     record: &mut StoredTask,
     caller: &Principal,
     body: Vec<u8>,
+    durability: Durability,
 ) -> Result<Claimed, A2AError> {
     let mut cond = Cond::Absent;
     let mut first = Some(body);
@@ -386,7 +390,7 @@ async fn claim(
             None if settled(&record.task.status.state) => storable(record)?,
             None => agent.leased(record)?,
         };
-        match agent.put(record, body, cond).await {
+        match agent.put(record, body, cond, durability).await {
             Ok(version) => {
                 let replaced = cond != Cond::Absent;
                 return Ok(Claimed::Ours { version, replaced });
@@ -604,7 +608,7 @@ pub(crate) async fn begin(
     // The WORKING task is stored before anyone is told about it: with returnImmediately the caller's next
     // request may reach another process. A repeat of a stored call ends here, without asking the gate.
     let body = agent.leased(&mut record)?;
-    let version = match claim(agent, &mut record, caller, body).await? {
+    let version = match claim(agent, &mut record, caller, body, Durability::Durable).await? {
         Claimed::Ours { version, .. } => version,
         // A finished task sends no more updates: a webhook given now has nothing to get.
         Claimed::Finished(task) => return Ok(Begun::Stored(task)),
@@ -656,8 +660,10 @@ pub(crate) async fn begin(
 /// until the read ends its task is not stored (GetTask, CancelTask, SubscribeToTask and push-config calls on its id
 /// answer TaskNotFound, and no push config can name it, so none is read); a process that dies during it stores
 /// nothing, as does a caller leaving before the answer (the read stops with its request); a repeat of a stored call
-/// runs the read again and answers the stored task, as [`claim`] finds it; and a message id reused for another call
-/// runs the read before the request is refused.
+/// runs the read again and answers the stored task, as [`claim`] finds it; a message id reused for another call
+/// runs the read before the request is refused; and the task is stored replayable (`Durability::Replayable`), so a
+/// power loss soon after the answer may take it with it: its id then answers TaskNotFound, and a repeat runs the
+/// read again.
 async fn read_then_store(
     agent: &Arc<Agent>,
     caller: &Principal,
@@ -671,18 +677,20 @@ async fn read_then_store(
         .catch_unwind()
         .await
         .map_err(|_| A2AError::internal("the skill run ended abnormally: it panicked"))??;
-    Ok(match claim(agent, &mut record, caller, body).await? {
-        Claimed::Ours { replaced, .. } => {
-            if replaced {
-                // The task taken over was stored before, and may have push configs.
-                let update = vec![StreamResponse::Task(record.task.clone())];
-                crate::push::notify(agent, &record.task.id, update).await;
+    Ok(
+        match claim(agent, &mut record, caller, body, Durability::Replayable).await? {
+            Claimed::Ours { replaced, .. } => {
+                if replaced {
+                    // The task taken over was stored before, and may have push configs.
+                    let update = vec![StreamResponse::Task(record.task.clone())];
+                    crate::push::notify(agent, &record.task.id, update).await;
+                }
+                Begun::Stored(record.task)
             }
-            Begun::Stored(record.task)
-        }
-        Claimed::Finished(task) => Begun::Stored(task),
-        Claimed::Running(task) => Begun::Elsewhere(task),
-    })
+            Claimed::Finished(task) => Begun::Stored(task),
+            Claimed::Running(task) => Begun::Elsewhere(task),
+        },
+    )
 }
 
 /// Runs an admitted call (or records its refusal), stores the finished task and settles the claim.
@@ -700,7 +708,12 @@ async fn run(
     // Conditional on the WORKING version: if the task changed meanwhile, another process took it
     // over after this run's lease ran out (and, say, canceled it); its record stands.
     match agent
-        .put(&record, body, Cond::Version(working_version))
+        .put(
+            &record,
+            body,
+            Cond::Version(working_version),
+            Durability::Durable,
+        )
         .await
     {
         Ok(_) => {}
@@ -895,7 +908,7 @@ pub(crate) async fn cancel_task(
     record.task.status = status(TaskState::Canceled, Some(message), now);
     let body = storable(&mut record)?;
     agent
-        .put(&record, body, Cond::Version(version))
+        .put(&record, body, Cond::Version(version), Durability::Durable)
         .await
         .map_err(|e| match e {
             StoreError::Conflict => not_cancelable("changed while being canceled"),

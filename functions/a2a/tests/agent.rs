@@ -1599,19 +1599,20 @@ async fn a_blocking_read_is_stored_once_it_has_run_and_anything_else_is_claimed_
         Sqlite::memory(Arc::new(SystemClock)).unwrap(),
     ));
     let agent = start_with(store.clone(), ServerOptions::default()).await;
-    // (item writes, item reads) since `before`.
+    // (item writes, of those replayable, item reads) since `before`.
     let ops = |before: &OpCounts| {
         let d = store.counts().since(before);
-        (d.put_item, d.get_item + d.list_items)
+        (d.put_item, d.replayable_puts, d.get_item + d.list_items)
     };
 
-    // A read the caller waits for changes nothing and needs no claim: one write.
+    // A read the caller waits for changes nothing and needs no claim: one write, which a power loss may undo
+    // (the read would run again).
     let before = store.counts();
     let read = agent.send("m-read-once", "peek", json!({})).await;
     let task = &read["result"]["task"];
     assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{read}");
     assert_eq!(task["artifacts"][0]["parts"][0]["data"]["run"], 1);
-    assert_eq!(ops(&before), (1, 0), "one write and no read");
+    assert_eq!(ops(&before), (1, 1, 0), "one replayable write and no read");
     let got = agent.rpc("GetTask", json!({"id": "m-read-once"})).await;
     assert_eq!(got["result"]["status"], task["status"], "{got}");
     assert_eq!(got["result"]["artifacts"], task["artifacts"], "{got}");
@@ -1620,10 +1621,11 @@ async fn a_blocking_read_is_stored_once_it_has_run_and_anything_else_is_claimed_
     assert_eq!(repeat["result"], read["result"]);
     assert_eq!(agent.calls(), 2);
 
-    // A write is claimed (stored WORKING) before it runs, then finished, and its push configs are looked up.
+    // A write is claimed (stored WORKING) before it runs, then finished, and its push configs are looked up; both
+    // writes are durable.
     let before = store.counts();
     agent.send("m-write", "count", json!({})).await;
-    assert_eq!(ops(&before), (2, 1));
+    assert_eq!(ops(&before), (2, 0, 1));
 
     // So is a read whose caller follows the task instead of waiting for it.
     let before = store.counts();
@@ -1644,7 +1646,8 @@ async fn a_blocking_read_is_stored_once_it_has_run_and_anything_else_is_claimed_
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(state, "TASK_STATE_COMPLETED");
-    assert_eq!(store.counts().since(&before).put_item, 2);
+    let later = store.counts().since(&before);
+    assert_eq!((later.put_item, later.replayable_puts), (2, 0));
 }
 
 #[tokio::test]

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use async_trait::async_trait;
 
 use crate::{
-    Claim, Cond, Delivery, EventRow, Item, Page, Paged, Queue, Result, RunRow, Store, StoreError,
-    Timer, Timers,
+    Claim, Cond, Delivery, Durability, EventRow, Item, Page, Paged, Queue, Result, RunRow, Store,
+    StoreError, Timer, Timers,
 };
 
 /// Declares the live counters and their plain snapshot from one field list, so the two cannot drift apart.
@@ -67,6 +67,8 @@ counters! {
     get_item,
     /// `Store::put_item` calls (conditional unless `Cond::Any`).
     put_item,
+    /// Of those, calls with `Durability::Replayable` (whose commit may skip the sync to disk).
+    replayable_puts,
     /// `Store::delete_item` calls.
     delete_item,
     /// `Store::list_items` calls.
@@ -235,8 +237,15 @@ impl<T: Store> Store for Counting<T> {
     }
 
     async fn put_item(&self, item: &Item, cond: Cond) -> Result<u64> {
+        self.put_item_with(item, cond, Durability::Durable).await
+    }
+
+    async fn put_item_with(&self, item: &Item, cond: Cond, durability: Durability) -> Result<u64> {
         Self::bump(&self.counters.put_item);
-        let result = self.inner.put_item(item, cond).await;
+        if durability == Durability::Replayable {
+            Self::bump(&self.counters.replayable_puts);
+        }
+        let result = self.inner.put_item_with(item, cond, durability).await;
         self.note_conflict(&result);
         result
     }

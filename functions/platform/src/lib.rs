@@ -29,4 +29,4 @@ pub use error::{Result, StoreError, with_causes};
 pub use json_guard::has_serde_private_key;
 pub use ports::{Queue, Store, Timers};
 pub use sqlite::{DEFAULT_MAX_RECEIVES, Sqlite};
-pub use types::{Claim, Cond, Delivery, EventRow, Item, Page, Paged, RunRow, Timer};
+pub use types::{Claim, Cond, Delivery, Durability, EventRow, Item, Page, Paged, RunRow, Timer};

@@ -1,6 +1,8 @@
 use async_trait::async_trait;
 
-use crate::{Claim, Cond, Delivery, EventRow, Item, Page, Paged, Result, RunRow, Timer};
+use crate::{
+    Claim, Cond, Delivery, Durability, EventRow, Item, Page, Paged, Result, RunRow, Timer,
+};
 
 /// Durable state: runs with their event logs, keyed items, and idempotency records. Every key is scoped by org.
 #[async_trait]
@@ -52,6 +54,13 @@ pub trait Store: Send + Sync {
 
     /// Writes the item if `cond` holds (else `Conflict`) and returns its new version.
     async fn put_item(&self, item: &Item, cond: Cond) -> Result<u64>;
+
+    /// `put_item` that may return before the write would survive a power loss when `durability` allows it (an
+    /// embedded store then skips the sync to disk). Adapters whose every write is durable keep this default.
+    async fn put_item_with(&self, item: &Item, cond: Cond, durability: Durability) -> Result<u64> {
+        let _ = durability;
+        self.put_item(item, cond).await
+    }
 
     /// Deletes the item; deleting a missing item is not an error.
     async fn delete_item(&self, org: &str, kind: &str, id: &str) -> Result<()>;

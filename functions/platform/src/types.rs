@@ -43,6 +43,17 @@ pub enum Cond {
     Any,
 }
 
+/// What a write must survive by the time its call returns (see `Store::put_item_with`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// A power loss: the write is on stable storage before the call returns. Every write is this by default.
+    Durable,
+    /// The process crashing, but not necessarily a power loss until a later durable write or checkpoint: for a
+    /// record its writer could make again with no effect anywhere, such as the outcome of a read. It is atomic and
+    /// visible to every later read at once, like any other write.
+    Replayable,
+}
+
 /// The answer of an idempotency `claim`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {

@@ -3,7 +3,9 @@ use rusqlite::params;
 
 use super::{Sqlite, db, exec, first_row, to_i64, to_u64};
 use crate::limits::{self, MAX_BODY, MAX_LEASE_MS, MAX_PAGE};
-use crate::{Claim, Cond, EventRow, Item, Page, Paged, Result, RunRow, Store, StoreError};
+use crate::{
+    Claim, Cond, Durability, EventRow, Item, Page, Paged, Result, RunRow, Store, StoreError,
+};
 
 const RUN_COLUMNS: &str = "org, id, version, state, snapshot, updated_ms, created_ms";
 const ITEM_COLUMNS: &str = "org, kind, id, version, idx, body, expires_ms";
@@ -300,6 +302,10 @@ impl Store for Sqlite {
     }
 
     async fn put_item(&self, item: &Item, cond: Cond) -> Result<u64> {
+        self.put_item_with(item, cond, Durability::Durable).await
+    }
+
+    async fn put_item_with(&self, item: &Item, cond: Cond, durability: Durability) -> Result<u64> {
         let sweep = self
             .inner
             .puts
@@ -312,7 +318,7 @@ impl Store for Sqlite {
             Cond::Absent | Cond::Any => None,
         };
         let item = item.clone();
-        self.with_conn(move |conn, inner| {
+        self.write(durability, move |conn, inner| {
             let now = inner.clock.now_ms();
             // An expired row counts as absent: it is invisible to reads, so it must not block a fresh put either.
             let current: Option<i64> = first_row(
