@@ -390,6 +390,12 @@ async fn claim(
             None if settled(&record.task.status.state) => storable(record)?,
             None => agent.leased(record)?,
         };
+        // Only a new task may be replayable: a takeover replaces a durable record, whose push configs hear of it.
+        let durability = if cond == Cond::Absent {
+            durability
+        } else {
+            Durability::Durable
+        };
         match agent.put(record, body, cond, durability).await {
             Ok(version) => {
                 let replaced = cond != Cond::Absent;

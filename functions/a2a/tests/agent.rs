@@ -2541,7 +2541,9 @@ fn push_to_local_hooks() -> ServerOptions {
 async fn a_blocking_read_over_a_stored_task_answers_or_takes_it_over() {
     let (hook_url, hooks) = start_hooks().await;
     let options = push_to_local_hooks();
-    let store = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let store = Arc::new(Counting::new(
+        Sqlite::memory(Arc::new(SystemClock)).unwrap(),
+    ));
     let agent = start_with(store.clone(), options).await;
     let set_lease = |until_ms: i64| {
         move |record: &mut Value| {
@@ -2555,6 +2557,11 @@ async fn a_blocking_read_over_a_stored_task_answers_or_takes_it_over() {
 
     let first = agent.send("m-peek", "peek", json!({})).await;
     assert_eq!(run(&first), 1, "{first}");
+    assert_eq!(
+        store.counts().replayable_puts,
+        1,
+        "a new read task is replayable"
+    );
 
     // Stored as being run by another request (its lease is on): the answer is that WORKING task.
     rewrite_stored(store.as_ref(), "m-peek", set_lease(now_ms + 60_000)).await;
@@ -2572,8 +2579,20 @@ async fn a_blocking_read_over_a_stored_task_answers_or_takes_it_over() {
         .await;
     assert_eq!(status, 200, "{config}");
     rewrite_stored(store.as_ref(), "m-peek", set_lease(now_ms - 1)).await;
+    let before = store.counts();
     let taken = agent.send("m-peek", "peek", json!({})).await;
     assert_eq!(run(&taken), 3, "{taken}");
+    // The first try (only if absent, replayable) is refused; the takeover replaces a durable record whose webhook
+    // hears of it, so it is durable too.
+    let takeover = store.counts().since(&before);
+    assert_eq!(
+        (
+            takeover.put_item,
+            takeover.conflicts,
+            takeover.replayable_puts
+        ),
+        (2, 1, 1)
+    );
     let got = agent.rpc("GetTask", json!({"id": "m-peek"})).await;
     assert_eq!(got["result"]["artifacts"][0]["parts"][0]["data"]["run"], 3);
     hooks
