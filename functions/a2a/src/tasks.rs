@@ -667,9 +667,9 @@ pub(crate) async fn begin(
 /// answer TaskNotFound, and no push config can name it, so none is read); a process that dies during it stores
 /// nothing, as does a caller leaving before the answer (the read stops with its request); a repeat of a stored call
 /// runs the read again and answers the stored task, as [`claim`] finds it; a message id reused for another call
-/// runs the read before the request is refused; and the task is stored replayable (`Durability::Replayable`), so a
+/// runs the read before the request is refused; and a new task is stored replayable (`Durability::Replayable`), so a
 /// power loss soon after the answer may take it with it: its id then answers TaskNotFound, and a repeat runs the
-/// read again.
+/// read again (a takeover of a stored task is durable, see [`claim`]).
 async fn read_then_store(
     agent: &Arc<Agent>,
     caller: &Principal,
