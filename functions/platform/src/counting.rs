@@ -65,7 +65,7 @@ counters! {
     events_read,
     /// `Store::get_item` calls.
     get_item,
-    /// `Store::put_item` calls (conditional unless `Cond::Any`).
+    /// `Store::put_item` and `put_item_with` calls (conditional unless `Cond::Any`).
     put_item,
     /// Of those, calls with `Durability::Replayable` (whose commit may skip the sync to disk).
     replayable_puts,

@@ -82,10 +82,12 @@ enum Synchronous {
 }
 
 impl Synchronous {
-    fn pragma(self) -> &'static str {
+    /// The statement that sets it, run through the statement cache (`control`): the writer may switch on every
+    /// group.
+    fn statement(self) -> &'static str {
         match self {
-            Synchronous::Full => "FULL",
-            Synchronous::Normal => "NORMAL",
+            Synchronous::Full => "PRAGMA synchronous = FULL",
+            Synchronous::Normal => "PRAGMA synchronous = NORMAL",
         }
     }
 }
@@ -163,8 +165,7 @@ impl Sqlite {
             .map_err(db)?;
         // FULL (the default): a committed event or ack survives power loss, which the exactly-once reasoning
         // relies on.
-        conn.pragma_update(None, "synchronous", sync.pragma())
-            .map_err(db)?;
+        control(&conn, sync.statement()).map_err(db)?;
         migrate(&mut conn)?;
         // Only a file in WAL mode has readers: without WAL a reader would block on (and block) the writer, and a
         // ":memory:" path or URI opened again would be a different, empty database.
@@ -298,7 +299,7 @@ fn write_groups(
         // Set between transactions: the setting a commit uses is the connection's at that moment.
         let wanted = group_sync(sync, &group);
         if wanted != current {
-            match conn.pragma_update(None, "synchronous", wanted.pragma()) {
+            match control(&conn, wanted.statement()) {
                 Ok(()) => current = wanted,
                 // Left at NORMAL, a durable group would commit without its sync: its calls fail instead (dropped,
                 // as when BEGIN fails). Left at FULL, a replayable group is merely synced.
@@ -577,22 +578,28 @@ mod tests {
         }
     }
 
+    /// A small item of org "o", kind "k".
+    fn item(id: &str, expires_ms: Option<i64>) -> crate::Item {
+        crate::Item {
+            org: "o".into(),
+            kind: "k".into(),
+            id: id.into(),
+            version: 0,
+            index: None,
+            body: b"{}".to_vec(),
+            expires_ms,
+        }
+    }
+
     #[tokio::test]
     async fn the_checkpointer_copies_commits_into_the_database_file() {
         // The writer checkpoints only past WRITER_CHECKPOINT_PAGES; one small commit reaches the database file
         // itself (not only the WAL) through the checkpointer thread.
         let dir = tempfile::TempDir::new().expect("temp dir");
         let db = file_db(&dir);
-        let item = crate::Item {
-            org: "o".into(),
-            kind: "k".into(),
-            id: "i".into(),
-            version: 0,
-            index: None,
-            body: b"{}".to_vec(),
-            expires_ms: None,
-        };
-        db.put_item(&item, crate::Cond::Absent).await.expect("put");
+        db.put_item(&item("i", None), crate::Cond::Absent)
+            .await
+            .expect("put");
         // `immutable=1` reads the database file alone, as if there were no WAL; until the checkpoint it has no
         // items table at all, and a read racing the checkpoint's copy may fail: both count as not there yet.
         let uri = format!("file:{}?immutable=1", dir.path().join("loams.db").display());
@@ -619,15 +626,6 @@ mod tests {
         let dir = tempfile::TempDir::new().expect("temp dir");
         let clock = Arc::new(ManualClock::new(1_000));
         let db = Sqlite::open(dir.path().join("loams.db"), clock.clone()).expect("open");
-        let item = |id: &str, expires_ms: Option<i64>| crate::Item {
-            org: "o".into(),
-            kind: "k".into(),
-            id: id.into(),
-            version: 0,
-            index: None,
-            body: b"{}".to_vec(),
-            expires_ms,
-        };
         db.put_item(&item("gone", Some(1_500)), crate::Cond::Any)
             .await
             .expect("put");
@@ -781,15 +779,7 @@ mod tests {
             "FULL again"
         );
         // A replayable put is still conditional and visible at once.
-        let item = crate::Item {
-            org: "o".into(),
-            kind: "k".into(),
-            id: "i".into(),
-            version: 0,
-            index: None,
-            body: b"b".to_vec(),
-            expires_ms: None,
-        };
+        let item = item("i", None);
         let put = |cond| db.put_item_with(&item, cond, Durability::Replayable);
         assert_eq!(put(crate::Cond::Absent).await.expect("put"), 1);
         assert!(matches!(
@@ -801,7 +791,7 @@ mod tests {
             .await
             .expect("get")
             .expect("stored");
-        assert_eq!((read.version, read.body), (1, b"b".to_vec()));
+        assert_eq!((read.version, read.body), (1, item.body.clone()));
         // A connection opened NORMAL stays NORMAL for durable calls too.
         let relaxed = Sqlite::open_synchronous_normal(
             dir.path().join("relaxed.db"),
@@ -835,8 +825,7 @@ mod tests {
     #[tokio::test]
     async fn the_writer_and_the_checkpointer_run_as_batch_work() {
         let dir = tempfile::TempDir::new().expect("temp dir");
-        let db = file_db(&dir);
-        synchronous(&db).await;
+        let _db = file_db(&dir);
         // Each thread sets its policy as it starts; other tests' threads may be starting too, so wait a little.
         for name in ["loams-sqlite-wr", "loams-sqlite-ch"] {
             let deadline = std::time::Instant::now() + Duration::from_secs(5);
