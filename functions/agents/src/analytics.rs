@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::http::{AppHttp, DEFAULT_TIMEOUT, RetryPolicy};
-use crate::time::{format_utc_seconds, now_ms};
+use crate::time::{ceil_to_second, format_utc_seconds, now_ms};
 use crate::{AGENT_VERSION, AgentError, args, require, skill};
 
 const MAX_EVENT_NAME: usize = 200;
@@ -108,7 +108,9 @@ impl OpenPanelClient {
         Ok(self)
     }
 
-    /// `GET /export/charts`: daily counts of `event` in `[from_ms, to_ms]` (UTC, custom range).
+    /// `GET /export/charts`: daily counts of `event` in `[from_ms, to_ms]` (UTC, custom range). The API takes
+    /// whole seconds, so the end is rounded up: rounded down, events of the last partial second (all of a run's,
+    /// when the run is that short) would not be counted.
     pub async fn daily_counts(
         &self,
         project_id: &str,
@@ -123,7 +125,7 @@ impl OpenPanelClient {
             ("interval", "day".into()),
             ("range", "custom".into()),
             ("startDate", format_utc_seconds(from_ms)),
-            ("endDate", format_utc_seconds(to_ms)),
+            ("endDate", format_utc_seconds(ceil_to_second(to_ms))),
         ];
         let rb = self
             .http

@@ -119,6 +119,11 @@ pub(crate) fn format_utc_seconds(ms: i64) -> String {
     )
 }
 
+/// The first whole second at or after `ms`.
+pub(crate) fn ceil_to_second(ms: i64) -> i64 {
+    ms.saturating_add(999).div_euclid(1000) * 1000
+}
+
 pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -190,6 +195,21 @@ mod tests {
         for ms in [0, 951_782_400_000, 1_796_049_065_000, 4_102_444_800_000] {
             let iso = format_utc_seconds(ms).replace(' ', "T") + "Z";
             assert_eq!(parse_rfc3339_ms(&iso), Some(ms));
+        }
+    }
+
+    #[test]
+    fn ceil_to_second_rounds_only_a_partial_second_up() {
+        for (ms, up) in [
+            (0, 0),
+            (1, 1000),
+            (999, 1000),
+            (1000, 1000),
+            (1001, 2000),
+            (-1, 0),
+            (-1000, -1000),
+        ] {
+            assert_eq!(ceil_to_second(ms), up, "{ms}");
         }
     }
 }
