@@ -685,11 +685,11 @@ async fn analytics_series_counts_days() {
     let (sb, info) = sandbox().await;
     let cfg = analytics_config(&info);
     let agent = AnalyticsAgent::new(&cfg).unwrap();
-    let since = std::time::SystemTime::now()
+    let before = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
-        .as_millis() as i64
-        - 3 * 86_400_000;
+        .as_millis() as i64;
+    let since = before - 3 * 86_400_000;
     let s = ok(
         &agent,
         "series",
@@ -700,9 +700,32 @@ async fn analytics_series_counts_days() {
     assert!((3..=4).contains(&points.len()), "{s}");
     let sum: f64 = points.iter().map(|p| p["count"].as_f64().unwrap()).sum();
     assert_eq!(s["total"].as_f64().unwrap(), sum);
-    // The sandbox has produced events since it started, a moment ago: usually within the current second, which
-    // the series counts although OpenPanel's range ends in whole seconds.
+    // OpenPanel's range ends in whole seconds: the query's end is the call's time rounded up, so the events of the
+    // current second (all of them, in a run shorter than a second) are counted.
     assert!(sum > 0.0, "{s}");
+    let sent = sb.requests();
+    let query = &sent.iter().find(|e| e.app == "openpanel").unwrap().query;
+    let end = reqwest::Url::parse(&format!("http://q/?{query}"))
+        .unwrap()
+        .query_pairs()
+        .find(|(k, _)| k == "endDate")
+        .unwrap()
+        .1
+        .into_owned();
+    let whole_seconds_after = |ms: i64| {
+        let (y, m, d) = loams_platform::calendar::civil_from_days(ms.div_euclid(86_400_000));
+        let secs = (ms.rem_euclid(86_400_000) + 999) / 1000;
+        format!(
+            "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+            secs / 3600,
+            secs / 60 % 60,
+            secs % 60
+        )
+    };
+    assert!(
+        end >= whole_seconds_after(before),
+        "{end} ends before the call"
+    );
     // A start in the future (a series started at the next whole second after a merge, read within that second)
     // counts nothing rather than failing.
     let future = since + 4 * 86_400_000;

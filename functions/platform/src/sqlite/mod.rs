@@ -82,12 +82,12 @@ enum Synchronous {
 }
 
 impl Synchronous {
-    /// The statement that sets it, run through the statement cache (`control`): the writer may switch on every
-    /// group.
-    fn statement(self) -> &'static str {
+    /// Its value for `PRAGMA synchronous`. (Not worth a cached statement: SQLite applies this pragma while
+    /// preparing it and marks it run-once, so a cached one is prepared again on every use anyway.)
+    fn pragma(self) -> &'static str {
         match self {
-            Synchronous::Full => "PRAGMA synchronous = FULL",
-            Synchronous::Normal => "PRAGMA synchronous = NORMAL",
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
         }
     }
 }
@@ -165,7 +165,8 @@ impl Sqlite {
             .map_err(db)?;
         // FULL (the default): a committed event or ack survives power loss, which the exactly-once reasoning
         // relies on.
-        control(&conn, sync.statement()).map_err(db)?;
+        conn.pragma_update(None, "synchronous", sync.pragma())
+            .map_err(db)?;
         migrate(&mut conn)?;
         // Only a file in WAL mode has readers: without WAL a reader would block on (and block) the writer, and a
         // ":memory:" path or URI opened again would be a different, empty database.
@@ -299,7 +300,7 @@ fn write_groups(
         // Set between transactions: the setting a commit uses is the connection's at that moment.
         let wanted = group_sync(sync, &group);
         if wanted != current {
-            match control(&conn, wanted.statement()) {
+            match conn.pragma_update(None, "synchronous", wanted.pragma()) {
                 Ok(()) => current = wanted,
                 // Left at NORMAL, a durable group would commit without its sync: its calls fail instead (dropped,
                 // as when BEGIN fails). Left at FULL, a replayable group is merely synced.
