@@ -192,11 +192,12 @@ pub(crate) async fn begin(
         .map_err(tasks::store_failure)?;
     let task_id = record.task.id.clone();
     if let Some(config) = push {
-        crate::push::create_config(agent, &task_id, config).await?;
+        crate::push::create_config(agent, &record.caller, &task_id, config).await?;
     }
     let shown = record.task.clone();
     crate::push::notify(
         agent,
+        &record.caller,
         &task_id,
         vec![a2a::StreamResponse::Task(shown.clone())],
     )
@@ -266,6 +267,7 @@ async fn run(
     }
     crate::push::notify(
         &agent,
+        &record.caller,
         &record.task.id,
         tasks::changes(&working, &record.task),
     )

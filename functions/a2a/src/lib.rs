@@ -41,3 +41,4 @@ pub use server::{
 pub use skills::{
     AgentSpec, AppLinks, Risk, SkillError, SkillSpec, Skills, agent_principal, every_scope,
 };
+pub use tasks::task_item_id;

@@ -306,21 +306,32 @@ fn random_id() -> Result<String, A2AError> {
 }
 
 impl Agent {
-    fn push_index(&self, task_id: &str) -> String {
-        format!("{}:{task_id}", self.name)
+    /// The start of the store ids of the push configs of `subject`'s task `task_id`: its caller's task prefix
+    /// and the task id hashed, a fixed length, so that no task's prefix starts another's (a task id may hold
+    /// any character: task `x`'s prefix would otherwise start task `x:y`'s).
+    fn push_prefix(&self, subject: &str, task_id: &str) -> String {
+        let task = &crate::tasks::sha256_hex(task_id.as_bytes())[..32];
+        format!(
+            "{}{task}:",
+            crate::tasks::caller_prefix(&self.name, subject)
+        )
     }
 
-    fn push_item_id(&self, task_id: &str, config_id: &str) -> String {
-        format!("{}:{task_id}:{config_id}", self.name)
+    fn push_item_id(&self, subject: &str, task_id: &str, config_id: &str) -> String {
+        format!("{}{config_id}", self.push_prefix(subject, task_id))
     }
 
-    async fn configs(&self, task_id: &str) -> Result<Vec<TaskPushNotificationConfig>, A2AError> {
+    async fn configs(
+        &self,
+        subject: &str,
+        task_id: &str,
+    ) -> Result<Vec<TaskPushNotificationConfig>, A2AError> {
         let page = self
             .store
-            .list_items(
+            .list_items_with_prefix(
                 &self.org,
                 PUSH_KIND,
-                Some(&self.push_index(task_id)),
+                &self.push_prefix(subject, task_id),
                 Page::first(u32::try_from(MAX_CONFIGS_PER_TASK + 1).unwrap_or(u32::MAX)),
             )
             .await
@@ -335,10 +346,11 @@ impl Agent {
     }
 }
 
-/// Stores `config` for task `task_id` (the caller's own task), replacing a config of the same id.
+/// Stores `config` for `subject`'s own task `task_id`, replacing a config of the same id.
 /// Also used for the config carried by SendMessage.
 pub(crate) async fn create_config(
     agent: &Agent,
+    subject: &str,
     task_id: &str,
     mut config: TaskPushNotificationConfig,
 ) -> Result<TaskPushNotificationConfig, A2AError> {
@@ -347,7 +359,7 @@ pub(crate) async fn create_config(
         Some(id) => id,
         None => random_id()?,
     };
-    let existing = agent.configs(task_id).await?;
+    let existing = agent.configs(subject, task_id).await?;
     if existing.len() >= MAX_CONFIGS_PER_TASK
         && !existing.iter().any(|c| c.id.as_deref() == Some(&id))
     {
@@ -362,9 +374,9 @@ pub(crate) async fn create_config(
     let item = Item {
         org: agent.org.clone(),
         kind: PUSH_KIND.into(),
-        id: agent.push_item_id(task_id, &id),
+        id: agent.push_item_id(subject, task_id, &id),
         version: 0,
-        index: Some(agent.push_index(task_id)),
+        index: None,
         body,
         expires_ms: None,
     };
@@ -384,7 +396,7 @@ pub(crate) async fn create(
 ) -> Result<TaskPushNotificationConfig, A2AError> {
     let task_id = config.task_id.clone();
     agent.own(&caller.subject, &task_id).await?;
-    create_config(agent, &task_id, config).await
+    create_config(agent, &caller.subject, &task_id, config).await
 }
 
 pub(crate) async fn get(
@@ -399,7 +411,7 @@ pub(crate) async fn get(
         .get_item(
             &agent.org,
             PUSH_KIND,
-            &agent.push_item_id(&req.task_id, &req.id),
+            &agent.push_item_id(&caller.subject, &req.task_id, &req.id),
         )
         .await
         .map_err(store_failure)?
@@ -416,7 +428,7 @@ pub(crate) async fn list(
     agent.own(&caller.subject, &req.task_id).await?;
     // At most MAX_CONFIGS_PER_TASK exist, so one page always holds them all.
     Ok(ListTaskPushNotificationConfigsResponse {
-        configs: agent.configs(&req.task_id).await?,
+        configs: agent.configs(&caller.subject, &req.task_id).await?,
         next_page_token: None,
     })
 }
@@ -433,7 +445,7 @@ pub(crate) async fn delete(
         .delete_item(
             &agent.org,
             PUSH_KIND,
-            &agent.push_item_id(&req.task_id, &req.id),
+            &agent.push_item_id(&caller.subject, &req.task_id, &req.id),
         )
         .await
     {
@@ -442,14 +454,19 @@ pub(crate) async fn delete(
     }
 }
 
-/// Delivers `events` of task `task_id` to the webhooks registered now, in order per webhook, in the
-/// background. A failure is logged: the update itself is stored and readable with GetTask either
+/// Delivers `events` of `subject`'s task `task_id` to the webhooks registered now, in order per webhook,
+/// in the background. A failure is logged: the update itself is stored and readable with GetTask either
 /// way.
-pub(crate) async fn notify(agent: &Arc<Agent>, task_id: &str, events: Vec<StreamResponse>) {
+pub(crate) async fn notify(
+    agent: &Arc<Agent>,
+    subject: &str,
+    task_id: &str,
+    events: Vec<StreamResponse>,
+) {
     if events.is_empty() {
         return;
     }
-    let configs = match agent.configs(task_id).await {
+    let configs = match agent.configs(subject, task_id).await {
         Ok(configs) => configs,
         Err(e) => {
             tracing::warn!(task = %task_id, error = %e, "reading push configs");

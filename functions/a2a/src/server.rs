@@ -41,8 +41,8 @@ use loams_platform::Store;
 
 /// Largest request body; a skill call is a few KiB, this leaves room for file contents.
 pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;
-/// Longest message id (= task id). Store keys are at most `limits::MAX_KEY`; the agent name and the
-/// kind prefix must still fit.
+/// Longest message id (= task id). Store keys are at most `limits::MAX_KEY` (512 bytes); the agent name and
+/// the caller's hash (`task_item_id`) must still fit.
 pub const MAX_MESSAGE_ID: usize = 256;
 /// Item kind of stored tasks (docs/contracts.md).
 pub const TASK_KIND: &str = "a2a_task";

@@ -65,7 +65,8 @@ pub struct SkillSpec {
 }
 
 /// The agent as advertised on the card. `name` is also the agent's key in the task store
-/// (`a2a_task` items are `<name>:<messageId>`), so it should be the short agent name (`zulip`).
+/// (`a2a_task` items are `<name>:<caller>:<messageId>`, see [`crate::task_item_id`]), so it should be the short
+/// agent name (`zulip`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentSpec {
     pub name: String,

@@ -267,24 +267,35 @@ fn call_hash(skill: &str, args: &Value) -> Result<String, A2AError> {
     Ok(sha256_hex(&canonical))
 }
 
+/// The store id of the task `task_id` that the caller `subject` sent to `agent`: `<agent>:<caller>:<task id>`.
+/// The task id is the message id itself, already the caller's unique, deterministic key for the call. Keyed by
+/// their caller, each caller's task ids are its own (another caller's message ids are no concern of it), and
+/// ListTasks reads a caller's tasks by id prefix, with no index to write on every task. The subject is hashed so
+/// any subject fits the store's key limits.
+pub fn task_item_id(agent: &str, subject: &str, task_id: &str) -> String {
+    format!("{}{task_id}", caller_prefix(agent, subject))
+}
+
+/// The start of every id of `subject`'s tasks on `agent` (see [`task_item_id`]); fixed-length after the agent
+/// name, so one caller's prefix never starts another's.
+pub(crate) fn caller_prefix(agent: &str, subject: &str) -> String {
+    format!("{agent}:{}:", &sha256_hex(subject.as_bytes())[..32])
+}
+
 impl Agent {
-    /// The task id is the message id itself: the message id is already the caller's unique,
-    /// deterministic key for this call, and GetTask can then find the stored item without an index.
-    fn item_id(&self, task_id: &str) -> String {
-        format!("{}:{task_id}", self.name)
-    }
-
-    /// The store index of a caller's tasks on this agent (ListTasks reads it). The subject is hashed
-    /// so any subject fits the store's key limits.
-    fn list_index(&self, subject: &str) -> String {
-        format!("{}:{}", self.name, &sha256_hex(subject.as_bytes())[..32])
-    }
-
-    async fn load(&self, task_id: &str) -> Result<Option<(StoredTask, u64)>, A2AError> {
+    async fn load(
+        &self,
+        subject: &str,
+        task_id: &str,
+    ) -> Result<Option<(StoredTask, u64)>, A2AError> {
         check_id("task id", task_id)?;
         let Some(item) = self
             .store
-            .get_item(&self.org, TASK_KIND, &self.item_id(task_id))
+            .get_item(
+                &self.org,
+                TASK_KIND,
+                &task_item_id(&self.name, subject, task_id),
+            )
             .await
             .map_err(store_failure)?
         else {
@@ -300,7 +311,7 @@ impl Agent {
     /// The task `task_id` if the caller `subject` created it, with its store version. Someone else's
     /// task answers exactly as a missing one does, so task ids reveal nothing to other callers.
     pub(crate) async fn own(&self, subject: &str, task_id: &str) -> Result<(Task, u64), A2AError> {
-        match self.load(task_id).await? {
+        match self.load(subject, task_id).await? {
             Some((stored, version)) if stored.caller == subject => Ok((stored.task, version)),
             _ => Err(A2AError::task_not_found(task_id)),
         }
@@ -318,9 +329,9 @@ impl Agent {
         let item = Item {
             org: self.org.clone(),
             kind: TASK_KIND.to_string(),
-            id: self.item_id(&record.task.id),
+            id: task_item_id(&self.name, &record.caller, &record.task.id),
             version: 0,
-            index: Some(self.list_index(&record.caller)),
+            index: None,
             body,
             expires_ms: record.expires_ms,
         };
@@ -404,7 +415,7 @@ async fn claim(
             Err(StoreError::Conflict) => {}
             Err(e) => return Err(store_failure(e)),
         }
-        let Some((stored, version)) = agent.load(&record.task.id).await? else {
+        let Some((stored, version)) = agent.load(&record.caller, &record.task.id).await? else {
             cond = Cond::Absent;
             continue;
         };
@@ -620,7 +631,7 @@ pub(crate) async fn begin(
         Claimed::Finished(task) => return Ok(Begun::Stored(task)),
         Claimed::Running(task) => {
             if let Some(config) = push {
-                crate::push::create_config(agent, &task_id, config).await?;
+                crate::push::create_config(agent, &caller.subject, &task_id, config).await?;
             }
             return Ok(Begun::Elsewhere(task));
         }
@@ -637,7 +648,7 @@ pub(crate) async fn begin(
     };
     let with_push = push.is_some();
     if let Some(config) = push
-        && let Err(e) = crate::push::create_config(agent, &task_id, config).await
+        && let Err(e) = crate::push::create_config(agent, &caller.subject, &task_id, config).await
     {
         agent
             .withdraw(
@@ -654,7 +665,8 @@ pub(crate) async fn begin(
     // updates from now on, so the store is not read for configs on this hot path (one read less
     // per SendMessage).
     if with_push {
-        crate::push::notify(agent, &task_id, vec![StreamResponse::Task(shown.clone())]).await;
+        let update = vec![StreamResponse::Task(shown.clone())];
+        crate::push::notify(agent, &caller.subject, &task_id, update).await;
     }
     let run = tokio::spawn(run(agent.clone(), record, version, skill, args, admitted));
     Ok(Begun::Started(shown, run))
@@ -689,7 +701,7 @@ async fn read_then_store(
                 if replaced {
                     // The task taken over was stored before, and may have push configs.
                     let update = vec![StreamResponse::Task(record.task.clone())];
-                    crate::push::notify(agent, &record.task.id, update).await;
+                    crate::push::notify(agent, &record.caller, &record.task.id, update).await;
                 }
                 Begun::Stored(record.task)
             }
@@ -725,7 +737,7 @@ async fn run(
         Ok(_) => {}
         Err(StoreError::Conflict) => {
             tracing::warn!(task = %task_id, "a2a task changed while its skill ran; keeping the stored one");
-            return match agent.load(&task_id).await? {
+            return match agent.load(&record.caller, &task_id).await? {
                 Some((stored, _)) => Ok(stored.task),
                 None => Err(A2AError::task_not_found(&task_id)),
             };
@@ -737,7 +749,8 @@ async fn run(
             return Err(store_failure(e));
         }
     }
-    crate::push::notify(&agent, &task_id, changes(&working, &record.task)).await;
+    let update = changes(&working, &record.task);
+    crate::push::notify(&agent, &record.caller, &task_id, update).await;
     Ok(record.task)
 }
 
@@ -891,7 +904,7 @@ pub(crate) async fn cancel_task(
             format!("task {task_id} {why}"),
         )
     };
-    let (mut record, version) = match agent.load(task_id).await? {
+    let (mut record, version) = match agent.load(&caller.subject, task_id).await? {
         Some((record, version)) if record.caller == caller.subject => (record, version),
         _ => return Err(A2AError::task_not_found(task_id)),
     };
@@ -920,7 +933,8 @@ pub(crate) async fn cancel_task(
             StoreError::Conflict => not_cancelable("changed while being canceled"),
             other => store_failure(other),
         })?;
-    crate::push::notify(agent, task_id, changes(&before, &record.task)).await;
+    let update = changes(&before, &record.task);
+    crate::push::notify(agent, &caller.subject, task_id, update).await;
     Ok(record.task)
 }
 
@@ -1123,7 +1137,7 @@ pub(crate) async fn list_tasks(
     if let Some(ctx) = &req.context_id {
         check_id("contextId", ctx)?;
     }
-    let index = agent.list_index(&caller.subject);
+    let prefix = caller_prefix(&agent.name, &caller.subject);
     // Each kept task is cut to what the response shows at once, so the scan holds one store page plus at most
     // 2 × pageSize shown tasks.
     let shown = |task: Task| {
@@ -1144,7 +1158,7 @@ pub(crate) async fn list_tasks(
     loop {
         let got = agent
             .store
-            .list_items(&agent.org, TASK_KIND, Some(&index), page.clone())
+            .list_items_with_prefix(&agent.org, TASK_KIND, &prefix, page.clone())
             .await
             .map_err(store_failure)?;
         scanned += got.items.len();
@@ -1155,7 +1169,7 @@ pub(crate) async fn list_tasks(
                 first_unreadable.get_or_insert_with(|| item.id.clone());
                 continue;
             };
-            // The index is a hash of the subject: check the subject itself.
+            // The prefix holds a hash of the subject: check the subject itself.
             if stored.caller != caller.subject {
                 continue;
             }

@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use loams_a2a::{
     A2aClient, AgentSpec, ApprovalGate, AuthError, Binding, CallError, CallerAuth, CardError,
     CardSigner, ClientOptions, GateError, Guards, Jwks, Principal, Risk, ServerOptions, SkillError,
-    SkillSpec, Skills, TASK_KIND, TokenError, TokenSource, router_with,
+    SkillSpec, Skills, TASK_KIND, TokenError, TokenSource, router_with, task_item_id,
 };
 use loams_platform::race::RaceBeforeWrite;
 use loams_platform::{Clock, Cond, Counting, OpCounts, Sqlite, Store, SystemClock};
@@ -1086,49 +1086,38 @@ async fn a_message_id_is_bound_to_its_call_and_its_caller() {
     // The write ran once; the read ran (a read is stored once it has run) and its answer was refused.
     assert_eq!(agent.calls(), 2);
 
-    // Another caller can neither replay, read nor cancel the task: it does not exist for them.
+    // Another caller can neither read nor cancel the task: it does not exist for them.
     let mallory = token("agent:mallory", "acme", &agent.base);
     let as_mallory = |method: &str, params: Value| {
-        json!({"jsonrpc": "2.0", "id": 2, "method": method, "params": params}).to_string()
+        let body = json!({"jsonrpc": "2.0", "id": 2, "method": method, "params": params});
+        agent.rpc_as(Some(&mallory), Some("1.0"), body.to_string())
     };
-    let replay: Value = agent
-        .rpc_as(
-            Some(&mallory),
-            Some("1.0"),
-            as_mallory(
-                "SendMessage",
-                send_params(
-                    "m-bound",
-                    json!({"skill": "count", "args": {"n": 1, "m": 2}}),
-                ),
-            ),
-        )
-        .await
-        .json()
-        .await
-        .unwrap();
-    assert_error(&replay, -32602, "INVALID_PARAMS");
     for method in ["GetTask", "CancelTask"] {
-        let resp: Value = agent
-            .rpc_as(
-                Some(&mallory),
-                Some("1.0"),
-                as_mallory(method, json!({"id": "m-bound"})),
-            )
+        let resp: Value = as_mallory(method, json!({"id": "m-bound"}))
             .await
             .json()
             .await
             .unwrap();
         assert_error(&resp, -32001, "TASK_NOT_FOUND");
     }
-    assert_eq!(
-        agent.calls(),
-        2,
-        "mallory's replay of the write ran nothing"
-    );
-    // The creator still reads it.
+    // Message ids are each caller's own: the same id and call from another caller is their own task, run for
+    // them, which neither shows nor changes the first caller's.
+    let call = json!({"skill": "count", "args": {"n": 1, "m": 2}});
+    let theirs: Value = as_mallory("SendMessage", send_params("m-bound", call))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let task = &theirs["result"]["task"];
+    assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{theirs}");
+    assert_ne!(task["artifacts"], first["result"]["task"]["artifacts"]);
+    assert_eq!(agent.calls(), 3, "mallory's call ran for mallory");
     let own = agent.rpc("GetTask", json!({"id": "m-bound"})).await;
-    assert_eq!(own["result"]["status"]["state"], "TASK_STATE_COMPLETED");
+    assert_eq!(
+        own["result"]["artifacts"],
+        first["result"]["task"]["artifacts"]
+    );
+    assert_eq!(own["result"]["status"], first["result"]["task"]["status"]);
 }
 
 #[tokio::test]
@@ -1192,11 +1181,11 @@ async fn a_skill_runs_only_for_a_caller_holding_its_scopes() {
 
     // A reader's tasks go away within the hour; the factory's (write scope held) are kept.
     agent.send("m-factory", "measure", json!({})).await;
-    let expiry = |id: &'static str| {
+    let expiry = |subject: &'static str, id: &'static str| {
         let store = store.clone();
         async move {
             let item = store
-                .get_item("acme", TASK_KIND, &format!("counter:{id}"))
+                .get_item("acme", TASK_KIND, &task_item_id("counter", subject, id))
                 .await
                 .unwrap()
                 .unwrap();
@@ -1205,13 +1194,15 @@ async fn a_skill_runs_only_for_a_caller_holding_its_scopes() {
     };
     let now = SystemClock.now_ms();
     for id in ["m-read", "m-write"] {
-        let expires = expiry(id).await.expect("a reader's task expires");
+        let expires = expiry("user:alice", id)
+            .await
+            .expect("a reader's task expires");
         assert!(
             (now..=now + 3_600_000).contains(&expires),
             "{id}: {expires} vs {now}"
         );
     }
-    assert_eq!(expiry("m-factory").await, None);
+    assert_eq!(expiry("agent:factory", "m-factory").await, None);
 }
 
 #[tokio::test]
@@ -1870,9 +1861,9 @@ async fn a_refused_push_config_leaves_the_message_id_free() {
     assert_eq!(agent.calls(), 1);
 }
 
-/// Rewrites the stored record of the task `task_id` with `edit`.
+/// Rewrites the stored record of the factory's task `task_id` with `edit`.
 async fn rewrite_stored(store: &dyn Store, task_id: &str, edit: impl FnOnce(&mut Value)) {
-    let id = format!("counter:{task_id}");
+    let id = task_item_id("counter", "agent:factory", task_id);
     let mut item = store
         .get_item("acme", TASK_KIND, &id)
         .await
@@ -1981,7 +1972,11 @@ async fn a_damaged_task_record_is_left_out_of_listings_and_reported_by_get() {
     agent.send("m-kept", "count", json!({})).await;
     agent.send("m-damaged", "count", json!({})).await;
     let mut item = store
-        .get_item("acme", TASK_KIND, "counter:m-damaged")
+        .get_item(
+            "acme",
+            TASK_KIND,
+            &task_item_id("counter", "agent:factory", "m-damaged"),
+        )
         .await
         .unwrap()
         .unwrap();
@@ -2755,6 +2750,81 @@ async fn push_notification_configs_and_delivery() {
         .rpc("ListTaskPushNotificationConfigs", json!({"taskId": "p-1"}))
         .await;
     assert_eq!(listed["result"]["configs"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn push_configs_belong_to_one_task_of_one_caller() {
+    let (hook_url, _hooks) = start_hooks().await;
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let agent = start_with(store, push_to_local_hooks()).await;
+    let mallory = token("agent:mallory", "acme", &agent.base);
+    let as_mallory = |method: &str, params: Value| {
+        let body = json!({"jsonrpc": "2.0", "id": 2, "method": method, "params": params});
+        agent.rpc_as(Some(&mallory), Some("1.0"), body.to_string())
+    };
+    let config = |task: &str, id: &str, path: &str| json!({"taskId": task, "id": id, "url": format!("{hook_url}/{path}")});
+    // A task id may hold any character: the configs of task "x" are not those of task "x:y".
+    for (task, id) in [("x:y", "c"), ("x", "d")] {
+        agent.send(task, "count", json!({})).await;
+        let made = agent
+            .rpc(
+                "CreateTaskPushNotificationConfig",
+                config(task, id, "factory"),
+            )
+            .await;
+        assert_eq!(made["result"]["id"], id, "{made}");
+    }
+    // Another caller's task of the same id is another task, with configs of its own.
+    let theirs: Value = as_mallory(
+        "SendMessage",
+        send_params("x", json!({"skill": "count", "args": {}})),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(
+        theirs["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{theirs}"
+    );
+    let list = |task: &str| json!({"taskId": task});
+    let none: Value = as_mallory("ListTaskPushNotificationConfigs", list("x"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(none["result"], json!({}), "no configs: {none}");
+    let made: Value = as_mallory(
+        "CreateTaskPushNotificationConfig",
+        config("x", "d", "mallory"),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(
+        made["result"]["url"],
+        format!("{hook_url}/mallory"),
+        "{made}"
+    );
+
+    for (task, id) in [("x:y", "c"), ("x", "d")] {
+        let listed = agent
+            .rpc("ListTaskPushNotificationConfigs", list(task))
+            .await;
+        let configs = listed["result"]["configs"].as_array().unwrap();
+        assert_eq!(configs.len(), 1, "{listed}");
+        assert_eq!(configs[0], config(task, id, "factory"), "{listed}");
+    }
+    let theirs: Value = as_mallory("ListTaskPushNotificationConfigs", list("x"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        theirs["result"]["configs"],
+        json!([config("x", "d", "mallory")])
+    );
 }
 
 fn text_message(message_id: &str, task_id: Option<&str>) -> Value {

@@ -126,6 +126,11 @@ pub async fn store_suite(store: &dyn Store, time: &dyn TimeControl) {
     );
     outcome(
         "store",
+        "list_items_by_id_prefix_with_paging",
+        item_prefix_listing(store, time).await,
+    );
+    outcome(
+        "store",
         "list_items_in_byte_order_of_the_ids",
         item_byte_order(store).await,
     );
@@ -633,7 +638,14 @@ async fn item_expiry(s: &dyn Store, t: &dyn TimeControl) -> Checked {
 /// that folds case or sorts punctuation apart.
 async fn item_byte_order(s: &dyn Store) -> Checked {
     let org = "conf-byte-order";
-    for id in ["run:r-1", "org", "agent:zulip", "Zulip", "agent:plane", "agent-x"] {
+    for id in [
+        "run:r-1",
+        "org",
+        "agent:zulip",
+        "Zulip",
+        "agent:plane",
+        "agent-x",
+    ] {
         s.put_item(&item(org, "kill", id, None, b"x", None), Cond::Absent)
             .await
             .ctx("put")?;
@@ -644,7 +656,14 @@ async fn item_byte_order(s: &dyn Store) -> Checked {
         .ctx("list_items")?;
     let ids: Vec<&str> = listed.items.iter().map(|i| i.id.as_str()).collect();
     ensure!(
-        ids == ["Zulip", "agent-x", "agent:plane", "agent:zulip", "org", "run:r-1"],
+        ids == [
+            "Zulip",
+            "agent-x",
+            "agent:plane",
+            "agent:zulip",
+            "org",
+            "run:r-1"
+        ],
         "listed {ids:?}"
     );
     Ok(())
@@ -760,6 +779,80 @@ async fn item_listing(s: &dyn Store) -> Checked {
         "second index page {rest:?}"
     );
     Ok(())
+}
+
+/// Ids that begin with their owner list one owner's items (the A2A task store keys tasks by caller this way).
+async fn item_prefix_listing(s: &dyn Store, t: &dyn TimeControl) -> Checked {
+    let (org, now) = ("conf-prefix", t.now_ms());
+    // Written out of order; the prefix itself, its first and last possible next characters, and ids that share
+    // all but its last byte or differ only in case.
+    let inside = ["a:", "a:1", "a:2", "a:3", "a:\u{e9}", "a:\u{10ffff}"];
+    for id in [
+        "a:3",
+        "b:1",
+        "a:\u{10ffff}",
+        "a",
+        "a:1",
+        "A:1",
+        "a;",
+        "a:\u{e9}",
+        "a:",
+        "a:2",
+        "a9",
+    ] {
+        s.put_item(&item(org, "task", id, None, b"x", None), Cond::Absent)
+            .await
+            .ctx("put")?;
+    }
+    let expiring = item(org, "task", "a:0", None, b"x", Some(now + 1000));
+    s.put_item(&expiring, Cond::Absent)
+        .await
+        .ctx("put expiring")?;
+    s.put_item(&item(org, "other", "a:1", None, b"x", None), Cond::Absent)
+        .await
+        .ctx("put other kind")?;
+    s.put_item(
+        &item("conf-prefix-other", "task", "a:1", None, b"x", None),
+        Cond::Absent,
+    )
+    .await
+    .ctx("put other org")?;
+    t.elapse(1000).await;
+    let mut seen = Vec::new();
+    let mut page = Page::first(2);
+    for _ in 0..10 {
+        let got = s
+            .list_items_with_prefix(org, "task", "a:", page.clone())
+            .await
+            .ctx("list_items_with_prefix")?;
+        ensure!(
+            got.items.len() <= 2,
+            "page of limit 2 had {}",
+            got.items.len()
+        );
+        seen.extend(got.items.into_iter().map(|i| i.id));
+        match got.next {
+            Some(next) => {
+                page = Page {
+                    cursor: Some(next),
+                    limit: 2,
+                }
+            }
+            None => break,
+        }
+    }
+    ensure!(seen == inside, "listed {seen:?}");
+    let none = s
+        .list_items_with_prefix(org, "task", "c:", Page::first(10))
+        .await
+        .ctx("list an unused prefix")?;
+    ensure!(none.items.is_empty() && none.next.is_none(), "{none:?}");
+    expect_err(
+        "list with an empty prefix",
+        s.list_items_with_prefix(org, "task", "", Page::first(10))
+            .await,
+        is_invalid,
+    )
 }
 
 async fn idempotency(s: &dyn Store, t: &dyn TimeControl) -> Checked {

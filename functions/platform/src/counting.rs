@@ -71,7 +71,7 @@ counters! {
     replayable_puts,
     /// `Store::delete_item` calls.
     delete_item,
-    /// `Store::list_items` calls.
+    /// `Store::list_items` and `Store::list_items_with_prefix` calls.
     list_items,
     /// `Store::claim` calls (a conditional write on the idempotency key).
     claim,
@@ -264,6 +264,19 @@ impl<T: Store> Store for Counting<T> {
     ) -> Result<Paged<Item>> {
         Self::bump(&self.counters.list_items);
         self.inner.list_items(org, kind, index, page).await
+    }
+
+    async fn list_items_with_prefix(
+        &self,
+        org: &str,
+        kind: &str,
+        prefix: &str,
+        page: Page,
+    ) -> Result<Paged<Item>> {
+        Self::bump(&self.counters.list_items);
+        self.inner
+            .list_items_with_prefix(org, kind, prefix, page)
+            .await
     }
 
     async fn claim(&self, org: &str, key: &str, now_ms: i64, lease_ms: u64) -> Result<Claim> {

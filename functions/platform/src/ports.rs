@@ -74,6 +74,17 @@ pub trait Store: Send + Sync {
         page: Page,
     ) -> Result<Paged<Item>>;
 
+    /// Unexpired items of `kind` whose id starts with `prefix`, ordered by the bytes of their id. Ids that begin
+    /// with their owner (`<owner>:<rest>`) list one owner's items this way, with no index to keep up on every
+    /// write.
+    async fn list_items_with_prefix(
+        &self,
+        org: &str,
+        kind: &str,
+        prefix: &str,
+        page: Page,
+    ) -> Result<Paged<Item>>;
+
     /// Claims idempotency key `key`: `New` (and a lease until `now_ms + lease_ms`) if the key is unknown or its
     /// holder's lease ran out, `InProgress` while a lease holds, `Done(result)` once finished.
     async fn claim(&self, org: &str, key: &str, now_ms: i64, lease_ms: u64) -> Result<Claim>;

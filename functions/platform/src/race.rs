@@ -116,6 +116,18 @@ impl Store for RaceBeforeWrite {
         self.inner.list_items(org, kind, index, page).await
     }
 
+    async fn list_items_with_prefix(
+        &self,
+        org: &str,
+        kind: &str,
+        prefix: &str,
+        page: Page,
+    ) -> Result<Paged<Item>> {
+        self.inner
+            .list_items_with_prefix(org, kind, prefix, page)
+            .await
+    }
+
     async fn claim(&self, org: &str, key: &str, now_ms: i64, lease_ms: u64) -> Result<Claim> {
         self.inner.claim(org, key, now_ms, lease_ms).await
     }

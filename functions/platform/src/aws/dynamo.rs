@@ -229,6 +229,24 @@ impl DynamoStore {
             .collect()
     }
 
+    /// A page of (org, kind)'s items from `q`, a query of the table itself (so its rows are the records),
+    /// after the item `after`.
+    async fn list_item_keys(
+        &self,
+        org: &str,
+        kind: &str,
+        q: Listing,
+        after: Option<String>,
+        limit: usize,
+    ) -> Result<Paged<Item>> {
+        let start = after.map(|c| key(item_pk(org, kind), c));
+        let keep = |rec: &Attrs| self.visible(rec);
+        let rows = self.collect(&q, start, limit + 1, None, &keep).await?;
+        page_of(rows, limit, ITEM_CURSOR, SK, |_, rec| {
+            item_of(org, kind, rec)
+        })
+    }
+
     /// Pages through `q` from `start` and returns up to `want` (listing row, record) pairs whose record
     /// passes `keep`. With `lookup`, the record is read with `BatchGetItem` at the key `lookup` gives for
     /// the row (index and listing queries); without, the row is the record.
@@ -876,12 +894,7 @@ impl Store for DynamoStore {
                 let q = Listing::new(None, "#pk = :pk", true)
                     .name("#pk", PK)
                     .value(":pk", s(&pk));
-                let start = after.map(|c| key(pk.clone(), c));
-                let keep = |rec: &Attrs| self.visible(rec);
-                let rows = self.collect(&q, start, limit + 1, None, &keep).await?;
-                page_of(rows, limit, ITEM_CURSOR, SK, |_, rec| {
-                    item_of(org, kind, rec)
-                })
+                self.list_item_keys(org, kind, q, after, limit).await
             }
             Some(idx) => {
                 let gpk = idx_pk(org, kind, idx);
@@ -907,6 +920,26 @@ impl Store for DynamoStore {
                 })
             }
         }
+    }
+
+    async fn list_items_with_prefix(
+        &self,
+        org: &str,
+        kind: &str,
+        prefix: &str,
+        page: Page,
+    ) -> Result<Paged<Item>> {
+        limits::org(org)?;
+        limits::name("kind", kind)?;
+        limits::key("prefix", prefix)?;
+        let limit = check_page(&page)?;
+        let after = open_cursor(ITEM_CURSOR, &page)?;
+        let q = Listing::new(None, "#pk = :pk AND begins_with(#sk, :prefix)", true)
+            .name("#pk", PK)
+            .name("#sk", SK)
+            .value(":pk", s(item_pk(org, kind)))
+            .value(":prefix", s(prefix));
+        self.list_item_keys(org, kind, q, after, limit).await
     }
 
     async fn claim(&self, org: &str, key_: &str, now_ms: i64, lease_ms: u64) -> Result<Claim> {

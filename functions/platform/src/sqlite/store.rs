@@ -85,6 +85,82 @@ fn check_page(page: &Page) -> Result<i64> {
     )?))
 }
 
+/// Which items of a kind a listing returns.
+enum ItemFilter {
+    All,
+    Index(String),
+    Prefix(String),
+}
+
+impl ItemFilter {
+    /// The condition on `?3`. One statement per filter rather than `(?3 IS NULL OR idx = ?3)`: a statement is
+    /// planned once for every binding, so that form could use no index and would scan every item of the kind.
+    fn condition(&self) -> &'static str {
+        match self {
+            ItemFilter::All => "AND ?3 IS NULL",
+            ItemFilter::Index(_) => "AND idx = ?3",
+            // Every id that starts with ?3 sorts in [?3, ?3 || X'F4908080') byte by byte, and only those: no
+            // UTF-8 text has bytes past F4 8F BF BF. A range, so the primary key's index finds it.
+            ItemFilter::Prefix(_) => "AND id >= ?3 AND id < ?3 || X'F4908080'",
+        }
+    }
+
+    fn value(&self) -> Option<&str> {
+        match self {
+            ItemFilter::All => None,
+            ItemFilter::Index(v) | ItemFilter::Prefix(v) => Some(v),
+        }
+    }
+}
+
+impl Sqlite {
+    async fn list_items_where(
+        &self,
+        org: &str,
+        kind: &str,
+        filter: ItemFilter,
+        page: Page,
+    ) -> Result<Paged<Item>> {
+        limits::org(org)?;
+        limits::name("kind", kind)?;
+        let limit = check_page(&page)?;
+        // The cursor is the id of the last item returned; ids are unique within (org, kind).
+        let (org, kind, after) = (org.to_owned(), kind.to_owned(), page.cursor.clone());
+        self.with_reader(move |conn, inner| {
+            let now = inner.clock.now_ms();
+            let sql = format!(
+                "SELECT {ITEM_COLUMNS} FROM items
+                 WHERE org = ?1 AND kind = ?2 {} AND (?4 IS NULL OR id > ?4)
+                   AND (expires_ms IS NULL OR expires_ms > ?5)
+                 ORDER BY id LIMIT ?6",
+                filter.condition()
+            );
+            let mut stmt = conn.prepare_cached(&sql).map_err(db)?;
+            let rows = stmt
+                .query_map(
+                    params![org, kind, filter.value(), after, now, limit + 1],
+                    item_row,
+                )
+                .map_err(db)?
+                .collect::<rusqlite::Result<Vec<_>>>()
+                .map_err(db)?;
+            let more = rows.len() as i64 > limit;
+            let items = rows
+                .into_iter()
+                .take(limit as usize)
+                .map(finish_item)
+                .collect::<Result<Vec<_>>>()?;
+            let next = if more {
+                items.last().map(|i| i.id.clone())
+            } else {
+                None
+            };
+            Ok(Paged { items, next })
+        })
+        .await
+    }
+}
+
 #[async_trait]
 impl Store for Sqlite {
     async fn create_run(
@@ -378,54 +454,26 @@ impl Store for Sqlite {
         index: Option<&str>,
         page: Page,
     ) -> Result<Paged<Item>> {
-        limits::org(org)?;
-        limits::name("kind", kind)?;
         if let Some(idx) = index {
             limits::key("index", idx)?;
         }
-        let limit = check_page(&page)?;
-        // The cursor is the id of the last item returned; ids are unique within (org, kind).
-        let (org, kind, index, after) = (
-            org.to_owned(),
-            kind.to_owned(),
-            index.map(str::to_owned),
-            page.cursor.clone(),
-        );
-        self.with_reader(move |conn, inner| {
-            let now = inner.clock.now_ms();
-            // Two statements rather than `(?3 IS NULL OR idx = ?3)`: a statement is planned once for every
-            // binding, so that form cannot use the (partial) index and scans every item of the kind.
-            let by_index = if index.is_some() {
-                "AND idx = ?3"
-            } else {
-                "AND ?3 IS NULL"
-            };
-            let sql = format!(
-                "SELECT {ITEM_COLUMNS} FROM items
-                 WHERE org = ?1 AND kind = ?2 {by_index} AND (?4 IS NULL OR id > ?4)
-                   AND (expires_ms IS NULL OR expires_ms > ?5)
-                 ORDER BY id LIMIT ?6"
-            );
-            let mut stmt = conn.prepare_cached(&sql).map_err(db)?;
-            let rows = stmt
-                .query_map(params![org, kind, index, after, now, limit + 1], item_row)
-                .map_err(db)?
-                .collect::<rusqlite::Result<Vec<_>>>()
-                .map_err(db)?;
-            let more = rows.len() as i64 > limit;
-            let items = rows
-                .into_iter()
-                .take(limit as usize)
-                .map(finish_item)
-                .collect::<Result<Vec<_>>>()?;
-            let next = if more {
-                items.last().map(|i| i.id.clone())
-            } else {
-                None
-            };
-            Ok(Paged { items, next })
-        })
-        .await
+        let filter = match index {
+            Some(idx) => ItemFilter::Index(idx.to_owned()),
+            None => ItemFilter::All,
+        };
+        self.list_items_where(org, kind, filter, page).await
+    }
+
+    async fn list_items_with_prefix(
+        &self,
+        org: &str,
+        kind: &str,
+        prefix: &str,
+        page: Page,
+    ) -> Result<Paged<Item>> {
+        limits::key("prefix", prefix)?;
+        self.list_items_where(org, kind, ItemFilter::Prefix(prefix.to_owned()), page)
+            .await
     }
 
     async fn claim(&self, org: &str, key: &str, now_ms: i64, lease_ms: u64) -> Result<Claim> {
