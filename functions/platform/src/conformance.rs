@@ -669,6 +669,36 @@ async fn item_byte_order(s: &dyn Store) -> Checked {
     Ok(())
 }
 
+/// The ids of a listing read `limit` items a page until it has no next page (ten pages at the most), each page
+/// checked to hold at most `limit`.
+async fn ids_of_every_page<F, Fut>(limit: u32, mut list: F) -> Result<Vec<String>, String>
+where
+    F: FnMut(Page) -> Fut,
+    Fut: Future<Output = Result<crate::Paged<Item>, StoreError>>,
+{
+    let mut seen = Vec::new();
+    let mut page = Page::first(limit);
+    for _ in 0..10 {
+        let got = list(page).await.ctx("listing a page")?;
+        ensure!(
+            got.items.len() <= limit as usize,
+            "page of limit {limit} had {}",
+            got.items.len()
+        );
+        seen.extend(got.items.into_iter().map(|i| i.id));
+        match got.next {
+            Some(next) => {
+                page = Page {
+                    cursor: Some(next),
+                    limit,
+                }
+            }
+            None => break,
+        }
+    }
+    Ok(seen)
+}
+
 async fn item_listing(s: &dyn Store) -> Checked {
     let org = "conf-list-items";
     // Written out of id order: the listing's order must come from the ids, not from the writes.
@@ -704,29 +734,7 @@ async fn item_listing(s: &dyn Store) -> Checked {
     )
     .await
     .ctx("put other org")?;
-    let mut seen = Vec::new();
-    let mut page = Page::first(3);
-    for _ in 0..10 {
-        let got = s
-            .list_items(org, "approval", None, page.clone())
-            .await
-            .ctx("list_items")?;
-        ensure!(
-            got.items.len() <= 3,
-            "page of limit 3 had {}",
-            got.items.len()
-        );
-        seen.extend(got.items.into_iter().map(|i| i.id));
-        match got.next {
-            Some(next) => {
-                page = Page {
-                    cursor: Some(next),
-                    limit: 3,
-                }
-            }
-            None => break,
-        }
-    }
+    let seen = ids_of_every_page(3, |page| s.list_items(org, "approval", None, page)).await?;
     ensure!(
         seen == ["a0", "a1", "a2", "a3", "a4", "a5", "a6"],
         "paged approvals {seen:?}"
@@ -818,29 +826,8 @@ async fn item_prefix_listing(s: &dyn Store, t: &dyn TimeControl) -> Checked {
     .await
     .ctx("put other org")?;
     t.elapse(1000).await;
-    let mut seen = Vec::new();
-    let mut page = Page::first(2);
-    for _ in 0..10 {
-        let got = s
-            .list_items_with_prefix(org, "task", "a:", page.clone())
-            .await
-            .ctx("list_items_with_prefix")?;
-        ensure!(
-            got.items.len() <= 2,
-            "page of limit 2 had {}",
-            got.items.len()
-        );
-        seen.extend(got.items.into_iter().map(|i| i.id));
-        match got.next {
-            Some(next) => {
-                page = Page {
-                    cursor: Some(next),
-                    limit: 2,
-                }
-            }
-            None => break,
-        }
-    }
+    let seen =
+        ids_of_every_page(2, |page| s.list_items_with_prefix(org, "task", "a:", page)).await?;
     ensure!(seen == inside, "listed {seen:?}");
     let none = s
         .list_items_with_prefix(org, "task", "c:", Page::first(10))
