@@ -36,9 +36,8 @@ const MAX_PAGE_SIZE: usize = 100;
 const MAX_LIST_SCAN: usize = 20_000;
 /// Stored tasks ListTasks asks the store for at a time. A task record may be up to `limits::MAX_BODY` bytes (its
 /// history holds the request), so a store page of `limits::MAX_PAGE` records could take 400 MB to hold; this bounds
-/// one page at 40 MB, within the 256 MB of an agent's Lambda. 99, not 100: the DynamoDB store reads one record
-/// more than the page to know whether another follows, and fetches records in `BatchGetItem`s of 100.
-const LIST_STORE_PAGE: u32 = 99;
+/// one page at 40 MB, within the 256 MB of an agent's Lambda.
+const LIST_STORE_PAGE: u32 = 100;
 /// Most bytes of tasks (as JSON) one ListTasks page carries; the page ends early, with a token for the rest, rather
 /// than grow past it. A page of 100 tasks of up to 400 KB each would be 40 MB: past the response limits of the
 /// clients (ours reads at most 2 MiB by default) and of Lambda. A page holds at least one task, and one task is
@@ -443,7 +442,7 @@ fn decode_task(bytes: &[u8]) -> serde_json::Result<StoredTask> {
     serde_json::from_slice(bytes)
 }
 
-/// The refusal of a reused message id: the stored task belongs to another call or caller and is not
+/// The refusal of a reused message id: the caller's stored task under it is of another call and is not
 /// shown.
 fn reused(task_id: &str) -> A2AError {
     A2AError::invalid_params(format!(
@@ -530,11 +529,12 @@ pub(crate) enum Begun {
     Reply(Message),
 }
 
-/// SendMessage up to the start of the skill, exactly once per message id: validate, store the
-/// WORKING task (which is the claim on the id, see [`claim`]), ask the approval gate, then spawn
+/// SendMessage up to the start of the skill, exactly once per message id of a caller: validate, store
+/// the WORKING task (which is the claim on the id, see [`claim`]), ask the approval gate, then spawn
 /// the run. A repeat of the same call by the same caller gets the stored task (the WORKING one
-/// during the run); the id reused for another call or by another caller is refused. The exception
-/// is a read the caller waits for (`waits`: a blocking SendMessage), see [`read_then_store`].
+/// during the run); the id reused by the caller for another call is refused; another caller's same
+/// id is another task. The exception is a read the caller waits for (`waits`: a blocking
+/// SendMessage), see [`read_then_store`].
 ///
 /// An approval binds agent, skill and args, not the message id: another message id carrying the
 /// same approved call is admitted and repeats the identical action, which the app treats as a

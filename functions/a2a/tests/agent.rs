@@ -260,6 +260,16 @@ impl Agent {
         resp.json().await.unwrap()
     }
 
+    /// `rpc` with another caller's token.
+    async fn rpc_by(&self, bearer: &str, method: &str, params: Value) -> Value {
+        let body = json!({"jsonrpc": "2.0", "id": 7, "method": method, "params": params});
+        let resp = self
+            .rpc_as(Some(bearer), Some("1.0"), body.to_string())
+            .await;
+        assert_eq!(resp.status(), 200);
+        resp.json().await.unwrap()
+    }
+
     async fn send(&self, message_id: &str, skill: &str, args: Value) -> Value {
         self.rpc(
             "SendMessage",
@@ -1059,7 +1069,7 @@ async fn destructive_skills_run_only_with_an_admitted_approval() {
 }
 
 #[tokio::test]
-async fn a_message_id_is_bound_to_its_call_and_its_caller() {
+async fn a_message_id_is_bound_to_its_call_and_owned_by_its_caller() {
     let agent = start().await;
     let first = agent
         .send("m-bound", "count", json!({"n": 1, "m": 2}))
@@ -1088,26 +1098,18 @@ async fn a_message_id_is_bound_to_its_call_and_its_caller() {
 
     // Another caller can neither read nor cancel the task: it does not exist for them.
     let mallory = token("agent:mallory", "acme", &agent.base);
-    let as_mallory = |method: &str, params: Value| {
-        let body = json!({"jsonrpc": "2.0", "id": 2, "method": method, "params": params});
-        agent.rpc_as(Some(&mallory), Some("1.0"), body.to_string())
-    };
     for method in ["GetTask", "CancelTask"] {
-        let resp: Value = as_mallory(method, json!({"id": "m-bound"}))
-            .await
-            .json()
-            .await
-            .unwrap();
+        let resp = agent
+            .rpc_by(&mallory, method, json!({"id": "m-bound"}))
+            .await;
         assert_error(&resp, -32001, "TASK_NOT_FOUND");
     }
     // Message ids are each caller's own: the same id and call from another caller is their own task, run for
     // them, which neither shows nor changes the first caller's.
     let call = json!({"skill": "count", "args": {"n": 1, "m": 2}});
-    let theirs: Value = as_mallory("SendMessage", send_params("m-bound", call))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let theirs = agent
+        .rpc_by(&mallory, "SendMessage", send_params("m-bound", call))
+        .await;
     let task = &theirs["result"]["task"];
     assert_eq!(task["status"]["state"], "TASK_STATE_COMPLETED", "{theirs}");
     assert_ne!(task["artifacts"], first["result"]["task"]["artifacts"]);
@@ -1961,7 +1963,7 @@ async fn list_tasks_reads_the_store_a_bounded_page_at_a_time() {
     assert_eq!(
         store.counts().list_items - before,
         3,
-        "250 tasks in store pages of 99"
+        "250 tasks in store pages of 100"
     );
 }
 
@@ -2754,77 +2756,88 @@ async fn push_notification_configs_and_delivery() {
 
 #[tokio::test]
 async fn push_configs_belong_to_one_task_of_one_caller() {
-    let (hook_url, _hooks) = start_hooks().await;
+    let (hook_url, hooks) = start_hooks().await;
     let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
     let agent = start_with(store, push_to_local_hooks()).await;
     let mallory = token("agent:mallory", "acme", &agent.base);
-    let as_mallory = |method: &str, params: Value| {
-        let body = json!({"jsonrpc": "2.0", "id": 2, "method": method, "params": params});
-        agent.rpc_as(Some(&mallory), Some("1.0"), body.to_string())
-    };
+    let as_mallory = |method: &'static str, params: Value| agent.rpc_by(&mallory, method, params);
     let config = |task: &str, id: &str, path: &str| json!({"taskId": task, "id": id, "url": format!("{hook_url}/{path}")});
-    // A task id may hold any character: the configs of task "x" are not those of task "x:y".
-    for (task, id) in [("x:y", "c"), ("x", "d")] {
-        agent.send(task, "count", json!({})).await;
-        let made = agent
-            .rpc(
-                "CreateTaskPushNotificationConfig",
-                config(task, id, "factory"),
-            )
-            .await;
-        assert_eq!(made["result"]["id"], id, "{made}");
-    }
-    // Another caller's task of the same id is another task, with configs of its own.
-    let theirs: Value = as_mallory(
-        "SendMessage",
-        send_params("x", json!({"skill": "count", "args": {}})),
-    )
-    .await
-    .json()
-    .await
-    .unwrap();
+    let slow_with = |config: Value| {
+        let mut params = send_params("x", json!({"skill": "slow", "args": {}}));
+        params["configuration"] =
+            json!({"returnImmediately": true, "taskPushNotificationConfig": config});
+        params
+    };
+    // The factory's task "x" and mallory's task "x" run at once, each with a webhook of its own.
+    let ours = agent
+        .rpc("SendMessage", slow_with(config("x", "d", "factory")))
+        .await;
     assert_eq!(
-        theirs["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        ours["result"]["task"]["status"]["state"], "TASK_STATE_WORKING",
+        "{ours}"
+    );
+    agent.skills.slow_started.notified().await;
+    let theirs = as_mallory("SendMessage", slow_with(config("x", "d", "mallory"))).await;
+    assert_eq!(
+        theirs["result"]["task"]["status"]["state"], "TASK_STATE_WORKING",
         "{theirs}"
     );
-    let list = |task: &str| json!({"taskId": task});
-    let none: Value = as_mallory("ListTaskPushNotificationConfigs", list("x"))
-        .await
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(none["result"], json!({}), "no configs: {none}");
-    let made: Value = as_mallory(
-        "CreateTaskPushNotificationConfig",
-        config("x", "d", "mallory"),
-    )
-    .await
-    .json()
-    .await
-    .unwrap();
-    assert_eq!(
-        made["result"]["url"],
-        format!("{hook_url}/mallory"),
-        "{made}"
-    );
+    agent.skills.slow_started.notified().await;
+    // Both complete; each webhook hears of its own task only (the factory's skill ran first, as call 1).
+    agent.skills.slow_release.notify_one();
+    agent.skills.slow_release.notify_one();
+    type Seen = [(String, reqwest::header::HeaderMap, Value)];
+    let heard = |seen: &Seen, path: &str| -> (bool, Vec<Value>) {
+        let at: Vec<&Value> = seen
+            .iter()
+            .filter(|(p, ..)| p == path)
+            .map(|(_, _, b)| b)
+            .collect();
+        let completed = at
+            .iter()
+            .any(|b| b["statusUpdate"]["status"]["state"] == "TASK_STATE_COMPLETED");
+        let counts = at
+            .iter()
+            .filter_map(|b| b.get("artifactUpdate"))
+            .map(|a| a["artifact"]["parts"][0]["data"]["count"].clone())
+            .collect();
+        (completed, counts)
+    };
+    hooks
+        .wait_for(|seen| heard(seen, "/factory").0 && heard(seen, "/mallory").0)
+        .await;
+    let seen = hooks.seen.lock().unwrap().clone();
+    assert_eq!(heard(&seen, "/factory").1, [json!(1)], "{seen:?}");
+    assert_eq!(heard(&seen, "/mallory").1, [json!(2)], "{seen:?}");
 
-    for (task, id) in [("x:y", "c"), ("x", "d")] {
+    // A task id may hold any character: the configs of task "x" are not those of task "x:y".
+    agent.send("x:y", "count", json!({})).await;
+    let made = agent
+        .rpc(
+            "CreateTaskPushNotificationConfig",
+            config("x:y", "c", "other"),
+        )
+        .await;
+    assert_eq!(made["result"]["id"], "c", "{made}");
+    let list = |task: &str| json!({"taskId": task});
+    for (task, id, path) in [("x:y", "c", "other"), ("x", "d", "factory")] {
         let listed = agent
             .rpc("ListTaskPushNotificationConfigs", list(task))
             .await;
-        let configs = listed["result"]["configs"].as_array().unwrap();
-        assert_eq!(configs.len(), 1, "{listed}");
-        assert_eq!(configs[0], config(task, id, "factory"), "{listed}");
+        assert_eq!(
+            listed["result"]["configs"],
+            json!([config(task, id, path)]),
+            "{listed}"
+        );
     }
-    let theirs: Value = as_mallory("ListTaskPushNotificationConfigs", list("x"))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let listed = as_mallory("ListTaskPushNotificationConfigs", list("x")).await;
     assert_eq!(
-        theirs["result"]["configs"],
-        json!([config("x", "d", "mallory")])
+        listed["result"]["configs"],
+        json!([config("x", "d", "mallory")]),
+        "{listed}"
     );
+    let none = as_mallory("ListTaskPushNotificationConfigs", list("x:y")).await;
+    assert_error(&none, -32001, "TASK_NOT_FOUND");
 }
 
 fn text_message(message_id: &str, task_id: Option<&str>) -> Value {

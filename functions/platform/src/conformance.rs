@@ -792,11 +792,12 @@ async fn item_listing(s: &dyn Store) -> Checked {
 /// Ids that begin with their owner list one owner's items (the A2A task store keys tasks by caller this way).
 async fn item_prefix_listing(s: &dyn Store, t: &dyn TimeControl) -> Checked {
     let (org, now) = ("conf-prefix", t.now_ms());
-    // Written out of order; the prefix itself, its first and last possible next characters, and ids that share
-    // all but its last byte or differ only in case.
-    let inside = ["a:", "a:1", "a:2", "a:3", "a:\u{e9}", "a:\u{10ffff}"];
+    // Written out of order; the prefix itself, its first and last possible next characters (a space: keys hold no
+    // control characters), and ids that share all but its last byte or differ only in case.
+    let inside = ["a:", "a: ", "a:1", "a:2", "a:3", "a:\u{e9}", "a:\u{10ffff}"];
     for id in [
         "a:3",
+        "a: ",
         "b:1",
         "a:\u{10ffff}",
         "a",

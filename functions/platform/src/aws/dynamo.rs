@@ -231,7 +231,7 @@ impl DynamoStore {
 
     /// A page of (org, kind)'s items from `q`, a query of the table itself (so its rows are the records),
     /// after the item `after`.
-    async fn list_item_keys(
+    async fn table_items_page(
         &self,
         org: &str,
         kind: &str,
@@ -894,7 +894,7 @@ impl Store for DynamoStore {
                 let q = Listing::new(None, "#pk = :pk", true)
                     .name("#pk", PK)
                     .value(":pk", s(&pk));
-                self.list_item_keys(org, kind, q, after, limit).await
+                self.table_items_page(org, kind, q, after, limit).await
             }
             Some(idx) => {
                 let gpk = idx_pk(org, kind, idx);
@@ -939,7 +939,7 @@ impl Store for DynamoStore {
             .name("#sk", SK)
             .value(":pk", s(item_pk(org, kind)))
             .value(":prefix", s(prefix));
-        self.list_item_keys(org, kind, q, after, limit).await
+        self.table_items_page(org, kind, q, after, limit).await
     }
 
     async fn claim(&self, org: &str, key_: &str, now_ms: i64, lease_ms: u64) -> Result<Claim> {

@@ -40,9 +40,9 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Read connections of a file database. Reads are short; two keep both cores busy while the writer commits.
 const READERS: usize = 2;
-/// Prepared statements kept per connection: more than the store and queue use (about 35, counting the list
-/// queries built per filter and the transaction-control statements), because parsing SQL again on every call cost
-/// about a seventh of a run's CPU.
+/// Prepared statements kept per connection: more than the store and queue use (about 40, counting the list
+/// queries built per filter and cursor, and the transaction-control statements), because parsing SQL again on
+/// every call cost about a seventh of a run's CPU.
 const STATEMENT_CACHE: usize = 64;
 
 /// Most calls one writer transaction commits together. Bounds how long one group holds the write lock and how

@@ -93,15 +93,45 @@ enum ItemFilter {
 }
 
 impl ItemFilter {
-    /// The condition on `?3`. One statement per filter rather than `(?3 IS NULL OR idx = ?3)`: a statement is
-    /// planned once for every binding, so that form could use no index and would scan every item of the kind.
-    fn condition(&self) -> &'static str {
+    /// The condition on `?3` (the filter's value) and `?4` (the cursor, the last id of the page before), one
+    /// statement per case rather than `(?3 IS NULL OR idx = ?3)` and `(?4 IS NULL OR id > ?4)`: a statement is
+    /// planned once for every binding, so those forms could seek no index, and every page would scan the kind
+    /// (or the prefix) from its start.
+    fn condition(&self, after_cursor: bool) -> &'static str {
+        // Every id that starts with ?3 sorts in [?3, ?3 || X'F4908080') byte by byte, and only those: no UTF-8
+        // text has bytes past F4 8F BF BF. After a cursor at or past ?3 (see `cursor`), `id > ?4` is the range's
+        // start: one lower bound, which the primary key's index seeks to.
+        match (self, after_cursor) {
+            (ItemFilter::All, false) => "AND ?3 IS NULL AND ?4 IS NULL",
+            (ItemFilter::All, true) => "AND ?3 IS NULL AND id > ?4",
+            (ItemFilter::Index(_), false) => "AND idx = ?3 AND ?4 IS NULL",
+            (ItemFilter::Index(_), true) => "AND idx = ?3 AND id > ?4",
+            (ItemFilter::Prefix(_), false) => {
+                "AND id >= ?3 AND id < ?3 || X'F4908080' AND ?4 IS NULL"
+            }
+            (ItemFilter::Prefix(_), true) => "AND id > ?4 AND id < ?3 || X'F4908080'",
+        }
+    }
+
+    /// The listing statement: `?1` org, `?2` kind, `?3` the filter's value, `?4` the cursor, `?5` now, `?6` the
+    /// page's limit + 1.
+    fn listing(&self, after_cursor: bool) -> String {
+        format!(
+            "SELECT {ITEM_COLUMNS} FROM items
+             WHERE org = ?1 AND kind = ?2 {}
+               AND (expires_ms IS NULL OR expires_ms > ?5)
+             ORDER BY id LIMIT ?6",
+            self.condition(after_cursor)
+        )
+    }
+
+    /// The page's cursor as the listing uses it. With a prefix, `id > cursor` is the range's only lower bound, so
+    /// a cursor before the prefix (never one a prefix listing returned) must not widen it: it is dropped, and the
+    /// listing starts at the prefix.
+    fn cursor(&self, after: Option<String>) -> Option<String> {
         match self {
-            ItemFilter::All => "AND ?3 IS NULL",
-            ItemFilter::Index(_) => "AND idx = ?3",
-            // Every id that starts with ?3 sorts in [?3, ?3 || X'F4908080') byte by byte, and only those: no
-            // UTF-8 text has bytes past F4 8F BF BF. A range, so the primary key's index finds it.
-            ItemFilter::Prefix(_) => "AND id >= ?3 AND id < ?3 || X'F4908080'",
+            ItemFilter::Prefix(prefix) => after.filter(|c| c >= prefix),
+            ItemFilter::All | ItemFilter::Index(_) => after,
         }
     }
 
@@ -125,16 +155,10 @@ impl Sqlite {
         limits::name("kind", kind)?;
         let limit = check_page(&page)?;
         // The cursor is the id of the last item returned; ids are unique within (org, kind).
-        let (org, kind, after) = (org.to_owned(), kind.to_owned(), page.cursor.clone());
+        let (org, kind, after) = (org.to_owned(), kind.to_owned(), filter.cursor(page.cursor));
         self.with_reader(move |conn, inner| {
             let now = inner.clock.now_ms();
-            let sql = format!(
-                "SELECT {ITEM_COLUMNS} FROM items
-                 WHERE org = ?1 AND kind = ?2 {} AND (?4 IS NULL OR id > ?4)
-                   AND (expires_ms IS NULL OR expires_ms > ?5)
-                 ORDER BY id LIMIT ?6",
-                filter.condition()
-            );
+            let sql = filter.listing(after.is_some());
             let mut stmt = conn.prepare_cached(&sql).map_err(db)?;
             let rows = stmt
                 .query_map(
@@ -542,5 +566,49 @@ impl Store for Sqlite {
             Ok(())
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each listing seeks its index to the page's start instead of scanning from the start of the kind, the index
+    /// value or the prefix: the plan bounds `id` from below (and a prefix from above too).
+    #[test]
+    fn every_listing_seeks_to_its_page() {
+        let mut conn = rusqlite::Connection::open_in_memory().expect("open");
+        super::super::migrate(&mut conn).expect("migrate");
+        let filters = [
+            ItemFilter::All,
+            ItemFilter::Index("i".into()),
+            ItemFilter::Prefix("p:".into()),
+        ];
+        for filter in &filters {
+            for after_cursor in [false, true] {
+                let sql = filter.listing(after_cursor);
+                let cursor = after_cursor.then_some("p:1");
+                let mut stmt = conn
+                    .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                    .expect("prepare");
+                let plan = stmt
+                    .query_map(params!["o", "k", filter.value(), cursor, 0, 10], |r| {
+                        r.get::<_, String>(3)
+                    })
+                    .expect("plan")
+                    .collect::<rusqlite::Result<Vec<_>>>()
+                    .expect("plan rows")
+                    .join("; ");
+                let seeks = match (filter, after_cursor) {
+                    (ItemFilter::Prefix(_), _) => "id>? AND id<?",
+                    (_, true) => "id>?",
+                    (_, false) => "kind=?",
+                };
+                assert!(
+                    plan.starts_with("SEARCH items USING INDEX") && plan.contains(seeks),
+                    "{sql}: {plan}"
+                );
+            }
+        }
     }
 }
