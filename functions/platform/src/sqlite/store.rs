@@ -85,6 +85,23 @@ fn check_page(page: &Page) -> Result<i64> {
     )?))
 }
 
+/// The statement listing runs, newest first: `?1` org, `?2` the state, `?3` and `?4` the cursor's created_ms and
+/// id, `?5` the page's limit + 1. As with items (`ItemFilter::condition`), one statement per case, so that a state
+/// uses `runs_by_state` and a page after a cursor seeks to it (the row value `(created_ms, id) < (?3, ?4)` is one
+/// bound of the index).
+fn runs_listing(by_state: bool, after_cursor: bool) -> String {
+    let state = if by_state { "state = ?2" } else { "?2 IS NULL" };
+    let after = if after_cursor {
+        "(created_ms, id) < (?3, ?4)"
+    } else {
+        "?3 IS NULL AND ?4 IS NULL"
+    };
+    format!(
+        "SELECT {RUN_COLUMNS} FROM runs WHERE org = ?1 AND {state} AND {after}
+         ORDER BY created_ms DESC, id DESC LIMIT ?5"
+    )
+}
+
 /// Which items of a kind a listing returns.
 enum ItemFilter {
     All,
@@ -306,30 +323,18 @@ impl Store for Sqlite {
         // Newest first; the cursor is the (created_ms, id) of the last row, and ids break ties so paging neither
         // skips nor repeats runs created in the same millisecond.
         let (after_ms, after_id) = match &page.cursor {
-            Some(c) => parse_run_cursor(c)?,
-            None => (i64::MAX, String::new()),
+            Some(c) => {
+                let (ms, id) = parse_run_cursor(c)?;
+                (Some(ms), Some(id))
+            }
+            None => (None, None),
         };
-        let first = page.cursor.is_none();
         let (org, state) = (org.to_owned(), state.map(str::to_owned));
         self.with_reader(move |conn, _| {
-            // As in `list_items`: one statement per shape, so a state filter uses `runs_by_state`.
-            let by_state = if state.is_some() {
-                "AND state = ?2"
-            } else {
-                "AND ?2 IS NULL"
-            };
-            let sql = format!(
-                "SELECT {RUN_COLUMNS} FROM runs
-                 WHERE org = ?1 {by_state}
-                   AND (?5 OR created_ms < ?3 OR (created_ms = ?3 AND id < ?4))
-                 ORDER BY created_ms DESC, id DESC LIMIT ?6"
-            );
+            let sql = runs_listing(state.is_some(), after_ms.is_some());
             let mut stmt = conn.prepare_cached(&sql).map_err(db)?;
             let rows = stmt
-                .query_map(
-                    params![org, state, after_ms, after_id, first, limit + 1],
-                    run_row,
-                )
+                .query_map(params![org, state, after_ms, after_id, limit + 1], run_row)
                 .map_err(db)?
                 .collect::<rusqlite::Result<Vec<_>>>()
                 .map_err(db)?;
@@ -574,11 +579,21 @@ mod tests {
     use super::*;
 
     /// Each listing seeks its index to the page's start instead of scanning from the start of the kind, the index
-    /// value or the prefix: the plan bounds `id` from below (and a prefix from above too).
+    /// value, the prefix or the org's runs: the plan names the index and the bounds it seeks.
     #[test]
     fn every_listing_seeks_to_its_page() {
         let mut conn = rusqlite::Connection::open_in_memory().expect("open");
         super::super::migrate(&mut conn).expect("migrate");
+        let plan = |sql: &str, params: &[&dyn rusqlite::ToSql]| -> String {
+            let mut stmt = conn
+                .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .expect("prepare");
+            stmt.query_map(params, |r| r.get::<_, String>(3))
+                .expect("plan")
+                .collect::<rusqlite::Result<Vec<_>>>()
+                .expect("plan rows")
+                .join("; ")
+        };
         let filters = [
             ItemFilter::All,
             ItemFilter::Index("i".into()),
@@ -588,27 +603,68 @@ mod tests {
             for after_cursor in [false, true] {
                 let sql = filter.listing(after_cursor);
                 let cursor = after_cursor.then_some("p:1");
-                let mut stmt = conn
-                    .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
-                    .expect("prepare");
-                let plan = stmt
-                    .query_map(params!["o", "k", filter.value(), cursor, 0, 10], |r| {
-                        r.get::<_, String>(3)
-                    })
-                    .expect("plan")
-                    .collect::<rusqlite::Result<Vec<_>>>()
-                    .expect("plan rows")
-                    .join("; ");
+                let got = plan(&sql, params!["o", "k", filter.value(), cursor, 0, 10]);
                 let seeks = match (filter, after_cursor) {
-                    (ItemFilter::Prefix(_), _) => "id>? AND id<?",
-                    (_, true) => "id>?",
-                    (_, false) => "kind=?",
+                    (ItemFilter::All, false) => "sqlite_autoindex_items_1 (org=? AND kind=?)",
+                    (ItemFilter::All, true) => {
+                        "sqlite_autoindex_items_1 (org=? AND kind=? AND id>?)"
+                    }
+                    (ItemFilter::Index(_), false) => "items_by_idx (org=? AND kind=? AND idx=?)",
+                    (ItemFilter::Index(_), true) => {
+                        "items_by_idx (org=? AND kind=? AND idx=? AND id>?)"
+                    }
+                    (ItemFilter::Prefix(_), _) => {
+                        "sqlite_autoindex_items_1 (org=? AND kind=? AND id>? AND id<?)"
+                    }
                 };
-                assert!(
-                    plan.starts_with("SEARCH items USING INDEX") && plan.contains(seeks),
-                    "{sql}: {plan}"
-                );
+                assert!(got.ends_with(seeks), "{sql}: {got}");
             }
+        }
+        for by_state in [false, true] {
+            for after_cursor in [false, true] {
+                let sql = runs_listing(by_state, after_cursor);
+                let (ms, id) = (after_cursor.then_some(5), after_cursor.then_some("r"));
+                let state = by_state.then_some("s");
+                let got = plan(&sql, params!["o", state, ms, id, 10]);
+                let seeks = match (by_state, after_cursor) {
+                    (false, false) => "runs_by_created (org=?)",
+                    (false, true) => "runs_by_created (org=? AND (created_ms,id)<(?,?))",
+                    (true, false) => "runs_by_state (org=? AND state=?)",
+                    (true, true) => "runs_by_state (org=? AND state=? AND (created_ms,id)<(?,?))",
+                };
+                assert!(got.ends_with(seeks), "{sql}: {got}");
+            }
+        }
+    }
+
+    /// A prefix listing never leaves its prefix, whatever the cursor: one before the prefix starts at the prefix,
+    /// one past it finds nothing.
+    #[tokio::test]
+    async fn a_prefix_listing_keeps_to_its_prefix_whatever_the_cursor() {
+        let db = Sqlite::memory(std::sync::Arc::new(crate::ManualClock::new(0))).expect("open");
+        for id in ["A:1", "a", "a9", "a:1", "a:2", "b"] {
+            let item = Item {
+                org: "o".into(),
+                kind: "k".into(),
+                id: id.into(),
+                version: 0,
+                index: None,
+                body: b"x".to_vec(),
+                expires_ms: None,
+            };
+            db.put_item(&item, Cond::Absent).await.expect("put");
+        }
+        for (cursor, want) in [("0", &["a:1", "a:2"][..]), ("a:1", &["a:2"]), ("a;", &[])] {
+            let page = Page {
+                cursor: Some(cursor.into()),
+                limit: 10,
+            };
+            let got = db
+                .list_items_with_prefix("o", "k", "a:", page)
+                .await
+                .expect("list");
+            let ids: Vec<&str> = got.items.iter().map(|i| i.id.as_str()).collect();
+            assert_eq!(ids, want, "after {cursor:?}");
         }
     }
 }
