@@ -2810,6 +2810,14 @@ async fn push_configs_belong_to_one_task_of_one_caller() {
     assert_eq!(heard(&seen, "/factory").1, [json!(1)], "{seen:?}");
     assert_eq!(heard(&seen, "/mallory").1, [json!(2)], "{seen:?}");
 
+    // Mallory adds a config to her task "x"; the factory's task "x" keeps its one (listed below).
+    let made = as_mallory(
+        "CreateTaskPushNotificationConfig",
+        config("x", "e", "mallory"),
+    )
+    .await;
+    assert_eq!(made["result"]["id"], "e", "{made}");
+
     // A task id may hold any character: the configs of task "x" are not those of task "x:y".
     agent.send("x:y", "count", json!({})).await;
     let made = agent
@@ -2833,7 +2841,7 @@ async fn push_configs_belong_to_one_task_of_one_caller() {
     let listed = as_mallory("ListTaskPushNotificationConfigs", list("x")).await;
     assert_eq!(
         listed["result"]["configs"],
-        json!([config("x", "d", "mallory")]),
+        json!([config("x", "d", "mallory"), config("x", "e", "mallory")]),
         "{listed}"
     );
     let none = as_mallory("ListTaskPushNotificationConfigs", list("x:y")).await;

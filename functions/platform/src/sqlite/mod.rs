@@ -167,6 +167,16 @@ impl Sqlite {
         // relies on.
         conn.pragma_update(None, "synchronous", sync.pragma())
             .map_err(db)?;
+        // Listings compare ids as bytes, in Rust (a cursor against a prefix) and in SQL alike; only UTF-8 text
+        // orders the same in both. A new database is UTF-8; a file made elsewhere could be UTF-16.
+        let encoding: String = conn
+            .pragma_query_value(None, "encoding", |row| row.get(0))
+            .map_err(db)?;
+        if encoding != "UTF-8" {
+            return Err(StoreError::Backend(format!(
+                "the database is encoded {encoding}; Loams needs a UTF-8 database"
+            )));
+        }
         migrate(&mut conn)?;
         // Only a file in WAL mode has readers: without WAL a reader would block on (and block) the writer, and a
         // ":memory:" path or URI opened again would be a different, empty database.
@@ -590,6 +600,26 @@ mod tests {
             body: b"{}".to_vec(),
             expires_ms,
         }
+    }
+
+    #[test]
+    fn a_database_in_another_text_encoding_is_refused() {
+        let dir = tempfile::TempDir::new().expect("temp dir");
+        let path = dir.path().join("utf16.db");
+        let made = Connection::open(&path).expect("create");
+        made.pragma_update(None, "encoding", "UTF-16le")
+            .expect("encoding");
+        made.execute_batch("CREATE TABLE t (x)")
+            .expect("fix the encoding");
+        drop(made);
+        let refused = Sqlite::open(&path, Arc::new(ManualClock::new(0)));
+        assert!(
+            matches!(&refused, Err(StoreError::Backend(m)) if m.contains("UTF-16le")),
+            "{:?}",
+            refused.err()
+        );
+        // A database Loams makes itself is UTF-8, and opens.
+        file_db(&dir);
     }
 
     #[tokio::test]
