@@ -192,7 +192,7 @@ pub(crate) async fn begin(
         .map_err(tasks::store_failure)?;
     let task_id = record.task.id.clone();
     if let Some(config) = push {
-        crate::push::create_config(agent, &record.caller, &task_id, config).await?;
+        crate::push::create_config(agent, &record, config).await?;
     }
     let shown = record.task.clone();
     crate::push::notify(

@@ -25,7 +25,7 @@ use loams_platform::{Cond, Item, Page, StoreError};
 
 use crate::auth::Principal;
 use crate::server::A2A_JSON;
-use crate::tasks::{Agent, check_id, store_failure};
+use crate::tasks::{Agent, StoredTask, check_id, store_failure};
 
 /// Item kind of stored push-notification configs.
 pub const PUSH_KIND: &str = "a2a_push";
@@ -346,14 +346,15 @@ impl Agent {
     }
 }
 
-/// Stores `config` for `subject`'s own task `task_id`, replacing a config of the same id.
-/// Also used for the config carried by SendMessage.
+/// Stores `config` for the stored `task`, replacing a config of the same id. Also used for the config
+/// carried by SendMessage. The config goes when its task does: a reader's task expires (and with it the
+/// only way to reach the config), so its webhook and credentials are not kept past it.
 pub(crate) async fn create_config(
     agent: &Agent,
-    subject: &str,
-    task_id: &str,
+    task: &StoredTask,
     mut config: TaskPushNotificationConfig,
 ) -> Result<TaskPushNotificationConfig, A2AError> {
+    let (subject, task_id) = (task.caller.as_str(), task.task.id.as_str());
     check_config(&config, &agent.options.push)?;
     let id = match config.id.take() {
         Some(id) => id,
@@ -378,7 +379,7 @@ pub(crate) async fn create_config(
         version: 0,
         index: None,
         body,
-        expires_ms: None,
+        expires_ms: task.expires_ms,
     };
     agent
         .store
@@ -394,9 +395,8 @@ pub(crate) async fn create(
     caller: &Principal,
     config: TaskPushNotificationConfig,
 ) -> Result<TaskPushNotificationConfig, A2AError> {
-    let task_id = config.task_id.clone();
-    agent.own(&caller.subject, &task_id).await?;
-    create_config(agent, &caller.subject, &task_id, config).await
+    let (task, _) = agent.own_record(&caller.subject, &config.task_id).await?;
+    create_config(agent, &task, config).await
 }
 
 pub(crate) async fn get(

@@ -310,8 +310,18 @@ impl Agent {
     /// The task `task_id` if the caller `subject` created it, with its store version. Someone else's
     /// task answers exactly as a missing one does, so task ids reveal nothing to other callers.
     pub(crate) async fn own(&self, subject: &str, task_id: &str) -> Result<(Task, u64), A2AError> {
+        let (stored, version) = self.own_record(subject, task_id).await?;
+        Ok((stored.task, version))
+    }
+
+    /// [`Agent::own`] with the whole stored record.
+    pub(crate) async fn own_record(
+        &self,
+        subject: &str,
+        task_id: &str,
+    ) -> Result<(StoredTask, u64), A2AError> {
         match self.load(subject, task_id).await? {
-            Some((stored, version)) if stored.caller == subject => Ok((stored.task, version)),
+            Some((stored, version)) if stored.caller == subject => Ok((stored, version)),
             _ => Err(A2AError::task_not_found(task_id)),
         }
     }
@@ -631,7 +641,7 @@ pub(crate) async fn begin(
         Claimed::Finished(task) => return Ok(Begun::Stored(task)),
         Claimed::Running(task) => {
             if let Some(config) = push {
-                crate::push::create_config(agent, &caller.subject, &task_id, config).await?;
+                crate::push::create_config(agent, &record, config).await?;
             }
             return Ok(Begun::Elsewhere(task));
         }
@@ -648,7 +658,7 @@ pub(crate) async fn begin(
     };
     let with_push = push.is_some();
     if let Some(config) = push
-        && let Err(e) = crate::push::create_config(agent, &caller.subject, &task_id, config).await
+        && let Err(e) = crate::push::create_config(agent, &record, config).await
     {
         agent
             .withdraw(

@@ -7,11 +7,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use loams_a2a::{
     A2aClient, AgentSpec, ApprovalGate, AuthError, Binding, CallError, CallerAuth, CardError,
-    CardSigner, ClientOptions, GateError, Guards, Jwks, Principal, Risk, ServerOptions, SkillError,
-    SkillSpec, Skills, TASK_KIND, TokenError, TokenSource, router_with, task_item_id,
+    CardSigner, ClientOptions, GateError, Guards, Jwks, PUSH_KIND, Principal, Risk, ServerOptions,
+    SkillError, SkillSpec, Skills, TASK_KIND, TokenError, TokenSource, router_with, task_item_id,
 };
 use loams_platform::race::RaceBeforeWrite;
-use loams_platform::{Clock, Cond, Counting, OpCounts, Sqlite, Store, SystemClock};
+use loams_platform::{Clock, Cond, Counting, OpCounts, Page, Sqlite, Store, SystemClock};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 
@@ -2846,6 +2846,77 @@ async fn push_configs_belong_to_one_task_of_one_caller() {
     );
     let none = as_mallory("ListTaskPushNotificationConfigs", list("x:y")).await;
     assert_error(&none, -32001, "TASK_NOT_FOUND");
+}
+
+/// A reader's task expires within the hour (see `a_skill_runs_only_for_a_caller_holding_its_scopes`); its push
+/// configs, with their webhook credentials, go with it. The factory's are kept, as its tasks are.
+#[tokio::test]
+async fn a_readers_push_configs_expire_with_its_task() {
+    let (hook_url, _hooks) = start_hooks().await;
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let agent = start_with(store.clone(), push_to_local_hooks()).await;
+    let reader = scoped_token("user:alice", "acme", &agent.base, "counter:read");
+    let hook = |id: &str| json!({"id": id, "url": format!("{hook_url}/{id}")});
+    let with_hook = |message_id: &str, id: &str| {
+        let mut params = send_params(message_id, json!({"skill": "measure", "args": {}}));
+        params["configuration"] = json!({"taskPushNotificationConfig": hook(id)});
+        params
+    };
+    let sent = agent
+        .rpc_by(&reader, "SendMessage", with_hook("m-read", "r1"))
+        .await;
+    assert_eq!(
+        sent["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{sent}"
+    );
+    let mut second = hook("r2");
+    second["taskId"] = json!("m-read");
+    let made = agent
+        .rpc_by(&reader, "CreateTaskPushNotificationConfig", second)
+        .await;
+    assert_eq!(made["result"]["id"], "r2", "{made}");
+    let kept = agent.rpc("SendMessage", with_hook("m-kept", "f1")).await;
+    assert_eq!(
+        kept["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{kept}"
+    );
+
+    let expiry = |subject: &'static str, id: &'static str| {
+        let store = store.clone();
+        async move {
+            let key = task_item_id("counter", subject, id);
+            store
+                .get_item("acme", TASK_KIND, &key)
+                .await
+                .unwrap()
+                .unwrap()
+                .expires_ms
+        }
+    };
+    let reader_task = expiry("user:alice", "m-read").await;
+    assert!(reader_task.is_some());
+    assert_eq!(expiry("agent:factory", "m-kept").await, None);
+    let configs = store
+        .list_items("acme", PUSH_KIND, None, Page::first(10))
+        .await
+        .unwrap()
+        .items;
+    let mut expiries: Vec<(String, Option<i64>)> = configs
+        .iter()
+        .map(|c| {
+            let body: Value = serde_json::from_slice(&c.body).unwrap();
+            (body["id"].as_str().unwrap().to_string(), c.expires_ms)
+        })
+        .collect();
+    expiries.sort();
+    assert_eq!(
+        expiries,
+        [
+            ("f1".to_string(), None),
+            ("r1".to_string(), reader_task),
+            ("r2".to_string(), reader_task)
+        ]
+    );
 }
 
 fn text_message(message_id: &str, task_id: Option<&str>) -> Value {
