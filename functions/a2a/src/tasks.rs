@@ -386,7 +386,7 @@ enum Claimed {
     /// The same call, finished: its recorded task.
     Finished(Task),
     /// The same call, being run by another request: the task as stored.
-    Running(Task),
+    Running(StoredTask),
 }
 
 /// Stores `record` as the claim on its message id: WORKING with this request's lease, or (a read, see
@@ -433,9 +433,11 @@ async fn claim(
         }
         let (now, lease_ms) = (now_ms(), agent.lease_ms());
         if stored.reclaimable(now, lease_ms) {
+            // A task's expiry is the one it was first stored with, which its push configs carry too.
+            record.expires_ms = stored.expires_ms;
             cond = Cond::Version(version);
         } else if stored.running(now, lease_ms) {
-            return Ok(Claimed::Running(stored.task));
+            return Ok(Claimed::Running(stored));
         } else {
             return Ok(Claimed::Finished(stored.task));
         }
@@ -639,11 +641,11 @@ pub(crate) async fn begin(
         Claimed::Ours { version, .. } => version,
         // A finished task sends no more updates: a webhook given now has nothing to get.
         Claimed::Finished(task) => return Ok(Begun::Stored(task)),
-        Claimed::Running(task) => {
+        Claimed::Running(stored) => {
             if let Some(config) = push {
-                crate::push::create_config(agent, &record, config).await?;
+                crate::push::create_config(agent, &stored, config).await?;
             }
-            return Ok(Begun::Elsewhere(task));
+            return Ok(Begun::Elsewhere(stored.task));
         }
     };
     let admitted = match gate(agent, caller, &skill, risk, &args, approval_id.as_deref()).await {
@@ -716,7 +718,7 @@ async fn read_then_store(
                 Begun::Stored(record.task)
             }
             Claimed::Finished(task) => Begun::Stored(task),
-            Claimed::Running(task) => Begun::Elsewhere(task),
+            Claimed::Running(stored) => Begun::Elsewhere(stored.task),
         },
     )
 }

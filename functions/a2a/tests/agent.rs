@@ -1863,9 +1863,17 @@ async fn a_refused_push_config_leaves_the_message_id_free() {
     assert_eq!(agent.calls(), 1);
 }
 
-/// Rewrites the stored record of the factory's task `task_id` with `edit`.
-async fn rewrite_stored(store: &dyn Store, task_id: &str, edit: impl FnOnce(&mut Value)) {
-    let id = task_item_id("counter", "agent:factory", task_id);
+/// The subject of the factory's token, which the helpers call as.
+const FACTORY: &str = "agent:factory";
+
+/// Rewrites the stored record of `subject`'s task `task_id` with `edit`.
+async fn rewrite_stored(
+    store: &dyn Store,
+    subject: &str,
+    task_id: &str,
+    edit: impl FnOnce(&mut Value),
+) {
+    let id = task_item_id("counter", subject, task_id);
     let mut item = store
         .get_item("acme", TASK_KIND, &id)
         .await
@@ -1879,7 +1887,7 @@ async fn rewrite_stored(store: &dyn Store, task_id: &str, edit: impl FnOnce(&mut
 
 /// Rewrites the stored task `task_id` as the code before leases wrote it (no lease in the record), with `state`.
 async fn as_stored_before_leases(store: &Arc<dyn Store>, task_id: &str, state: &str) {
-    rewrite_stored(store.as_ref(), task_id, |record| {
+    rewrite_stored(store.as_ref(), FACTORY, task_id, |record| {
         record.as_object_mut().unwrap().remove("lease_until_ms");
         record["task"]["status"]["state"] = json!(state);
     })
@@ -2532,6 +2540,74 @@ fn push_to_local_hooks() -> ServerOptions {
     }
 }
 
+/// A task keeps the expiry it was first stored with, and its push configs carry that one: a repeat of the call by
+/// the same subject under a token with more scopes (whose new task would be kept for good) neither makes a reader's
+/// task permanent when it takes it over nor gives a config it adds meanwhile a longer life.
+#[tokio::test]
+async fn a_tasks_expiry_is_the_one_it_was_first_stored_with() {
+    let (hook_url, _hooks) = start_hooks().await;
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let agent = start_with(store.clone(), push_to_local_hooks()).await;
+    let reader = scoped_token("user:alice", "acme", &agent.base, "counter:read");
+    let writer = scoped_token(
+        "user:alice",
+        "acme",
+        &agent.base,
+        "counter:read counter:write",
+    );
+    let peek = || send_params("m-e", json!({"skill": "peek", "args": {}}));
+    let stored_expiry = || async {
+        let key = task_item_id("counter", "user:alice", "m-e");
+        let item = store.get_item("acme", TASK_KIND, &key).await.unwrap();
+        item.unwrap().expires_ms
+    };
+    let lease = |until_ms: i64| {
+        move |record: &mut Value| {
+            record["task"]["status"]["state"] = json!("TASK_STATE_WORKING");
+            record["lease_until_ms"] = json!(until_ms);
+        }
+    };
+    let read = agent.rpc_by(&reader, "SendMessage", peek()).await;
+    assert_eq!(
+        read["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{read}"
+    );
+    let expiry = stored_expiry().await;
+    assert!(expiry.is_some());
+    let now_ms = SystemClock.now_ms();
+
+    // Being run (its lease is on): a repeat with a webhook adds the config to the stored task, expiring with it.
+    rewrite_stored(store.as_ref(), "user:alice", "m-e", lease(now_ms + 60_000)).await;
+    let mut with_hook = peek();
+    with_hook["configuration"] =
+        json!({"taskPushNotificationConfig": {"id": "h", "url": format!("{hook_url}/h")}});
+    let running = agent.rpc_by(&writer, "SendMessage", with_hook).await;
+    assert_eq!(
+        running["result"]["task"]["status"]["state"], "TASK_STATE_WORKING",
+        "{running}"
+    );
+    let configs = store
+        .list_items("acme", PUSH_KIND, None, Page::first(10))
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(configs.len(), 1);
+    assert_eq!(configs[0].expires_ms, expiry);
+
+    // Its run lapsed: the writer's repeat takes it over, and the task still expires when it did.
+    rewrite_stored(store.as_ref(), "user:alice", "m-e", lease(now_ms - 1)).await;
+    let taken = agent.rpc_by(&writer, "SendMessage", peek()).await;
+    assert_eq!(
+        taken["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{taken}"
+    );
+    assert_eq!(
+        taken["result"]["task"]["artifacts"][0]["parts"][0]["data"]["run"],
+        2
+    );
+    assert_eq!(stored_expiry().await, expiry);
+}
+
 /// The blocking read's answers when its message id is taken: a read being run elsewhere answers as stored, one whose
 /// run lapsed is taken over and its webhooks hear the outcome, and a panicking read fails its call alone.
 #[tokio::test]
@@ -2561,7 +2637,13 @@ async fn a_blocking_read_over_a_stored_task_answers_or_takes_it_over() {
     );
 
     // Stored as being run by another request (its lease is on): the answer is that WORKING task.
-    rewrite_stored(store.as_ref(), "m-peek", set_lease(now_ms + 60_000)).await;
+    rewrite_stored(
+        store.as_ref(),
+        FACTORY,
+        "m-peek",
+        set_lease(now_ms + 60_000),
+    )
+    .await;
     let running = agent.send("m-peek", "peek", json!({})).await;
     let state = &running["result"]["task"]["status"]["state"];
     assert_eq!(state, "TASK_STATE_WORKING", "{running}");
@@ -2575,7 +2657,7 @@ async fn a_blocking_read_over_a_stored_task_answers_or_takes_it_over() {
         )
         .await;
     assert_eq!(status, 200, "{config}");
-    rewrite_stored(store.as_ref(), "m-peek", set_lease(now_ms - 1)).await;
+    rewrite_stored(store.as_ref(), FACTORY, "m-peek", set_lease(now_ms - 1)).await;
     let before = store.counts();
     let taken = agent.send("m-peek", "peek", json!({})).await;
     assert_eq!(run(&taken), 3, "{taken}");

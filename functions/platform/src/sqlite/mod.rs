@@ -157,6 +157,17 @@ impl Sqlite {
         clock: Arc<dyn Clock>,
         sync: Synchronous,
     ) -> Result<Self> {
+        // Listings compare ids as bytes, in Rust (a cursor against a prefix) and in SQL alike; only UTF-8 text
+        // orders the same in both. A new database is UTF-8; a file made elsewhere could be UTF-16, and is refused
+        // before anything is written to it.
+        let encoding: String = conn
+            .pragma_query_value(None, "encoding", |row| row.get(0))
+            .map_err(db)?;
+        if encoding != "UTF-8" {
+            return Err(StoreError::Backend(format!(
+                "the database is encoded {encoding}; Loams needs a UTF-8 database"
+            )));
+        }
         configure(&conn)?;
         // WAL lets readers (ours, and other processes such as a CLI inspecting the file) run beside the writer. An
         // in-memory database answers "memory" and keeps working without it.
@@ -167,16 +178,6 @@ impl Sqlite {
         // relies on.
         conn.pragma_update(None, "synchronous", sync.pragma())
             .map_err(db)?;
-        // Listings compare ids as bytes, in Rust (a cursor against a prefix) and in SQL alike; only UTF-8 text
-        // orders the same in both. A new database is UTF-8; a file made elsewhere could be UTF-16.
-        let encoding: String = conn
-            .pragma_query_value(None, "encoding", |row| row.get(0))
-            .map_err(db)?;
-        if encoding != "UTF-8" {
-            return Err(StoreError::Backend(format!(
-                "the database is encoded {encoding}; Loams needs a UTF-8 database"
-            )));
-        }
         migrate(&mut conn)?;
         // Only a file in WAL mode has readers: without WAL a reader would block on (and block) the writer, and a
         // ":memory:" path or URI opened again would be a different, empty database.
@@ -618,6 +619,13 @@ mod tests {
             "{:?}",
             refused.err()
         );
+        // Refused before anything was written: no WAL was started in it.
+        assert!(!dir.path().join("utf16.db-wal").exists());
+        let journal: String = Connection::open(&path)
+            .expect("reopen")
+            .pragma_query_value(None, "journal_mode", |row| row.get(0))
+            .expect("journal mode");
+        assert_eq!(journal, "delete");
         // A database Loams makes itself is UTF-8, and opens.
         file_db(&dir);
     }
