@@ -404,6 +404,8 @@ async fn claim(
 ) -> Result<Claimed, A2AError> {
     let mut cond = Cond::Absent;
     let mut first = Some(body);
+    // A takeover keeps the stored task's expiry; a new task, this request's.
+    let new_task_expiry = record.expires_ms;
     for _ in 0..CLAIM_ATTEMPTS {
         let body = match first.take() {
             Some(body) => body,
@@ -425,6 +427,7 @@ async fn claim(
             Err(e) => return Err(store_failure(e)),
         }
         let Some((stored, version)) = agent.load(&record.caller, &record.task.id).await? else {
+            record.expires_ms = new_task_expiry;
             cond = Cond::Absent;
             continue;
         };
@@ -433,7 +436,8 @@ async fn claim(
         }
         let (now, lease_ms) = (now_ms(), agent.lease_ms());
         if stored.reclaimable(now, lease_ms) {
-            // A task's expiry is the one it was first stored with, which its push configs carry too.
+            // A task's expiry is the one it was first stored with, which its push configs carry too: a reader's
+            // task taken over under a token with more scopes still goes within the hour of its first storing.
             record.expires_ms = stored.expires_ms;
             cond = Cond::Version(version);
         } else if stored.running(now, lease_ms) {

@@ -11,9 +11,12 @@ use loams_a2a::{
     SkillError, SkillSpec, Skills, TASK_KIND, TokenError, TokenSource, router_with, task_item_id,
 };
 use loams_platform::race::RaceBeforeWrite;
-use loams_platform::{Clock, Cond, Counting, OpCounts, Page, Sqlite, Store, SystemClock};
+use loams_platform::{Clock, Cond, Counting, Item, OpCounts, Page, Sqlite, Store, SystemClock};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
+
+/// The subject of the factory's token, which the helpers call as.
+const FACTORY: &str = "agent:factory";
 
 #[derive(Default)]
 struct Counter {
@@ -218,7 +221,7 @@ impl Agent {
         A2aClient::new(&self.base, &self.jwks)
             .await
             .unwrap()
-            .with_tokens(Arc::new(TestTokens("agent:factory".into())))
+            .with_tokens(Arc::new(TestTokens(FACTORY.into())))
     }
 
     async fn rpc_raw(
@@ -226,12 +229,8 @@ impl Agent {
         version: Option<&str>,
         body: impl Into<reqwest::Body>,
     ) -> reqwest::Response {
-        self.rpc_as(
-            Some(&token("agent:factory", "acme", &self.base)),
-            version,
-            body,
-        )
-        .await
+        self.rpc_as(Some(&token(FACTORY, "acme", &self.base)), version, body)
+            .await
     }
 
     async fn rpc_as(
@@ -718,7 +717,7 @@ async fn protocol_errors() {
     let resp: Value = agent
         .http
         .post(format!("{}/?A2A-Version=1.0", agent.base))
-        .bearer_auth(token("agent:factory", "acme", &agent.base))
+        .bearer_auth(token(FACTORY, "acme", &agent.base))
         .body(call.clone())
         .send()
         .await
@@ -788,7 +787,7 @@ async fn protocol_errors() {
         .post(format!("{}/", agent.base))
         .header("content-type", "text/plain")
         .header("A2A-Version", "1.0")
-        .bearer_auth(token("agent:factory", "acme", &agent.base))
+        .bearer_auth(token(FACTORY, "acme", &agent.base))
         .body(call.clone())
         .send()
         .await
@@ -852,7 +851,7 @@ async fn client_reports_protocol_and_transport_errors() {
     let client = A2aClient::with_options(&agent.base, &agent.jwks, small)
         .await
         .unwrap()
-        .with_tokens(Arc::new(TestTokens("agent:factory".into())));
+        .with_tokens(Arc::new(TestTokens(FACTORY.into())));
     let err = client
         .call("m-small", "count", json!({}), None)
         .await
@@ -866,7 +865,7 @@ async fn client_reports_protocol_and_transport_errors() {
     let client = A2aClient::with_options(&agent.base, &agent.jwks, hasty)
         .await
         .unwrap()
-        .with_tokens(Arc::new(TestTokens("agent:factory".into())));
+        .with_tokens(Arc::new(TestTokens(FACTORY.into())));
     let err = client
         .call("m-hasty", "slow", json!({}), None)
         .await
@@ -895,8 +894,8 @@ async fn calls_without_a_valid_token_for_this_agent_are_refused_and_run_nothing(
     let send = json!({"jsonrpc": "2.0", "id": 9, "method": "SendMessage",
         "params": send_params("m-auth", json!({"skill": "count", "args": {}}))})
     .to_string();
-    let other_agent = token("agent:factory", "acme", "http://127.0.0.1:1");
-    let other_org = token("agent:factory", "globex", &agent.base);
+    let other_agent = token(FACTORY, "acme", "http://127.0.0.1:1");
+    let other_org = token(FACTORY, "globex", &agent.base);
     let long = "x".repeat(loams_a2a::MAX_BEARER_BYTES + 1);
     let cases: [(Option<&str>, &str); 5] = [
         (None, "missing"),
@@ -920,7 +919,7 @@ async fn calls_without_a_valid_token_for_this_agent_are_refused_and_run_nothing(
         .header("A2A-Version", "1.0")
         .header(
             "authorization",
-            format!("Basic {}", token("agent:factory", "acme", &agent.base)),
+            format!("Basic {}", token(FACTORY, "acme", &agent.base)),
         )
         .body(send.clone())
         .send()
@@ -1204,7 +1203,7 @@ async fn a_skill_runs_only_for_a_caller_holding_its_scopes() {
             "{id}: {expires} vs {now}"
         );
     }
-    assert_eq!(expiry("agent:factory", "m-factory").await, None);
+    assert_eq!(expiry(FACTORY, "m-factory").await, None);
 }
 
 #[tokio::test]
@@ -1246,7 +1245,7 @@ impl Agent {
             .request(method, format!("{}{path}", self.base))
             .header("A2A-Version", "1.0")
             .header("accept", "application/a2a+json")
-            .bearer_auth(token("agent:factory", "acme", &self.base));
+            .bearer_auth(token(FACTORY, "acme", &self.base));
         if let Some(body) = body {
             req = req
                 .header("content-type", "application/a2a+json")
@@ -1409,7 +1408,7 @@ async fn http_json_binding_serves_every_rpc() {
     assert_eq!(status, 404);
 
     // A missing version header means 0.3; the query parameter counts too.
-    let bearer = token("agent:factory", "acme", &agent.base);
+    let bearer = token(FACTORY, "acme", &agent.base);
     let resp = agent
         .http
         .get(format!("{}/tasks/r-1", agent.base))
@@ -1477,14 +1476,14 @@ async fn the_extended_card_needs_a_caller_and_states_its_limits() {
     loams_a2a::verify_card(&parsed, &agent.jwks).unwrap();
     let ext = &card["capabilities"]["extensions"][0];
     assert_eq!(ext["uri"], loams_a2a::CALLER_LIMITS_EXTENSION);
-    assert_eq!(ext["params"]["subject"], "agent:factory");
+    assert_eq!(ext["params"]["subject"], FACTORY);
     assert_eq!(ext["params"]["approvalRequiredSkills"], json!(["wipe"]));
     assert_eq!(ext["params"]["maxRequestBytes"], 1024 * 1024);
 
     let rpc = agent.rpc("GetExtendedAgentCard", json!({})).await;
     assert_eq!(
         rpc["result"]["capabilities"]["extensions"][0]["params"]["subject"],
-        "agent:factory"
+        FACTORY
     );
 
     let resp = agent
@@ -1863,9 +1862,6 @@ async fn a_refused_push_config_leaves_the_message_id_free() {
     assert_eq!(agent.calls(), 1);
 }
 
-/// The subject of the factory's token, which the helpers call as.
-const FACTORY: &str = "agent:factory";
-
 /// Rewrites the stored record of `subject`'s task `task_id` with `edit`.
 async fn rewrite_stored(
     store: &dyn Store,
@@ -1985,7 +1981,7 @@ async fn a_damaged_task_record_is_left_out_of_listings_and_reported_by_get() {
         .get_item(
             "acme",
             TASK_KIND,
-            &task_item_id("counter", "agent:factory", "m-damaged"),
+            &task_item_id("counter", FACTORY, "m-damaged"),
         )
         .await
         .unwrap()
@@ -2175,7 +2171,7 @@ async fn client_on(agent: &Agent, binding: Binding) -> A2aClient {
     A2aClient::with_options(&agent.base, &agent.jwks, options)
         .await
         .unwrap()
-        .with_tokens(Arc::new(TestTokens("agent:factory".into())))
+        .with_tokens(Arc::new(TestTokens(FACTORY.into())))
 }
 
 fn message(message_id: &str, skill: &str) -> a2a::Message {
@@ -2300,7 +2296,7 @@ async fn client_speaks_both_bindings() {
 
         let card = client.extended_card().await.unwrap();
         let ext = &card.capabilities.extensions.unwrap()[0];
-        assert_eq!(ext.params.as_ref().unwrap()["subject"], "agent:factory");
+        assert_eq!(ext.params.as_ref().unwrap()["subject"], FACTORY);
 
         let anonymous = A2aClient::with_options(
             &agent.base,
@@ -2354,7 +2350,7 @@ async fn an_in_process_client_reaches_its_agent_through_the_router_alone() {
         let anonymous = in_process(options.clone()).await;
         let client = anonymous
             .clone()
-            .with_tokens(Arc::new(TestTokens("agent:factory".into())));
+            .with_tokens(Arc::new(TestTokens(FACTORY.into())));
         let id = |what: &str| format!("{what}-{n}");
 
         let out = client
@@ -2396,7 +2392,7 @@ async fn an_in_process_client_reaches_its_agent_through_the_router_alone() {
             ..options
         })
         .await
-        .with_tokens(Arc::new(TestTokens("agent:factory".into())));
+        .with_tokens(Arc::new(TestTokens(FACTORY.into())));
         let slow = hasty.call(&id("slow"), "slow", json!({}), None).await;
         assert!(
             matches!(&slow, Err(CallError::Transport(why)) if why.contains("no answer within")),
@@ -2608,6 +2604,59 @@ async fn a_tasks_expiry_is_the_one_it_was_first_stored_with() {
     assert_eq!(stored_expiry().await, expiry);
 }
 
+/// A takeover that finds the stored task gone at its write (it expired in between) stores a new task, with this
+/// request's expiry rather than the one of the task that went.
+#[tokio::test]
+async fn a_takeover_that_finds_the_task_gone_stores_a_new_one() {
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let first = start_with(store.clone(), ServerOptions::default()).await;
+    let reader = scoped_token("user:alice", "acme", &first.base, "counter:read");
+    let peek = || send_params("m-g", json!({"skill": "peek", "args": {}}));
+    let read = first.rpc_by(&reader, "SendMessage", peek()).await;
+    assert_eq!(
+        read["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{read}"
+    );
+    rewrite_stored(store.as_ref(), "user:alice", "m-g", |record| {
+        record["task"]["status"]["state"] = json!("TASK_STATE_WORKING");
+        record["lease_until_ms"] = json!(0);
+    })
+    .await;
+
+    // The reader's task expires just before the writer's takeover is written.
+    let racing = Arc::new(RaceBeforeWrite::new(
+        store.clone(),
+        TASK_KIND,
+        |stored, _| Item {
+            expires_ms: Some(1),
+            ..stored
+        },
+    ));
+    let agent = start_with(racing.clone(), ServerOptions::default()).await;
+    let writer = scoped_token(
+        "user:alice",
+        "acme",
+        &agent.base,
+        "counter:read counter:write",
+    );
+    let taken = agent.rpc_by(&writer, "SendMessage", peek()).await;
+    assert!(
+        racing.raced(),
+        "the repeat must have tried to take the task over"
+    );
+    assert_eq!(
+        taken["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
+        "{taken}"
+    );
+    let key = task_item_id("counter", "user:alice", "m-g");
+    let stored = store.get_item("acme", TASK_KIND, &key).await.unwrap();
+    assert_eq!(
+        stored.expect("stored anew").expires_ms,
+        None,
+        "the writer's task is kept"
+    );
+}
+
 /// The blocking read's answers when its message id is taken: a read being run elsewhere answers as stored, one whose
 /// run lapsed is taken over and its webhooks hear the outcome, and a panicking read fails its call alone.
 #[tokio::test]
@@ -2716,7 +2765,7 @@ async fn serde_json_private_keys_are_refused_before_parsing() {
         .post(format!("{}/message:send", agent.base))
         .header("A2A-Version", "1.0")
         .header("content-type", "application/a2a+json")
-        .bearer_auth(token("agent:factory", "acme", &agent.base))
+        .bearer_auth(token(FACTORY, "acme", &agent.base))
         .body(escaped)
         .send()
         .await
@@ -2977,7 +3026,7 @@ async fn a_readers_push_configs_expire_with_its_task() {
     };
     let reader_task = expiry("user:alice", "m-read").await;
     assert!(reader_task.is_some());
-    assert_eq!(expiry("agent:factory", "m-kept").await, None);
+    assert_eq!(expiry(FACTORY, "m-kept").await, None);
     let configs = store
         .list_items("acme", PUSH_KIND, None, Page::first(10))
         .await
@@ -3079,7 +3128,7 @@ async fn conformance_mode_plays_the_tck_scenarios() {
     let subscription = {
         let http = agent.http.clone();
         let url = format!("{}/tasks/{task_id}:subscribe", agent.base);
-        let bearer = token("agent:factory", "acme", &agent.base);
+        let bearer = token(FACTORY, "acme", &agent.base);
         tokio::spawn(async move {
             let resp = http
                 .get(url)
