@@ -120,9 +120,15 @@ pub(crate) async fn begin(
     push: Option<TaskPushNotificationConfig>,
 ) -> Result<Begun, A2AError> {
     let script = Script::of(&message.message_id);
-    let mut task = match &message.task_id {
+    // A continued task keeps its expiry; a new one gets the caller's (see `tasks::new_task_expiry`).
+    let (mut task, expires_ms) = match &message.task_id {
         Some(task_id) => {
-            let (task, _) = agent.own(&caller.subject, task_id).await?;
+            let (
+                StoredTask {
+                    task, expires_ms, ..
+                },
+                _,
+            ) = agent.own_record(&caller.subject, task_id).await?;
             if task.status.state.is_terminal() {
                 return Err(A2AError::unsupported_operation(format!(
                     "task {task_id} is in a terminal state and takes no more messages"
@@ -137,7 +143,7 @@ pub(crate) async fn begin(
                     "contextId does not match the task's context",
                 ));
             }
-            task
+            (task, expires_ms)
         }
         None => {
             if script == Script::MessageReply {
@@ -156,17 +162,19 @@ pub(crate) async fn begin(
                     reference_task_ids: None,
                 }));
             }
-            Task {
+            let now = tasks::now_ms();
+            let task = Task {
                 id: a2a::new_task_id(),
                 context_id: message
                     .context_id
                     .clone()
                     .unwrap_or_else(a2a::new_context_id),
-                status: tasks::status(a2a::TaskState::Submitted, None, tasks::now_ms()),
+                status: tasks::status(a2a::TaskState::Submitted, None, now),
                 artifacts: None,
                 history: None,
                 metadata: None,
-            }
+            };
+            (task, tasks::new_task_expiry(agent, caller, now))
         }
     };
     let mut history = task.history.take().unwrap_or_default();
@@ -183,7 +191,7 @@ pub(crate) async fn begin(
         caller: caller.subject.clone(),
         // No skill runs for a scripted task, so it may be canceled at once.
         lease_until_ms: Some(0),
-        expires_ms: None,
+        expires_ms,
     };
     let body = tasks::storable(&mut record)?;
     let version = agent

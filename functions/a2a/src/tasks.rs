@@ -227,6 +227,14 @@ pub(crate) struct StoredTask {
 /// Long enough to follow the task (GetTask, SubscribeToTask) and replay a lost answer.
 pub(crate) const READER_TASK_RETENTION_MS: i64 = 60 * 60 * 1000;
 
+/// When a new task of `caller`, started at `started_ms`, expires: within [`READER_TASK_RETENTION_MS`] for a caller
+/// without the agent's write scope, never for the rest.
+pub(crate) fn new_task_expiry(agent: &Agent, caller: &Principal, started_ms: i64) -> Option<i64> {
+    caller
+        .missing_scope(&agent.name, Risk::Write)
+        .map(|_| started_ms + READER_TASK_RETENTION_MS)
+}
+
 impl StoredTask {
     fn bound_to(&self, call: &str, caller: &Principal) -> bool {
         self.call == call && self.caller == caller.subject
@@ -626,9 +634,7 @@ pub(crate) async fn begin(
         call,
         caller: caller.subject.clone(),
         lease_until_ms: None,
-        expires_ms: caller
-            .missing_scope(&agent.name, Risk::Write)
-            .map(|_| started + READER_TASK_RETENTION_MS),
+        expires_ms: new_task_expiry(agent, caller, started),
     };
 
     // A config the caller got wrong is refused before anything is stored.

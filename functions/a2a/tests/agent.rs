@@ -3069,6 +3069,53 @@ async fn conformance_mode_is_off_by_default() {
     assert_eq!(agent.calls(), 0);
 }
 
+/// Scripted tasks follow the retention rule of every task: a reader's goes within the hour, and continuing it
+/// keeps its expiry.
+#[tokio::test]
+async fn conformance_mode_keeps_a_readers_task_for_the_hour_only() {
+    let options = ServerOptions {
+        conformance: true,
+        ..fast_polling()
+    };
+    let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    let agent = start_with(store.clone(), options).await;
+    let reader = scoped_token("user:alice", "acme", &agent.base, "counter:read");
+    let waiting = agent
+        .rpc_by(
+            &reader,
+            "SendMessage",
+            text_message("tck-input-required-r", None),
+        )
+        .await;
+    let state = &waiting["result"]["task"]["status"]["state"];
+    assert_eq!(state, "TASK_STATE_INPUT_REQUIRED", "{waiting}");
+    let task_id = waiting["result"]["task"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let key = task_item_id("counter", "user:alice", &task_id);
+    let expiry = || async {
+        let item = store.get_item("acme", TASK_KIND, &key).await.unwrap();
+        item.expect("stored").expires_ms
+    };
+    let first = expiry().await;
+    let now = SystemClock.now_ms();
+    assert!(
+        first.is_some_and(|e| e > now && e <= now + 3_600_000),
+        "{first:?}"
+    );
+    let done = agent
+        .rpc_by(
+            &reader,
+            "SendMessage",
+            text_message("tck-complete-r", Some(&task_id)),
+        )
+        .await;
+    let state = &done["result"]["task"]["status"]["state"];
+    assert_eq!(state, "TASK_STATE_COMPLETED", "{done}");
+    assert_eq!(expiry().await, first);
+}
+
 #[tokio::test]
 async fn conformance_mode_plays_the_tck_scenarios() {
     let options = ServerOptions {
