@@ -445,13 +445,20 @@ async fn bot_threads_send_and_watch_with_a_resumable_cursor() {
         );
     }
     let c = client(&url, &db, SyncMode::Stream);
+    let watches_before = state.lock().unwrap().bot_watch_after.len();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let _h = c.bot().watch("t-1", Arc::new(Forward(tx))).await.unwrap();
     let ThreadUpdate::Snapshot { messages } = next(&mut rx, |_| true).await else {
         panic!("snapshot first")
     };
     assert_eq!(messages.len(), 2);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The snapshot comes from the cache; the stream may reach the server a moment later on a busy machine.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while state.lock().unwrap().bot_watch_after.len() == watches_before
+        && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert_eq!(
         *state.lock().unwrap().bot_watch_after.last().unwrap(),
         2,

@@ -269,8 +269,11 @@ async fn register_watch_approve_and_then_work_offline() {
         matches!(u, RunUpdate::Finished)
     })
     .await;
-    // The task returns right after delivering `Finished`.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The task returns right after delivering `Finished` (on another thread: give it a moment on a busy machine).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !watch.is_finished() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert!(watch.is_finished());
 
     // Events arrived once each and in order, and the cache holds the server's whole timeline.

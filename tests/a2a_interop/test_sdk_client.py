@@ -173,8 +173,9 @@ def test_return_immediately_then_subscribe(agent, binding):
         async with client:
             blocking_off = await client_for(agent, binding, streaming=False)
             async with blocking_off:
+                # Long enough that the subscription reaches the task while it runs, on a loaded machine too.
                 sent = await collect(
-                    blocking_off.send_message(request("sleep", {"ms": 400}, True))
+                    blocking_off.send_message(request("sleep", {"ms": 3000}, True))
                 )
             task = sent[0]["task"]
             assert task["status"]["state"] == "TASK_STATE_WORKING"
@@ -258,7 +259,8 @@ def test_push_notification_configs_and_delivery(agent, webhooks, binding):
     async def go():
         client = await client_for(agent, binding, streaming=False)
         async with client:
-            sent = await collect(client.send_message(request("sleep", {"ms": 500}, True)))
+            # Long enough that the config is stored while the task runs, on a loaded machine too.
+            sent = await collect(client.send_message(request("sleep", {"ms": 3000}, True)))
             task_id = sent[0]["task"]["id"]
             config = TaskPushNotificationConfig(
                 task_id=task_id,

@@ -3172,22 +3172,16 @@ async fn conformance_mode_plays_the_tck_scenarios() {
         .as_str()
         .unwrap()
         .to_string();
-    let subscription = {
-        let http = agent.http.clone();
-        let url = format!("{}/tasks/{task_id}:subscribe", agent.base);
-        let bearer = token(FACTORY, "acme", &agent.base);
-        tokio::spawn(async move {
-            let resp = http
-                .get(url)
-                .header("A2A-Version", "1.0")
-                .bearer_auth(bearer)
-                .send()
-                .await
-                .unwrap();
-            resp.text().await.unwrap()
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The answer's headers come once the subscription has read the waiting task; only its body is left to read.
+    let subscribed = agent
+        .http
+        .get(format!("{}/tasks/{task_id}:subscribe", agent.base))
+        .header("A2A-Version", "1.0")
+        .bearer_auth(token(FACTORY, "acme", &agent.base))
+        .send()
+        .await
+        .unwrap();
+    let subscription = tokio::spawn(async move { subscribed.text().await.unwrap() });
     let done = agent
         .rpc(
             "SendMessage",

@@ -624,7 +624,17 @@ async fn forgejo_close_pr_deletes_its_branch() {
 
 #[tokio::test]
 async fn glitchtip_counts_events_and_resolves() {
-    let (sb, info) = sandbox().await;
+    // One event for the whole test (the next is an hour away), so counts and times read twice agree.
+    let config = loams_sandbox::SandboxConfig {
+        record_requests: true,
+        glitchtip: loams_sandbox::GlitchtipSeed {
+            event_interval_ms: 3_600_000,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let sb = loams_sandbox::Sandbox::start(config).await.unwrap();
+    let info = sb.info();
     let agent = GlitchTipAgent::new(&glitchtip_config(&info)).unwrap();
     let id = info.glitchtip_issue_id.to_string();
     let all = ok(
