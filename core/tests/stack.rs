@@ -270,8 +270,8 @@ async fn register_watch_approve_and_then_work_offline() {
     })
     .await;
     // The task returns right after delivering `Finished` (on another thread: give it a moment on a busy machine).
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while !watch.is_finished() && std::time::Instant::now() < deadline {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !watch.is_finished() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(watch.is_finished());

@@ -413,7 +413,7 @@ async fn claim(
     let mut cond = Cond::Absent;
     let mut first = Some(body);
     // A takeover keeps the stored task's expiry; a new task, this request's.
-    let new_task_expiry = record.expires_ms;
+    let own_expiry = record.expires_ms;
     for _ in 0..CLAIM_ATTEMPTS {
         let body = match first.take() {
             Some(body) => body,
@@ -435,7 +435,7 @@ async fn claim(
             Err(e) => return Err(store_failure(e)),
         }
         let Some((stored, version)) = agent.load(&record.caller, &record.task.id).await? else {
-            record.expires_ms = new_task_expiry;
+            record.expires_ms = own_expiry;
             cond = Cond::Absent;
             continue;
         };

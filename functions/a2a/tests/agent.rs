@@ -1182,17 +1182,8 @@ async fn a_skill_runs_only_for_a_caller_holding_its_scopes() {
 
     // A reader's tasks go away within the hour; the factory's (write scope held) are kept.
     agent.send("m-factory", "measure", json!({})).await;
-    let expiry = |subject: &'static str, id: &'static str| {
-        let store = store.clone();
-        async move {
-            let item = store
-                .get_item("acme", TASK_KIND, &task_item_id("counter", subject, id))
-                .await
-                .unwrap()
-                .unwrap();
-            item.expires_ms
-        }
-    };
+    let expiry =
+        |subject: &'static str, id: &'static str| stored_expiry(store.as_ref(), subject, id);
     let now = SystemClock.now_ms();
     for id in ["m-read", "m-write"] {
         let expires = expiry("user:alice", id)
@@ -1860,6 +1851,13 @@ async fn a_refused_push_config_leaves_the_message_id_free() {
         "{done}"
     );
     assert_eq!(agent.calls(), 1);
+}
+
+/// The expiry of `subject`'s stored task `task_id` (which must be stored).
+async fn stored_expiry(store: &dyn Store, subject: &str, task_id: &str) -> Option<i64> {
+    let key = task_item_id("counter", subject, task_id);
+    let item = store.get_item("acme", TASK_KIND, &key).await.unwrap();
+    item.expect("the task is stored").expires_ms
 }
 
 /// Rewrites the stored record of `subject`'s task `task_id` with `edit`.
@@ -2552,11 +2550,7 @@ async fn a_tasks_expiry_is_the_one_it_was_first_stored_with() {
         "counter:read counter:write",
     );
     let peek = || send_params("m-e", json!({"skill": "peek", "args": {}}));
-    let stored_expiry = || async {
-        let key = task_item_id("counter", "user:alice", "m-e");
-        let item = store.get_item("acme", TASK_KIND, &key).await.unwrap();
-        item.unwrap().expires_ms
-    };
+    let expiry = || stored_expiry(store.as_ref(), "user:alice", "m-e");
     let lease = |until_ms: i64| {
         move |record: &mut Value| {
             record["task"]["status"]["state"] = json!("TASK_STATE_WORKING");
@@ -2568,8 +2562,8 @@ async fn a_tasks_expiry_is_the_one_it_was_first_stored_with() {
         read["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
         "{read}"
     );
-    let expiry = stored_expiry().await;
-    assert!(expiry.is_some());
+    let first = expiry().await;
+    assert!(first.is_some());
     let now_ms = SystemClock.now_ms();
 
     // Being run (its lease is on): a repeat with a webhook adds the config to the stored task, expiring with it.
@@ -2588,7 +2582,7 @@ async fn a_tasks_expiry_is_the_one_it_was_first_stored_with() {
         .unwrap()
         .items;
     assert_eq!(configs.len(), 1);
-    assert_eq!(configs[0].expires_ms, expiry);
+    assert_eq!(configs[0].expires_ms, first);
 
     // Its run lapsed: the writer's repeat takes it over, and the task still expires when it did.
     rewrite_stored(store.as_ref(), "user:alice", "m-e", lease(now_ms - 1)).await;
@@ -2601,7 +2595,7 @@ async fn a_tasks_expiry_is_the_one_it_was_first_stored_with() {
         taken["result"]["task"]["artifacts"][0]["parts"][0]["data"]["run"],
         2
     );
-    assert_eq!(stored_expiry().await, expiry);
+    assert_eq!(expiry().await, first);
 }
 
 /// A takeover that finds the stored task gone at its write (it expired in between) stores a new task, with this
@@ -2648,10 +2642,8 @@ async fn a_takeover_that_finds_the_task_gone_stores_a_new_one() {
         taken["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
         "{taken}"
     );
-    let key = task_item_id("counter", "user:alice", "m-g");
-    let stored = store.get_item("acme", TASK_KIND, &key).await.unwrap();
     assert_eq!(
-        stored.expect("stored anew").expires_ms,
+        stored_expiry(store.as_ref(), "user:alice", "m-g").await,
         None,
         "the writer's task is kept"
     );
@@ -3012,18 +3004,8 @@ async fn a_readers_push_configs_expire_with_its_task() {
         "{kept}"
     );
 
-    let expiry = |subject: &'static str, id: &'static str| {
-        let store = store.clone();
-        async move {
-            let key = task_item_id("counter", subject, id);
-            store
-                .get_item("acme", TASK_KIND, &key)
-                .await
-                .unwrap()
-                .unwrap()
-                .expires_ms
-        }
-    };
+    let expiry =
+        |subject: &'static str, id: &'static str| stored_expiry(store.as_ref(), subject, id);
     let reader_task = expiry("user:alice", "m-read").await;
     assert!(reader_task.is_some());
     assert_eq!(expiry(FACTORY, "m-kept").await, None);
@@ -3093,11 +3075,7 @@ async fn conformance_mode_keeps_a_readers_task_for_the_hour_only() {
         .as_str()
         .unwrap()
         .to_string();
-    let key = task_item_id("counter", "user:alice", &task_id);
-    let expiry = || async {
-        let item = store.get_item("acme", TASK_KIND, &key).await.unwrap();
-        item.expect("stored").expires_ms
-    };
+    let expiry = || stored_expiry(store.as_ref(), "user:alice", &task_id);
     let first = expiry().await;
     let now = SystemClock.now_ms();
     assert!(

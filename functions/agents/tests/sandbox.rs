@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 mod common;
 use common::{
     analytics_config, forgejo_config, glitchtip_config, ok, plane_config,
-    recording_sandbox as sandbox, zulip_config,
+    recording_sandbox as sandbox, recording_sandbox_with, zulip_config,
 };
 
 #[path = "../../sandbox/tests/support/spec.rs"]
@@ -625,16 +625,14 @@ async fn forgejo_close_pr_deletes_its_branch() {
 #[tokio::test]
 async fn glitchtip_counts_events_and_resolves() {
     // One event for the whole test (the next is an hour away), so counts and times read twice agree.
-    let config = loams_sandbox::SandboxConfig {
-        record_requests: true,
+    let (sb, info) = recording_sandbox_with(loams_sandbox::SandboxConfig {
         glitchtip: loams_sandbox::GlitchtipSeed {
             event_interval_ms: 3_600_000,
             ..Default::default()
         },
         ..Default::default()
-    };
-    let sb = loams_sandbox::Sandbox::start(config).await.unwrap();
-    let info = sb.info();
+    })
+    .await;
     let agent = GlitchTipAgent::new(&glitchtip_config(&info)).unwrap();
     let id = info.glitchtip_issue_id.to_string();
     let all = ok(

@@ -8,9 +8,14 @@ use serde_json::Value;
 
 /// A sandbox that records every exchange, for tests about what an agent sent.
 pub async fn recording_sandbox() -> (SandboxHandle, SandboxInfo) {
+    recording_sandbox_with(SandboxConfig::default()).await
+}
+
+/// A sandbox of `config` that records every request (the contract checks read them).
+pub async fn recording_sandbox_with(config: SandboxConfig) -> (SandboxHandle, SandboxInfo) {
     let config = SandboxConfig {
         record_requests: true,
-        ..SandboxConfig::default()
+        ..config
     };
     let handle = Sandbox::start(config).await.unwrap();
     let info = handle.info();
