@@ -123,12 +123,8 @@ pub(crate) async fn begin(
     // A continued task keeps its expiry; a new one gets the caller's (see `tasks::new_task_expiry`).
     let (mut task, expires_ms) = match &message.task_id {
         Some(task_id) => {
-            let (
-                StoredTask {
-                    task, expires_ms, ..
-                },
-                _,
-            ) = agent.own_record(&caller.subject, task_id).await?;
+            let (stored, _) = agent.own_record(&caller.subject, task_id).await?;
+            let (task, expires_ms) = (stored.task, stored.expires_ms);
             if task.status.state.is_terminal() {
                 return Err(A2AError::unsupported_operation(format!(
                     "task {task_id} is in a terminal state and takes no more messages"

@@ -926,10 +926,7 @@ pub(crate) async fn cancel_task(
             format!("task {task_id} {why}"),
         )
     };
-    let (mut record, version) = match agent.load(&caller.subject, task_id).await? {
-        Some((record, version)) if record.caller == caller.subject => (record, version),
-        _ => return Err(A2AError::task_not_found(task_id)),
-    };
+    let (mut record, version) = agent.own_record(&caller.subject, task_id).await?;
     if record.task.status.state.is_terminal() {
         return Err(not_cancelable("is in a terminal state"));
     }
