@@ -2063,7 +2063,7 @@ async fn list_tasks_filters_and_pages() {
 
     let mut seen = Vec::new();
     let mut token = String::new();
-    let mut last_time = String::from("9999");
+    let mut last_time = chrono::DateTime::<chrono::Utc>::MAX_UTC;
     loop {
         let (status, _, page) = agent
             .rest(
@@ -2080,8 +2080,13 @@ async fn list_tasks_filters_and_pages() {
                 task.get("artifacts").is_none(),
                 "artifacts only on request: {task}"
             );
-            let time = task["status"]["timestamp"].as_str().unwrap().to_string();
-            assert!(time <= last_time, "newest first");
+            // Compared as times: the text drops the fraction on a whole second, so it does not sort.
+            let time = task["status"]["timestamp"]
+                .as_str()
+                .unwrap()
+                .parse::<chrono::DateTime<chrono::Utc>>()
+                .unwrap();
+            assert!(time <= last_time, "newest first: {time} after {last_time}");
             last_time = time;
             seen.push(task["id"].as_str().unwrap().to_string());
         }
