@@ -1,4 +1,5 @@
 use std::fmt;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -61,7 +62,10 @@ impl fmt::Debug for ModelConfig {
 
 /// Client for `POST {base_url}/chat/completions` (non-streaming).
 pub struct OpenAiCompatible {
-    http: reqwest::Client,
+    /// Built on the first request, not in `new`: a TLS client reads and parses the whole CA bundle (about a
+    /// millisecond), and most of the worker's invocations never ask the model, so a cold start should not pay it.
+    http: OnceLock<reqwest::Client>,
+    timeout: Duration,
     endpoint: reqwest::Url,
     model: String,
     api_key: String,
@@ -134,13 +138,9 @@ impl OpenAiCompatible {
                 "api_key contains characters not allowed in an HTTP header".into(),
             ));
         }
-        let http = reqwest::Client::builder()
-            .timeout(config.timeout)
-            .connect_timeout(config.timeout.min(Duration::from_secs(10)))
-            .build()
-            .map_err(|e| ModelError::Config(format!("cannot build HTTP client: {e}")))?;
         Ok(Self {
-            http,
+            http: OnceLock::new(),
+            timeout: config.timeout,
             endpoint,
             model: config.model,
             api_key: config.api_key,
@@ -151,6 +151,19 @@ impl OpenAiCompatible {
         &self.model
     }
 
+    fn http(&self) -> Result<&reqwest::Client, ModelError> {
+        if let Some(client) = self.http.get() {
+            return Ok(client);
+        }
+        let built = reqwest::Client::builder()
+            .timeout(self.timeout)
+            .connect_timeout(self.timeout.min(Duration::from_secs(10)))
+            .build()
+            .map_err(|e| ModelError::Config(format!("cannot build HTTP client: {e}")))?;
+        // Two first requests at once may both build one; the first kept serves both.
+        Ok(self.http.get_or_init(|| built))
+    }
+
     async fn send(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
         let body = WireRequest {
             model: &self.model,
@@ -158,7 +171,7 @@ impl OpenAiCompatible {
             max_tokens: req.max_tokens,
             stream: false,
         };
-        let mut builder = self.http.post(self.endpoint.clone()).json(&body);
+        let mut builder = self.http()?.post(self.endpoint.clone()).json(&body);
         if !self.api_key.is_empty() {
             let mut value = HeaderValue::from_str(&format!("Bearer {}", self.api_key))
                 .map_err(|_| ModelError::Config("api_key is not a valid header value".into()))?;
@@ -289,5 +302,22 @@ fn error_type(e: &ModelError) -> &'static str {
         ModelError::BadResponse(_) => "bad_response",
         ModelError::CassetteExhausted { .. } => "cassette_exhausted",
         ModelError::Config(_) => "config",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_http_client_is_built_on_the_first_request_and_kept() {
+        let model = OpenAiCompatible::new(ModelConfig {
+            base_url: "http://127.0.0.1:9".into(),
+            ..ModelConfig::default()
+        })
+        .unwrap();
+        assert!(model.http.get().is_none(), "built by new");
+        let first: *const reqwest::Client = model.http().unwrap();
+        assert!(std::ptr::eq(first, model.http().unwrap()), "built again");
     }
 }
