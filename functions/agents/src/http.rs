@@ -121,6 +121,13 @@ fn shared_client() -> Result<reqwest::Client, String> {
     CLIENT.clone()
 }
 
+/// Builds the client every app client shares, ahead of the first of them: for a process with a moment to spare at
+/// start (an agent function while its app's secret is on its way), so the root certificates are parsed then.
+pub fn warm_up_http_client() {
+    // A failure is reported where the client is needed: by the first app client built.
+    let _ = shared_client();
+}
+
 /// Why one attempt got no complete answer.
 enum Failure {
     Transport {

@@ -17,7 +17,7 @@ pub use analytics::{AnalyticsAgent, AnalyticsConfig, OpenPanelClient};
 pub use error::AgentError;
 pub use forgejo::{ForgejoAgent, ForgejoClient, ForgejoConfig};
 pub use glitchtip::{GlitchTipAgent, GlitchTipClient, GlitchTipConfig};
-pub use http::{DEFAULT_TIMEOUT, MAX_RESPONSE_BYTES, RetryPolicy};
+pub use http::{DEFAULT_TIMEOUT, MAX_RESPONSE_BYTES, RetryPolicy, warm_up_http_client};
 pub use plane::{PlaneAgent, PlaneClient, PlaneConfig};
 pub use zulip::{ZulipAgent, ZulipClient, ZulipConfig};
 

@@ -583,7 +583,11 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             lambda_http::run_with_streaming_response(router).await
         }
         Function::Agent(name) => {
+            // The apps' HTTP client parses the CA bundle (about a millisecond of CPU): done while the secret is read.
+            let warm_up = tokio::task::spawn_blocking(loams_agents::warm_up_http_client);
             let app = app_from_secret(&settings, &sdk, name).await?;
+            // A panic in it would come back when the client is built again, below.
+            let _ = warm_up.await;
             let service = agent_service(&settings, &app, backend)?;
             lambda_http::run_with_streaming_response(service).await
         }
