@@ -510,7 +510,9 @@ async fn client_timeout_is_deadline_exceeded() {
         .unwrap_err();
     assert_eq!(err.code, Code::DeadlineExceeded);
 
+    // Long enough for a fresh connection and the first frames on a loaded machine; the slow stream never ends.
     let items: Vec<_> = client
+        .with_timeout(Duration::from_secs(2))
         .server_stream::<_, WatchRunResponse>(
             WATCH_RUN,
             &WatchRunRequest {

@@ -858,8 +858,9 @@ async fn client_reports_protocol_and_transport_errors() {
         .unwrap_err();
     assert!(matches!(err, CallError::InvalidResponse(_)), "{err}");
 
+    // Long enough to fetch the card on a loaded machine; the slow skill is not released before the call ends.
     let hasty = ClientOptions {
-        timeout: Duration::from_millis(200),
+        timeout: Duration::from_secs(2),
         ..ClientOptions::default()
     };
     let client = A2aClient::with_options(&agent.base, &agent.jwks, hasty)
@@ -1687,7 +1688,8 @@ async fn return_immediately_then_subscribe_over_get_post_and_json_rpc() {
 /// the call gets the canceled task instead of a second run.
 #[tokio::test]
 async fn tasks_survive_a_restart() {
-    let (store, options, send) = abandoned("rs-1", 600).await;
+    // The lease must outlast a new agent's start and two calls on a loaded machine.
+    let (store, options, send) = abandoned("rs-1", 3000).await;
 
     let agent = start_with(store, options).await;
     let (_, _, task) = agent.rest(Method::GET, "/tasks/rs-1", None).await;
@@ -1699,7 +1701,7 @@ async fn tasks_survive_a_restart() {
     let subscription = agent
         .rest_raw(Method::GET, "/tasks/rs-1:subscribe", None)
         .await;
-    tokio::time::sleep(Duration::from_millis(650)).await;
+    tokio::time::sleep(Duration::from_millis(3050)).await;
     let canceled = agent.rpc("CancelTask", json!({"id": "rs-1"})).await;
     assert_eq!(
         canceled["result"]["status"]["state"], "TASK_STATE_CANCELED",
@@ -1762,7 +1764,9 @@ async fn abandoned(message_id: &str, lease_ms: u64) -> (Arc<dyn Store>, ServerOp
 /// A call whose process died mid-skill runs again when it is repeated after the lease: nobody else can finish it.
 #[tokio::test]
 async fn a_call_left_by_a_dead_process_runs_again_after_its_lease() {
-    let (store, options, send) = abandoned("rd-1", 600).await;
+    // The lease must outlast a new agent's start and a call, and its four fifths (the skill's time limit) the
+    // release below, on a loaded machine.
+    let (store, options, send) = abandoned("rd-1", 3000).await;
 
     let agent = start_with(store, options).await;
     let (_, _, early) = agent
@@ -1778,7 +1782,7 @@ async fn a_call_left_by_a_dead_process_runs_again_after_its_lease() {
         "within the lease the repeat only shows the task"
     );
 
-    tokio::time::sleep(Duration::from_millis(650)).await;
+    tokio::time::sleep(Duration::from_millis(3050)).await;
     let (_, _, taken) = agent.rest(Method::POST, "/message:send", Some(send)).await;
     assert_eq!(
         taken["task"]["status"]["state"], "TASK_STATE_WORKING",
@@ -1893,8 +1897,9 @@ async fn as_stored_before_leases(store: &Arc<dyn Store>, task_id: &str, state: &
 #[tokio::test]
 async fn tasks_stored_before_leases_keep_their_meaning() {
     let store: Arc<dyn Store> = Arc::new(Sqlite::memory(Arc::new(SystemClock)).unwrap());
+    // Long enough for the calls made within it on a loaded machine.
     let options = ServerOptions {
-        claim_lease: Duration::from_millis(400),
+        claim_lease: Duration::from_millis(2000),
         ..fast_polling()
     };
     let agent = start_with(store.clone(), options).await;
@@ -1911,7 +1916,7 @@ async fn tasks_stored_before_leases_keep_their_meaning() {
         "{shown}"
     );
     assert_eq!(agent.calls(), 1, "within the lease nothing runs again");
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    tokio::time::sleep(Duration::from_millis(2050)).await;
     let taken = agent.send("old-working", "count", json!({})).await;
     assert_eq!(
         taken["result"]["task"]["status"]["state"], "TASK_STATE_COMPLETED",
@@ -2389,9 +2394,10 @@ async fn an_in_process_client_reaches_its_agent_through_the_router_alone() {
         ));
 
         // The time limits hold as over HTTP: a call's, and a stream's over its whole body.
+        // Long enough for the card and a stream's first event on a loaded machine; the slow skill waits past both.
         let hasty = in_process(ClientOptions {
-            timeout: Duration::from_millis(200),
-            stream_timeout: Duration::from_millis(300),
+            timeout: Duration::from_secs(2),
+            stream_timeout: Duration::from_secs(3),
             ..options
         })
         .await

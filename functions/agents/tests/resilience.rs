@@ -751,11 +751,12 @@ async fn a_call_ends_within_its_time_limit() {
     assert_eq!(fired(&sb), [1]);
     sb.clear_faults();
 
-    // Answers that never come in time: the second attempt only gets what is left of the limit (1.2 s, under the
-    // 1.5 s per attempt), and there is no third although the policy allows four.
+    // Answers that never come in time: the second attempt only gets what is left of the limit (1.4 s, under the
+    // 1.5 s per attempt), and there is no third although the policy allows four. The 0.4 s over the one-second
+    // floor for a new attempt is room for a late timer on a loaded machine.
     sb.inject(Fault::delay("zulip", 10, TIMEOUT * 4).method("GET"))
         .unwrap();
-    let limit = TIMEOUT + Duration::from_millis(1200);
+    let limit = TIMEOUT + Duration::from_millis(1400);
     let t0 = Instant::now();
     let err = limited(limit)
         .invoke("read", read.clone())
@@ -769,7 +770,7 @@ async fn a_call_ends_within_its_time_limit() {
     assert!(err.retryable);
     assert!(
         err.message.contains("timeout after 2 attempt(s)")
-            && err.message.contains("time limit of 2.7 s is spent"),
+            && err.message.contains("time limit of 2.9 s is spent"),
         "{}",
         err.message
     );

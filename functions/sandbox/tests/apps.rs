@@ -408,7 +408,8 @@ impl Forgejo {
 }
 
 async fn settle(f: &Forgejo, sha: &str) -> Value {
-    for _ in 0..100 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::time::Instant::now() < deadline {
         let v = f.status(sha).await;
         if v["state"] != "pending" {
             return v;
@@ -422,7 +423,7 @@ async fn settle(f: &Forgejo, sha: &str) -> Value {
 async fn forgejo_ci_pr_merge_and_production() {
     let mut config = SandboxConfig::default();
     // long enough that the first read after a commit sees `pending` even on a loaded CI machine
-    config.ci.delay_ms = 500;
+    config.ci.delay_ms = 2000;
     config.glitchtip.event_interval_ms = 10;
     let sb = start(config).await;
     let f = Forgejo::new(&sb);
