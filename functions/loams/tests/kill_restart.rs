@@ -77,12 +77,19 @@ fn wait_for_file(path: &Path) -> String {
     }
 }
 
+/// A free port below Linux's ephemeral range (32768 and up by default): `loams dev` is restarted on it many times,
+/// and binds its agents on port 0 first, so a port from that range could be handed to one of them meanwhile.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
+    const FIRST: u16 = 20_000;
+    const COUNT: u16 = 12_000;
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+        .subsec_nanos() as u16;
+    (0..COUNT)
+        .map(|i| FIRST + seed.wrapping_add(i) % COUNT)
+        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("a free port in 20000..32000")
 }
 
 fn config(dir: &Path, port: u16, info: &SandboxInfo, model_url: &str) -> String {
