@@ -1,10 +1,10 @@
 use std::fmt;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use reqwest::header::{AUTHORIZATION, HeaderValue, RETRY_AFTER};
 use serde::{Deserialize, Serialize};
+use tokio::sync::OnceCell;
 use tracing::Instrument;
 
 use crate::{ChatMessage, ChatModel, ChatRequest, ChatResponse, ModelError};
@@ -64,7 +64,7 @@ impl fmt::Debug for ModelConfig {
 pub struct OpenAiCompatible {
     /// Built on the first request, not in `new`: a TLS client reads and parses the whole CA bundle (about a
     /// millisecond), and most of the worker's invocations never ask the model, so a cold start should not pay it.
-    http: OnceLock<reqwest::Client>,
+    http: OnceCell<reqwest::Client>,
     timeout: Duration,
     endpoint: reqwest::Url,
     model: String,
@@ -139,7 +139,7 @@ impl OpenAiCompatible {
             ));
         }
         Ok(Self {
-            http: OnceLock::new(),
+            http: OnceCell::new(),
             timeout: config.timeout,
             endpoint,
             model: config.model,
@@ -151,17 +151,16 @@ impl OpenAiCompatible {
         &self.model
     }
 
-    fn http(&self) -> Result<&reqwest::Client, ModelError> {
-        if let Some(client) = self.http.get() {
-            return Ok(client);
-        }
-        let built = reqwest::Client::builder()
-            .timeout(self.timeout)
-            .connect_timeout(self.timeout.min(Duration::from_secs(10)))
-            .build()
-            .map_err(|e| ModelError::Config(format!("cannot build HTTP client: {e}")))?;
-        // Two first requests at once may both build one; the first kept serves both.
-        Ok(self.http.get_or_init(|| built))
+    async fn http(&self) -> Result<&reqwest::Client, ModelError> {
+        self.http
+            .get_or_try_init(|| async {
+                reqwest::Client::builder()
+                    .timeout(self.timeout)
+                    .connect_timeout(self.timeout.min(Duration::from_secs(10)))
+                    .build()
+                    .map_err(|e| ModelError::Config(format!("cannot build HTTP client: {e}")))
+            })
+            .await
     }
 
     async fn send(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
@@ -171,7 +170,7 @@ impl OpenAiCompatible {
             max_tokens: req.max_tokens,
             stream: false,
         };
-        let mut builder = self.http()?.post(self.endpoint.clone()).json(&body);
+        let mut builder = self.http().await?.post(self.endpoint.clone()).json(&body);
         if !self.api_key.is_empty() {
             let mut value = HeaderValue::from_str(&format!("Bearer {}", self.api_key))
                 .map_err(|_| ModelError::Config("api_key is not a valid header value".into()))?;
@@ -309,15 +308,18 @@ fn error_type(e: &ModelError) -> &'static str {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_http_client_is_built_on_the_first_request_and_kept() {
+    #[tokio::test]
+    async fn the_http_client_is_built_on_the_first_request_and_kept() {
         let model = OpenAiCompatible::new(ModelConfig {
             base_url: "http://127.0.0.1:9".into(),
             ..ModelConfig::default()
         })
         .unwrap();
         assert!(model.http.get().is_none(), "built by new");
-        let first: *const reqwest::Client = model.http().unwrap();
-        assert!(std::ptr::eq(first, model.http().unwrap()), "built again");
+        let first: *const reqwest::Client = model.http().await.unwrap();
+        assert!(
+            std::ptr::eq(first, model.http().await.unwrap()),
+            "built again"
+        );
     }
 }
