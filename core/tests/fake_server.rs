@@ -15,6 +15,9 @@ use loams_proto::connect::{CallContext, ConnectError, Router};
 use loams_proto::factory::v1 as pf;
 use tokio::sync::mpsc;
 
+mod common;
+use common::wait_until;
+
 const RUN: &str = "r-0123456789abcdef";
 const ORG: &str = "acme";
 
@@ -452,13 +455,8 @@ async fn bot_threads_send_and_watch_with_a_resumable_cursor() {
         panic!("snapshot first")
     };
     assert_eq!(messages.len(), 2);
-    // The snapshot comes from the cache; the stream may reach the server a moment later on a busy machine.
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while state.lock().unwrap().bot_watch_after.len() == watches_before
-        && std::time::Instant::now() < deadline
-    {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // The snapshot comes from the cache; the stream may reach the server a moment later.
+    wait_until(|| state.lock().unwrap().bot_watch_after.len() > watches_before).await;
     assert_eq!(
         *state.lock().unwrap().bot_watch_after.last().unwrap(),
         2,

@@ -16,6 +16,9 @@ use loams_core::{
 use loams_sandbox::SandboxHandle;
 use tokio::sync::mpsc;
 
+mod common;
+use common::wait_until;
+
 struct StaticToken(String);
 
 #[async_trait]
@@ -269,11 +272,8 @@ async fn register_watch_approve_and_then_work_offline() {
         matches!(u, RunUpdate::Finished)
     })
     .await;
-    // The task returns right after delivering `Finished` (on another thread: give it a moment on a busy machine).
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !watch.is_finished() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // The task returns right after delivering `Finished`, on another thread.
+    wait_until(|| watch.is_finished()).await;
     assert!(watch.is_finished());
 
     // Events arrived once each and in order, and the cache holds the server's whole timeline.
