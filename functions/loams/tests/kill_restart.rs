@@ -80,14 +80,15 @@ fn wait_for_file(path: &Path) -> String {
 /// A free port below Linux's ephemeral range (32768 and up by default): `loams dev` is restarted on it many times,
 /// and binds its agents on port 0 first, so a port from that range could be handed to one of them meanwhile.
 fn free_port() -> u16 {
-    const FIRST: u16 = 20_000;
-    const COUNT: u16 = 12_000;
+    const FIRST: u32 = 20_000;
+    const COUNT: u32 = 12_000;
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
-        .subsec_nanos() as u16;
+        .subsec_nanos();
+    // Each port of the range once, from a point that differs between runs.
     (0..COUNT)
-        .map(|i| FIRST + seed.wrapping_add(i) % COUNT)
+        .map(|i| (FIRST + (seed % COUNT + i) % COUNT) as u16)
         .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
         .expect("a free port in 20000..32000")
 }
