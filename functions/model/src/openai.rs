@@ -229,12 +229,17 @@ impl OpenAiCompatible {
     /// A short, key-free excerpt of an error body (some providers echo the presented key back).
     fn excerpt(&self, body: &[u8]) -> String {
         let text = String::from_utf8_lossy(body);
-        let text: String = text.chars().take(ERROR_EXCERPT_CHARS).collect();
         if self.api_key.is_empty() {
-            text
-        } else {
-            text.replace(&self.api_key, "<redacted>")
+            return text.chars().take(ERROR_EXCERPT_CHARS).collect();
         }
+        // Redacted before it is cut, over enough text to hold a key that starts inside the excerpt: cut first, a key
+        // straddling the end would keep its first characters.
+        let reach = ERROR_EXCERPT_CHARS + self.api_key.chars().count();
+        let head: String = text.chars().take(reach).collect();
+        head.replace(&self.api_key, "<redacted>")
+            .chars()
+            .take(ERROR_EXCERPT_CHARS)
+            .collect()
     }
 }
 
@@ -321,5 +326,19 @@ mod tests {
             std::ptr::eq(first, model.http().await.unwrap()),
             "built again"
         );
+    }
+
+    #[test]
+    fn a_key_cut_by_the_end_of_the_excerpt_leaves_none_of_it() {
+        let key = "sk-0123456789abcdef";
+        let model = OpenAiCompatible::new(ModelConfig {
+            api_key: key.into(),
+            ..ModelConfig::default()
+        })
+        .unwrap();
+        let body = format!("{}{key} and more", "x".repeat(ERROR_EXCERPT_CHARS - 5));
+        let excerpt = model.excerpt(body.as_bytes());
+        assert_eq!(excerpt.chars().count(), ERROR_EXCERPT_CHARS);
+        assert!(!excerpt.contains(&key[..5]), "{excerpt}");
     }
 }
