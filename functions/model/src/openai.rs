@@ -232,11 +232,10 @@ impl OpenAiCompatible {
         if self.api_key.is_empty() {
             return text.chars().take(ERROR_EXCERPT_CHARS).collect();
         }
-        // Redacted before it is cut, over enough text to hold a key that starts inside the excerpt: cut first, a key
-        // straddling the end would keep its first characters.
-        let reach = ERROR_EXCERPT_CHARS + self.api_key.chars().count();
-        let head: String = text.chars().take(reach).collect();
-        head.replace(&self.api_key, "<redacted>")
+        // The whole body is redacted before the cut: cut first, a key straddling the end keeps its first
+        // characters; redacting a window only, each shorter `<redacted>` pulls later text (a key cut at the
+        // window's edge too) into the excerpt. The body is at most MAX_RESPONSE_BYTES, and this is the error path.
+        text.replace(self.api_key.as_str(), "<redacted>")
             .chars()
             .take(ERROR_EXCERPT_CHARS)
             .collect()
@@ -340,5 +339,10 @@ mod tests {
         let excerpt = model.excerpt(body.as_bytes());
         assert_eq!(excerpt.chars().count(), ERROR_EXCERPT_CHARS);
         assert!(!excerpt.contains(&key[..5]), "{excerpt}");
+
+        // A full key first, then one that reaches past the excerpt's end once the first is redacted.
+        let body = format!("{key}{}{key}", "y".repeat(ERROR_EXCERPT_CHARS - 14));
+        let excerpt = model.excerpt(body.as_bytes());
+        assert!(!excerpt.contains("sk-"), "{excerpt}");
     }
 }
