@@ -273,12 +273,27 @@ interface UniffiRustCallStatusErrorHandler<E> {
 // In practice we usually need to be synchronized to call this safely, so it doesn't
 // synchronize itself
 
+// Loams (ffi/kotlin-call-status.patch): a thread reuses its call statuses instead of creating one per call. A JNA
+// Structure is far dearer than the call it serves: its native Memory sits in a JNA-wide map until a garbage
+// collection lets a cleaner thread free it, and a status holds two structures. A status is off its thread's list
+// while its call runs, so a call made from inside that call (a callback on the same thread) takes another.
+private val uniffiCallStatuses = ThreadLocal.withInitial { ArrayList<UniffiRustCallStatus>(2) }
+
 // Call a rust function that returns a Result<>.  Pass in the Error class companion that corresponds to the Err
 private inline fun <U, E: kotlin.Exception> uniffiRustCallWithError(errorHandler: UniffiRustCallStatusErrorHandler<E>, callback: (UniffiRustCallStatus) -> U): U {
-    var status = UniffiRustCallStatus()
-    val return_value = callback(status)
-    uniffiCheckCallStatus(errorHandler, status)
-    return return_value
+    val statuses = uniffiCallStatuses.get()
+    val status = statuses.removeLastOrNull() ?: UniffiRustCallStatus()
+    status.code = UNIFFI_CALL_SUCCESS
+    status.error_buf.capacity = 0
+    status.error_buf.len = 0
+    status.error_buf.data = null
+    try {
+        val return_value = callback(status)
+        uniffiCheckCallStatus(errorHandler, status)
+        return return_value
+    } finally {
+        statuses.add(status)
+    }
 }
 
 // Check UniffiRustCallStatus and throw an error if the call wasn't successful

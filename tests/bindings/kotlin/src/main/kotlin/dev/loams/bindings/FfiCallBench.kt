@@ -37,8 +37,9 @@ private fun time(call: () -> Unit): Pair<Double, Double> {
  * way, the shape of most calls), `setNetworkAvailable` passes an object handle and a boolean (no buffer).
  *
  * Then the parts of a generated call, to show where its time goes: the bare native call (a direct-mapped function
- * with no arguments and no call status), the call status every generated call allocates (a JNA `Structure` holding
- * a `RustBuffer` one), and one JNA `Memory` block, which each of those structures allocates.
+ * with no arguments and no call status), a call status (a JNA `Structure` holding a `RustBuffer` one: UniFFI's code
+ * creates one per call, the patched bindings reuse them, see ffi/kotlin-call-status.patch), and one JNA `Memory`
+ * block, which each structure allocates (a `RustBuffer` returned by value still does).
  */
 fun main() {
     val value = "r-5e66a7e179b2e2f2"

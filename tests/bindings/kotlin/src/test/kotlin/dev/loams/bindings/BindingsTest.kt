@@ -17,6 +17,7 @@ import dev.loams.core.RunUpdate
 import dev.loams.core.SyncMode
 import dev.loams.core.TaskHandle
 import dev.loams.core.TokenProvider
+import dev.loams.core.echo
 import dev.loams.core.parseLink
 import kotlinx.coroutines.Dispatchers
 import kotlinx.coroutines.delay
@@ -43,6 +44,7 @@ import java.security.KeyPairGenerator
 import java.security.Signature
 import java.security.interfaces.ECPublicKey
 import java.security.spec.ECGenParameterSpec
+import java.util.concurrent.Executors
 import java.util.concurrent.LinkedBlockingQueue
 import java.util.concurrent.TimeUnit
 import java.util.concurrent.atomic.AtomicInteger
@@ -162,6 +164,30 @@ class BindingsTest {
         assertEquals(Route.App("production", "forgejo", "pulls/1"), parseLink("loams://app/production/forgejo/pulls/1", listOf(forgejo)))
         assertThrows<LoamsException.NotAllowed> { parseLink("loams://app/production/plane/x", listOf(forgejo)) }
         assertThrows<LoamsException.InvalidInput> { parseLink("loams://approvals/a-1?decision=approve", emptyList()) }
+    }
+
+    @Test
+    fun eachCallGetsItsOwnOutcomeAfterFailuresAndAcrossThreads() {
+        // Each thread reuses its call statuses (ffi/kotlin-call-status.patch): a failed call must leave nothing for
+        // the next one on its thread, and threads calling at once must not see each other's results or errors.
+        val pool = Executors.newFixedThreadPool(8)
+        try {
+            val calls = (1..8).map { t ->
+                pool.submit {
+                    repeat(2_000) { i ->
+                        val id = "r-$t-$i"
+                        if (i % 3 == 0) {
+                            assertThrows<LoamsException.InvalidInput> { parseLink("loams://approvals/$id?decision=approve", emptyList()) }
+                        }
+                        assertEquals(id, echo(id))
+                        assertEquals(Route.Run(id), parseLink("loams://runs/$id", emptyList()))
+                    }
+                }
+            }
+            calls.forEach { it.get(60, TimeUnit.SECONDS) }
+        } finally {
+            pool.shutdownNow()
+        }
     }
 
     @Test
