@@ -115,7 +115,8 @@ impl Approvals {
         let this = Approvals {
             inner: self.inner.clone(),
         };
-        Ok(TaskHandle::new(tokio::spawn(async move {
+        // Never ends by itself: nothing to mark.
+        Ok(TaskHandle::spawn(|_| async move {
             let mut connected: Option<bool> = None;
             loop {
                 let result = if this.inner.network_available() {
@@ -163,7 +164,7 @@ impl Approvals {
                 };
                 tokio::time::sleep(pause).await;
             }
-        })))
+        }))
     }
 
     /// The approval as the server renders it now (summary, risk, confirmation phrase), cached.

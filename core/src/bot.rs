@@ -126,10 +126,8 @@ impl Bot {
             thread_id: thread_id.to_owned(),
             listener,
         };
-        Ok(TaskHandle::new(tokio::spawn(follow(
-            self.inner.clone(),
-            follower,
-        ))))
+        let inner = self.inner.clone();
+        Ok(TaskHandle::spawn(|ending| follow(inner, follower, ending)))
     }
 }
 

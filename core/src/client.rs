@@ -339,19 +339,38 @@ impl<T> ItemStream<T> {
 /// updates.
 pub struct TaskHandle {
     handle: tokio::task::JoinHandle<()>,
+    ending: Ending,
 }
 
 impl TaskHandle {
-    pub(crate) fn new(handle: tokio::task::JoinHandle<()>) -> TaskHandle {
-        TaskHandle { handle }
+    /// Starts `task` on tokio, handing it the `Ending` to mark before its last delivery if it can end by itself.
+    pub(crate) fn spawn<F>(task: impl FnOnce(Ending) -> F) -> TaskHandle
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let ending = Ending::default();
+        let handle = tokio::spawn(task(ending.clone()));
+        TaskHandle { handle, ending }
     }
 
     pub fn cancel(&self) {
         self.handle.abort();
     }
 
+    /// True once the watch has ended by itself, from just before its last delivery (so a listener told `Finished`
+    /// can ask and get true), or once it has stopped after `cancel()`.
     pub fn is_finished(&self) -> bool {
-        self.handle.is_finished()
+        self.ending.0.load(Ordering::Acquire) || self.handle.is_finished()
+    }
+}
+
+/// Set by a watch's task just before its last delivery: the task itself ends a moment later, on another thread.
+#[derive(Clone, Default)]
+pub(crate) struct Ending(Arc<AtomicBool>);
+
+impl Ending {
+    pub(crate) fn mark(&self) {
+        self.0.store(true, Ordering::Release);
     }
 }
 

@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::client::{Inner, SyncMode};
+use crate::client::{Ending, Inner, SyncMode};
 use crate::error::{Error, Result};
 
 /// How one stream connection, or one poll, ended.
@@ -41,8 +41,9 @@ pub(crate) trait Follower: Send + Sync {
     fn finished(&self) {}
 }
 
-/// Follows until a step finishes, an error retrying cannot help, or the task is aborted.
-pub(crate) async fn follow(inner: Arc<Inner>, follower: impl Follower) {
+/// Follows until a step finishes, an error retrying cannot help, or the task is aborted; `ending` is marked before
+/// the last delivery of a watch that ends by itself.
+pub(crate) async fn follow(inner: Arc<Inner>, follower: impl Follower, ending: Ending) {
     let mut mode = inner.config.sync_mode;
     // Only transitions are reported, so a flapping network does not flood the UI.
     let mut connected: Option<bool> = None;
@@ -64,6 +65,7 @@ pub(crate) async fn follow(inner: Arc<Inner>, follower: impl Follower) {
         };
         match outcome {
             Ok(Step::Finished) => {
+                ending.mark();
                 follower.finished();
                 return;
             }
@@ -80,6 +82,7 @@ pub(crate) async fn follow(inner: Arc<Inner>, follower: impl Follower) {
                 e @ (Error::NotFound(_) | Error::PermissionDenied(_) | Error::Unauthenticated(_)),
             ) => {
                 // Retrying cannot help; the screen shows the cache and the reason.
+                ending.mark();
                 report(false, &e.to_string());
                 return;
             }

@@ -187,10 +187,8 @@ impl Runs {
             run_id: run_id.to_owned(),
             listener,
         };
-        Ok(TaskHandle::new(tokio::spawn(follow(
-            self.inner.clone(),
-            follower,
-        ))))
+        let inner = self.inner.clone();
+        Ok(TaskHandle::spawn(|ending| follow(inner, follower, ending)))
     }
 }
 

@@ -110,6 +110,9 @@ fn router(state: Shared) -> axum::Router {
                     // What a proxy that cannot stream (or a server without the procedure) answers.
                     return Err(ConnectError::unimplemented("no streaming here"));
                 }
+                if req.run_id != RUN {
+                    return Err(ConnectError::not_found(format!("no run {}", req.run_id)));
+                }
                 let snapshot = s.lock().unwrap().run.clone();
                 let first = futures::stream::iter([Ok(pf::WatchRunResponse {
                     item: Some(pf::watch_run_response::Item::Snapshot(snapshot)),
@@ -285,6 +288,27 @@ impl RunListener for Forward<RunUpdate> {
     }
 }
 
+/// Forwards run updates; after one that can end a watch it holds the watch's thread a while, as a slow screen could,
+/// so the test sees what the handle says between that delivery and the end of the task.
+struct Lingering(mpsc::UnboundedSender<RunUpdate>);
+
+impl RunListener for Lingering {
+    fn on_update(&self, u: RunUpdate) {
+        let ends = matches!(
+            u,
+            RunUpdate::Finished
+                | RunUpdate::Connection {
+                    connected: false,
+                    ..
+                }
+        );
+        let _ = self.0.send(u);
+        if ends {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+}
+
 impl ThreadListener for Forward<ThreadUpdate> {
     fn on_update(&self, u: ThreadUpdate) {
         let _ = self.0.send(u);
@@ -361,7 +385,7 @@ async fn a_watch_resumes_from_the_stored_cursor_after_a_restart() {
     assert_eq!(c.runs().cached_timeline(RUN, 0, 100).unwrap().len(), 6);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_cannot_stream_is_polled_from_the_cursor() {
     let state = shared(false);
     add_events(&state, 1..=5, false);
@@ -369,7 +393,7 @@ async fn a_server_that_cannot_stream_is_polled_from_the_cursor() {
     let dir = tempfile::tempdir().unwrap();
     let c = client(&url, &dir.path().join("core.db"), SyncMode::Stream);
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let _h = c.runs().watch(RUN, Arc::new(Forward(tx))).await.unwrap();
+    let watch = c.runs().watch(RUN, Arc::new(Lingering(tx))).await.unwrap();
     let notice = next(&mut rx, |u| matches!(u, RunUpdate::Connection { .. })).await;
     assert_eq!(
         notice,
@@ -387,6 +411,7 @@ async fn a_server_that_cannot_stream_is_polled_from_the_cursor() {
     assert_eq!(got, vec![1, 2, 3, 4, 5]);
     add_events(&state, 6..=7, true);
     next(&mut rx, |u| matches!(u, RunUpdate::Finished)).await;
+    assert!(watch.is_finished(), "finished as soon as it says so");
     assert_eq!(c.runs().cached_timeline(RUN, 0, 100).unwrap().len(), 7);
     let after = state.lock().unwrap().timeline_after.clone();
     assert_eq!(after.first(), Some(&0));
@@ -403,6 +428,29 @@ async fn a_server_that_cannot_stream_is_polled_from_the_cursor() {
         1,
         "the stream is not retried once it is known missing"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_the_server_refuses_ends_with_the_reason() {
+    let state = shared(true);
+    let url = serve(state.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let c = client(&url, &dir.path().join("core.db"), SyncMode::Stream);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let watch = c
+        .runs()
+        .watch("r-missing", Arc::new(Lingering(tx)))
+        .await
+        .unwrap();
+    let notice = next(&mut rx, |u| matches!(u, RunUpdate::Connection { .. })).await;
+    let RunUpdate::Connection { connected, detail } = notice else {
+        unreachable!()
+    };
+    assert!(!connected);
+    assert!(detail.contains("no run r-missing"), "{detail}");
+    // Retrying cannot help: the watch has ended, and says so by the time the reason arrives.
+    assert!(watch.is_finished());
+    assert_eq!(state.lock().unwrap().watch_after.len(), 1, "not retried");
 }
 
 #[tokio::test]

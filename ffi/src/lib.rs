@@ -221,6 +221,8 @@ impl TaskHandle {
         self.0.cancel()
     }
 
+    /// True from just before a watch's last delivery when it ends by itself (`Finished`, or the error that ends
+    /// it), or once it has stopped after `cancel()`.
     pub fn is_finished(&self) -> bool {
         self.0.is_finished()
     }
@@ -652,7 +654,11 @@ mod tests {
         );
         assert!(!handle.is_finished());
         handle.cancel();
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // The task stops at its next await, on a runtime thread: up to five seconds on a busy machine.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !handle.is_finished() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert!(handle.is_finished());
         assert!(matches!(
             client.runs().sync("r-1".into()).await,

@@ -2,8 +2,8 @@
 
 use std::time::{Duration, Instant};
 
-/// Waits up to five seconds for `done`: work finished on another thread (a watch's task ending, a stream reaching
-/// the server) can come a moment after what the test saw, on a busy machine. The caller asserts the outcome.
+/// Waits up to five seconds for `done`: work finished on another thread (a stream reaching the server) can come a
+/// moment after what the test saw, on a busy machine. The caller asserts the outcome.
 pub async fn wait_until(mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(5);
     while !done() && Instant::now() < deadline {

@@ -615,7 +615,7 @@ def _uniffi_check_api_checksums(lib):
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_taskhandle_cancel() != 56246:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
-    if lib.uniffi_loams_ffi_checksum_method_taskhandle_is_finished() != 45168:
+    if lib.uniffi_loams_ffi_checksum_method_taskhandle_is_finished() != 29832:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_threadlistener_on_update() != 27341:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
@@ -4958,6 +4958,10 @@ class TaskHandleProtocol(typing.Protocol):
     def cancel(self, ) -> None:
         raise NotImplementedError
     def is_finished(self, ) -> bool:
+        """
+        True from just before a watch's last delivery when it ends by itself (`Finished`, or the error that ends
+        it), or once it has stopped after `cancel()`.
+"""
         raise NotImplementedError
 
 class TaskHandle(TaskHandleProtocol):
@@ -5000,6 +5004,10 @@ class TaskHandle(TaskHandleProtocol):
         )
         return _uniffi_lift_return(_uniffi_ffi_result)
     def is_finished(self, ) -> bool:
+        """
+        True from just before a watch's last delivery when it ends by itself (`Finished`, or the error that ends
+        it), or once it has stopped after `cancel()`.
+"""
         _uniffi_lowered_args = (
             self._uniffi_clone_handle(),
         )

@@ -2607,6 +2607,10 @@ public protocol TaskHandleProtocol: AnyObject, Sendable {
     
     func cancel() 
     
+    /**
+     * True from just before a watch's last delivery when it ends by itself (`Finished`, or the error that ends
+     * it), or once it has stopped after `cancel()`.
+     */
     func isFinished()  -> Bool
     
 }
@@ -2674,6 +2678,10 @@ open func cancel()  {try! rustCall() {
 }
 }
     
+    /**
+     * True from just before a watch's last delivery when it ends by itself (`Finished`, or the error that ends
+     * it), or once it has stopped after `cancel()`.
+     */
 open func isFinished() -> Bool  {
     return try!  FfiConverterBool.lift(try! rustCall() {
         uniffiCallStatus in
@@ -6406,7 +6414,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_loams_ffi_checksum_method_taskhandle_cancel() != 56246) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_loams_ffi_checksum_method_taskhandle_is_finished() != 45168) {
+    if (uniffi_loams_ffi_checksum_method_taskhandle_is_finished() != 29832) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_loams_ffi_checksum_method_threadlistener_on_update() != 27341) {

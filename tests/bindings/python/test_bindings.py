@@ -81,8 +81,8 @@ def has_event(update, kind):
     return update.is_EVENTS() and any(e.kind == kind for e in update.events)
 
 
-async def finishes(task):
-    """Waits (up to 5 s: its thread may be slow to get there on a busy machine) for a watch's task to end."""
+async def stops(task):
+    """Waits (up to 5 s: its thread may be slow to get there on a busy machine) for a cancelled watch's task to stop."""
     for _ in range(500):
         if task.is_finished():
             return
@@ -198,7 +198,7 @@ async def register_watch_approve_then_offline(tmp_path):
     # The run goes on past the approval to the merge and the end.
     await runs.until("the merge", lambda u: has_event(u, "merged"))
     await runs.until("the end of the run", lambda u: u.is_FINISHED())
-    await finishes(watch)
+    assert watch.is_finished(), "finished as soon as it says so"
     seqs = [e.seq for u in runs.seen if u.is_EVENTS() for e in u.events]
     assert seqs == list(range(1, len(seqs) + 1)), "each event once, in order"
     run = phone.runs().cached_run(RUN_ID)
@@ -271,4 +271,4 @@ async def register_watch_approve_then_offline(tmp_path):
     assert notice.is_CONNECTION() and not notice.connected
     offline_watch.cancel()
     approvals_watch.cancel()
-    await finishes(approvals_watch)
+    await stops(approvals_watch)

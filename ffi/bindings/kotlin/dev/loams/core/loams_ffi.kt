@@ -1339,7 +1339,7 @@ private fun uniffiCheckApiChecksums(lib: IntegrityCheckingUniffiLib) {
     if ((lib.uniffi_loams_ffi_checksum_method_taskhandle_cancel() and 0xFFFF) != 56246) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
-    if ((lib.uniffi_loams_ffi_checksum_method_taskhandle_is_finished() and 0xFFFF) != 45168) {
+    if ((lib.uniffi_loams_ffi_checksum_method_taskhandle_is_finished() and 0xFFFF) != 29832) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
     if ((lib.uniffi_loams_ffi_checksum_method_threadlistener_on_update() and 0xFFFF) != 27341) {
@@ -5285,6 +5285,10 @@ public interface TaskHandleInterface {
     
     fun `cancel`()
     
+    /**
+     * True from just before a watch's last delivery when it ends by itself (`Finished`, or the error that ends
+     * it), or once it has stopped after `cancel()`.
+     */
     fun `isFinished`(): kotlin.Boolean
     
     companion object
@@ -5406,7 +5410,11 @@ open class TaskHandle: Disposable, AutoCloseable, TaskHandleInterface
     
     
 
-    override fun `isFinished`(): kotlin.Boolean {
+    
+    /**
+     * True from just before a watch's last delivery when it ends by itself (`Finished`, or the error that ends
+     * it), or once it has stopped after `cancel()`.
+     */override fun `isFinished`(): kotlin.Boolean {
             return FfiConverterBoolean.lift(
     callWithHandle {
     uniffiRustCall() { _status ->

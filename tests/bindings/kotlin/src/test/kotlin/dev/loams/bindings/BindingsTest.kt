@@ -122,8 +122,8 @@ private fun comparable(a: Approval?) = a?.copy(actionHash = NO_HASH) to a?.actio
 
 private fun hasEvent(u: RunUpdate, kind: String) = u is RunUpdate.Events && u.events.any { it.kind == kind }
 
-/** Waits (up to 5 s: its thread may be slow to get there on a busy machine) for a watch's task to end. */
-private suspend fun finishes(task: TaskHandle) {
+/** Waits (up to 5 s: its thread may be slow to get there on a busy machine) for a cancelled watch's task to stop. */
+private suspend fun stops(task: TaskHandle) {
     withTimeoutOrNull(5_000) { while (!task.isFinished()) delay(10) }
     assertTrue(task.isFinished())
 }
@@ -243,7 +243,7 @@ class BindingsTest {
         // The run goes on past the approval to the merge and the end.
         runs.until("the merge") { hasEvent(it, "merged") }
         runs.until("the end of the run") { it is RunUpdate.Finished }
-        finishes(watch)
+        assertTrue(watch.isFinished(), "finished as soon as it says so")
         val seqs = runs.seen.filterIsInstance<RunUpdate.Events>().flatMap { u -> u.events.map { it.seq.toLong() } }
         assertEquals((1L..seqs.size.toLong()).toList(), seqs, "each event once, in order")
         val run = phone.runs().cachedRun(runId)!!
@@ -305,6 +305,6 @@ class BindingsTest {
         assertTrue(notice is RunUpdate.Connection && !notice.connected, "$notice")
         offlineWatch.cancel()
         approvalsWatch.cancel()
-        finishes(approvalsWatch)
+        stops(approvalsWatch)
     }
 }
