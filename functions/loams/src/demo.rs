@@ -24,9 +24,6 @@ pub const DEMO_CASSETTE: &str = include_str!("../demo/cassette.json");
 const FACTORY: &str = "/loams.factory.v1.FactoryService";
 /// How often the watcher polls the API.
 const POLL: Duration = Duration::from_millis(50);
-/// How long every run must have stayed ended before the scenario is over (a regressed run opens its successor
-/// right after it ends).
-const SETTLE: Duration = Duration::from_millis(400);
 
 /// What the phone does with an approval request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,7 +150,9 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
     let mut decided = std::collections::HashSet::new();
     let mut triaged = std::collections::HashSet::new();
     let mut killed = false;
-    let mut ended_since: Option<Instant> = None;
+    // Runs whose end promised a successor (a regressed run opens the next generation just after it ends): the
+    // scenario is over once every run has ended and each of these has its successor.
+    let mut successor_due = std::collections::HashSet::new();
     loop {
         if started.elapsed() > scenario.deadline {
             bail!("scenario did not finish within {:?}", scenario.deadline);
@@ -200,13 +199,16 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
                         &event.summary
                     )
                 )?;
+                if promises_successor(event) {
+                    successor_due.insert(run.id.clone());
+                }
             }
             if let Some(last) = timeline.events.last()
                 && let Some(entry) = seen.iter_mut().find(|(id, _)| *id == run.id)
             {
                 entry.1 = last.seq;
             }
-            if !is_ended(&run.state) {
+            if !is_ended(&run.state) || timeline.has_more {
                 all_ended = false;
             }
             if let Some(accept) = scenario.triage
@@ -268,13 +270,11 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
                 )?;
             }
         }
-        if all_ended {
-            let since = *ended_since.get_or_insert_with(Instant::now);
-            if since.elapsed() >= SETTLE {
-                break;
-            }
-        } else {
-            ended_since = None;
+        let successors_open = successor_due
+            .iter()
+            .all(|parent| runs.runs.iter().any(|run| run.parent_run == *parent));
+        if all_ended && successors_open {
+            break;
         }
         tokio::time::sleep(POLL).await;
     }
@@ -392,6 +392,18 @@ pub async fn post_alert(
         .as_str()
         .map(str::to_string)
         .ok_or_else(|| anyhow!("webhook answered {status}: {body}"))
+}
+
+/// Whether `event` ends its run and asks for a successor run.
+fn promises_successor(event: &factory::TimelineEvent) -> bool {
+    event.r#type == "ended"
+        && matches!(
+            serde_json::from_str(&event.detail_json),
+            Ok(loams_factory::Event::Ended {
+                follow_up: Some(_),
+                ..
+            })
+        )
 }
 
 fn is_ended(state: &str) -> bool {
