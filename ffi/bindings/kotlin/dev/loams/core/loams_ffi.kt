@@ -275,14 +275,20 @@ interface UniffiRustCallStatusErrorHandler<E> {
 
 // Loams (ffi/kotlin-call-status.patch): a thread reuses its call statuses instead of creating one per call. A JNA
 // Structure is far dearer than the call it serves: its native Memory sits in a JNA-wide map until a garbage
-// collection lets a cleaner thread free it, and a status holds two structures. A status is off its thread's list
-// while its call runs, so a call made from inside that call (a callback on the same thread) takes another.
-private val uniffiCallStatuses = ThreadLocal.withInitial { ArrayList<UniffiRustCallStatus>(2) }
+// collection lets a cleaner thread free it, and a status holds two structures. Calls nest on one thread all the
+// time (lowering a string allocates its buffer through another call, lifting an error frees one), so a status is
+// off its thread's list while its call runs and a nested call takes another. (An `initialValue` override rather
+// than `ThreadLocal.withInitial`, which Android has only from API level 26.)
+private val uniffiCallStatuses = object : ThreadLocal<ArrayList<UniffiRustCallStatus>>() {
+    override fun initialValue() = ArrayList<UniffiRustCallStatus>(2)
+}
 
 // Call a rust function that returns a Result<>.  Pass in the Error class companion that corresponds to the Err
 private inline fun <U, E: kotlin.Exception> uniffiRustCallWithError(errorHandler: UniffiRustCallStatusErrorHandler<E>, callback: (UniffiRustCallStatus) -> U): U {
     val statuses = uniffiCallStatuses.get()
     val status = statuses.removeLastOrNull() ?: UniffiRustCallStatus()
+    // Rust writes the status only when a call fails, and on a panic whose message it cannot send it sets the code
+    // alone: every call must start from success with an empty buffer, not from the last call's outcome.
     status.code = UNIFFI_CALL_SUCCESS
     status.error_buf.capacity = 0
     status.error_buf.len = 0
