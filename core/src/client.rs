@@ -360,7 +360,7 @@ impl TaskHandle {
     /// True once the watch has ended by itself, from just before its last delivery (so a listener told `Finished`
     /// can ask and get true), or once it has stopped after `cancel()`.
     pub fn is_finished(&self) -> bool {
-        self.ending.0.load(Ordering::Acquire) || self.handle.is_finished()
+        self.ending.is_marked() || self.handle.is_finished()
     }
 }
 
@@ -371,6 +371,10 @@ pub(crate) struct Ending(Arc<AtomicBool>);
 impl Ending {
     pub(crate) fn mark(&self) {
         self.0.store(true, Ordering::Release);
+    }
+
+    fn is_marked(&self) -> bool {
+        self.0.load(Ordering::Acquire)
     }
 }
 

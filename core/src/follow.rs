@@ -81,9 +81,10 @@ pub(crate) async fn follow(inner: Arc<Inner>, follower: impl Follower, ending: E
             Err(
                 e @ (Error::NotFound(_) | Error::PermissionDenied(_) | Error::Unauthenticated(_)),
             ) => {
-                // Retrying cannot help; the screen shows the cache and the reason.
+                // Retrying cannot help; the screen shows the cache and the reason. Delivered even after an earlier
+                // "disconnected" (which `report` would not repeat): it is the watch's last word.
                 ending.mark();
-                report(false, &e.to_string());
+                follower.connection(false, e.to_string());
                 return;
             }
             Err(e) => {

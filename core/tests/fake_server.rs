@@ -385,6 +385,7 @@ async fn a_watch_resumes_from_the_stored_cursor_after_a_restart() {
     assert_eq!(c.runs().cached_timeline(RUN, 0, 100).unwrap().len(), 6);
 }
 
+// Two runtime threads, so the watch's task runs beside the test: on one thread it would end before the test looked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_cannot_stream_is_polled_from_the_cursor() {
     let state = shared(false);
@@ -430,18 +431,31 @@ async fn a_server_that_cannot_stream_is_polled_from_the_cursor() {
     );
 }
 
+// Two runtime threads, as above.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_the_server_refuses_ends_with_the_reason() {
     let state = shared(true);
     let url = serve(state.clone()).await;
     let dir = tempfile::tempdir().unwrap();
     let c = client(&url, &dir.path().join("core.db"), SyncMode::Stream);
+    // Offline first, so the watch has already said it is disconnected when the refusal comes.
+    c.set_network_available(false);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let watch = c
         .runs()
         .watch("r-missing", Arc::new(Lingering(tx)))
         .await
         .unwrap();
+    let offline = next(&mut rx, |u| matches!(u, RunUpdate::Connection { .. })).await;
+    assert_eq!(
+        offline,
+        RunUpdate::Connection {
+            connected: false,
+            detail: "no network connection".into()
+        }
+    );
+    assert!(!watch.is_finished());
+    c.set_network_available(true);
     let notice = next(&mut rx, |u| matches!(u, RunUpdate::Connection { .. })).await;
     let RunUpdate::Connection { connected, detail } = notice else {
         unreachable!()

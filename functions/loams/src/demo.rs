@@ -2,6 +2,7 @@
 //! seeded bug, and follow the run(s) through the Connect API the phones use, deciding approvals on the terminal
 //! phone (`loams phone`'s core), until every run has ended.
 
+use std::collections::HashSet;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -147,15 +148,25 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
     )?;
 
     let mut seen: Vec<(String, u64)> = Vec::new();
-    let mut decided = std::collections::HashSet::new();
-    let mut triaged = std::collections::HashSet::new();
+    let mut decided = HashSet::new();
+    let mut triaged = HashSet::new();
     let mut killed = false;
-    // Runs whose end promised a successor (a regressed run opens the next generation just after it ends): the
-    // scenario is over once every run has ended and each of these has its successor.
-    let mut successor_due = std::collections::HashSet::new();
+    // Runs whose end promised a successor (a regressed run opens the next generation just after it ends). The
+    // worker may still refuse to open it (a kill switch pulled meanwhile) and records that only in its log: the
+    // scenario then runs into its deadline, which names the runs still waiting.
+    let mut successor_due = HashSet::new();
+    let mut waiting = Vec::new();
     loop {
         if started.elapsed() > scenario.deadline {
-            bail!("scenario did not finish within {:?}", scenario.deadline);
+            if waiting.is_empty() {
+                bail!("scenario did not finish within {:?}", scenario.deadline);
+            }
+            bail!(
+                "scenario did not finish within {:?}: no successor opened for run(s) {} (see the worker's \
+                 \"follow-up run not opened\" warning)",
+                scenario.deadline,
+                waiting.join(", ")
+            );
         }
         let runs: factory::ListRunsResponse = oncall
             .unary(
@@ -166,7 +177,8 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
                 },
             )
             .await?;
-        let mut all_ended = !runs.runs.is_empty();
+        // Runs with events still to read: a run's `ended` event may sit on a later page.
+        let mut pages_pending = HashSet::new();
         for run in runs.runs.iter().rev() {
             let after = match seen.iter().position(|(id, _)| *id == run.id) {
                 Some(i) => seen[i].1,
@@ -208,8 +220,8 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
             {
                 entry.1 = last.seq;
             }
-            if !is_ended(&run.state) || timeline.has_more {
-                all_ended = false;
+            if timeline.has_more {
+                pages_pending.insert(run.id.clone());
             }
             if let Some(accept) = scenario.triage
                 && run.stage_state == "await_triage"
@@ -270,10 +282,8 @@ pub async fn play(scenario: Scenario, out: &mut dyn Write) -> anyhow::Result<Rep
                 )?;
             }
         }
-        let successors_open = successor_due
-            .iter()
-            .all(|parent| runs.runs.iter().any(|run| run.parent_run == *parent));
-        if all_ended && successors_open {
+        waiting = successors_missing(&runs.runs, &successor_due);
+        if waiting.is_empty() && all_read_and_ended(&runs.runs, &pages_pending) {
             break;
         }
         tokio::time::sleep(POLL).await;
@@ -394,6 +404,25 @@ pub async fn post_alert(
         .ok_or_else(|| anyhow!("webhook answered {status}: {body}"))
 }
 
+/// Whether every run has ended and its whole timeline has been read (there is at least one run).
+fn all_read_and_ended(runs: &[factory::Run], pages_pending: &HashSet<String>) -> bool {
+    !runs.is_empty()
+        && runs
+            .iter()
+            .all(|run| is_ended(&run.state) && !pages_pending.contains(&run.id))
+}
+
+/// The runs in `successor_due` that no run in `runs` names as its parent, in order.
+fn successors_missing(runs: &[factory::Run], successor_due: &HashSet<String>) -> Vec<String> {
+    let mut missing: Vec<String> = successor_due
+        .iter()
+        .filter(|parent| !runs.iter().any(|run| run.parent_run == **parent))
+        .cloned()
+        .collect();
+    missing.sort();
+    missing
+}
+
 /// Whether `event` ends its run and asks for a successor run.
 fn promises_successor(event: &factory::TimelineEvent) -> bool {
     event.r#type == "ended"
@@ -454,4 +483,99 @@ fn or_none(s: &str) -> &str {
 pub async fn sandbox_counts(any_app_url: &str) -> anyhow::Result<serde_json::Value> {
     let url = format!("{any_app_url}/_sandbox/state");
     Ok(reqwest::get(&url).await?.error_for_status()?.json().await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use loams_factory::{Event, FollowUp, ObserveVerdict, Reason, RunState, Signal};
+
+    /// `event` as the API returns it: stored by the worker as the event plus when, the stage it left and a summary.
+    fn timeline_event(event: &Event) -> factory::TimelineEvent {
+        let mut detail = serde_json::to_value(event).unwrap();
+        let fields = detail.as_object_mut().unwrap();
+        fields.insert("at_ms".into(), 1_700_000_000_000_i64.into());
+        fields.insert("stage".into(), "observe".into());
+        fields.insert("summary".into(), event.summary().into());
+        factory::TimelineEvent {
+            seq: 40,
+            at_ms: 1_700_000_000_000,
+            r#type: detail["type"].as_str().unwrap().into(),
+            stage: "observe".into(),
+            summary: event.summary(),
+            detail_json: detail.to_string(),
+        }
+    }
+
+    fn regressed(follow_up: Option<FollowUp>) -> Event {
+        Event::Ended {
+            state: RunState::Failed,
+            reason: Some(Reason::Regressed),
+            verdict: Some(ObserveVerdict::Regressed),
+            follow_up,
+        }
+    }
+
+    fn follow_up() -> FollowUp {
+        FollowUp {
+            generation: 2,
+            parent_run: "r-1".into(),
+            signal: Signal {
+                source: "glitchtip".into(),
+                fingerprint: "checkout-typeerror".into(),
+                title: "TypeError in checkout".into(),
+                link: "https://errors.example/issues/1".into(),
+                glitchtip_issue_id: Some("1".into()),
+                severity: "error".into(),
+                generation: 2,
+                parent_run: Some("r-1".into()),
+            },
+        }
+    }
+
+    fn run(id: &str, state: &str, parent: &str) -> factory::Run {
+        factory::Run {
+            id: id.into(),
+            state: state.into(),
+            parent_run: parent.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn only_an_end_with_a_follow_up_promises_a_successor() {
+        assert!(promises_successor(&timeline_event(&regressed(Some(
+            follow_up()
+        )))));
+        assert!(!promises_successor(&timeline_event(&regressed(None))));
+        assert!(!promises_successor(&timeline_event(&Event::SeriesRead {
+            total: 3
+        })));
+        let mut unreadable = timeline_event(&regressed(Some(follow_up())));
+        unreadable.detail_json = "{\"type\": \"ended\"".into();
+        assert!(!promises_successor(&unreadable));
+    }
+
+    #[test]
+    fn the_scenario_waits_for_unread_pages_unended_runs_and_promised_successors() {
+        let none = HashSet::new();
+        assert!(!all_read_and_ended(&[], &none), "no run yet");
+        let first = run("r-1", "failed", "");
+        assert!(all_read_and_ended(std::slice::from_ref(&first), &none));
+        let pending = HashSet::from(["r-1".to_string()]);
+        assert!(
+            !all_read_and_ended(std::slice::from_ref(&first), &pending),
+            "the ended event may be on the page not read yet"
+        );
+
+        let due = HashSet::from(["r-1".to_string()]);
+        assert_eq!(
+            successors_missing(std::slice::from_ref(&first), &due),
+            ["r-1"]
+        );
+        let second = run("r-2", "running", "r-1");
+        let both = [first, second];
+        assert!(successors_missing(&both, &due).is_empty());
+        assert!(!all_read_and_ended(&both, &none), "the successor runs");
+    }
 }
