@@ -32,6 +32,7 @@ pub enum ThreadUpdate {
     Messages {
         messages: Vec<Message>,
     },
+    /// As `RunUpdate::Connection`.
     Connection {
         connected: bool,
         detail: String,

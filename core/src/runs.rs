@@ -41,7 +41,8 @@ pub enum RunUpdate {
     Events { events: Vec<TimelineEvent> },
     /// A heartbeat: nothing changed, and the server confirmed that at `at_ms`.
     Confirmed { at_ms: i64 },
-    /// The connection changed: `connected` false means offline (cached data stays readable); `detail` says why.
+    /// The connection changed: `connected` false means offline (cached data stays readable); `detail` says why. A
+    /// watch the server refuses ends with one last such notice carrying the reason, even if it was offline already.
     Connection { connected: bool, detail: String },
     /// The run has ended and its whole timeline is stored: the watch stops.
     Finished,

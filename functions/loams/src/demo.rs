@@ -412,7 +412,7 @@ fn all_read_and_ended(runs: &[factory::Run], pages_pending: &HashSet<String>) ->
             .all(|run| is_ended(&run.state) && !pages_pending.contains(&run.id))
 }
 
-/// The runs in `successor_due` that no run in `runs` names as its parent, in order.
+/// The runs in `successor_due` that no run in `runs` names as its parent, sorted.
 fn successors_missing(runs: &[factory::Run], successor_due: &HashSet<String>) -> Vec<String> {
     let mut missing: Vec<String> = successor_due
         .iter()

@@ -288,7 +288,8 @@ private inline fun <U, E: kotlin.Exception> uniffiRustCallWithError(errorHandler
     val statuses = uniffiCallStatuses.get()
     val status = statuses.removeLastOrNull() ?: UniffiRustCallStatus()
     // Rust writes the status only when a call fails, and on a panic whose message it cannot send it sets the code
-    // alone: every call must start from success with an empty buffer (all the status's fields), not from the last.
+    // alone: every call must start from success with an empty buffer (all the status's fields), not from the last
+    // call's outcome.
     status.code = UNIFFI_CALL_SUCCESS
     status.error_buf.capacity = 0
     status.error_buf.len = 0
