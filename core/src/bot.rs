@@ -114,7 +114,8 @@ impl Bot {
         Ok(Message::from_proto(message, at))
     }
 
-    /// Delivers the cached messages before returning, then new ones as they arrive, until cancelled.
+    /// Delivers the cached messages before returning, then new ones as they arrive, until cancelled or until the
+    /// server refuses the watch (a last `Connection` notice gives the reason).
     pub async fn watch(
         &self,
         thread_id: &str,

@@ -177,8 +177,9 @@ impl Runs {
     }
 
     /// Delivers the cached snapshot to `listener` before returning, then follows the run from the stored cursor
-    /// until it has finished, or the handle is cancelled or dropped. Connection losses are reported and retried;
-    /// nothing is lost or repeated across them, nor across a restart of the app.
+    /// until it has finished, the server refuses the watch (a last `Connection` notice gives the reason), or the
+    /// handle is cancelled or dropped. Connection losses are reported and retried; nothing is lost or repeated
+    /// across them, nor across a restart of the app.
     pub async fn watch(&self, run_id: &str, listener: Arc<dyn RunListener>) -> Result<TaskHandle> {
         check_id("run_id", run_id)?;
         let run = self.inner.cache.run(run_id)?;

@@ -334,8 +334,8 @@ impl Runs {
         Ok(self.0.kill(&run_id, &reason).await?)
     }
 
-    /// Delivers the cached snapshot before returning, then the server's changes until the run ends or the handle
-    /// is cancelled or dropped.
+    /// Delivers the cached snapshot before returning, then the server's changes until the run ends, the server
+    /// refuses the watch (a last `Connection` notice gives the reason), or the handle is cancelled or dropped.
     pub async fn watch(
         &self,
         run_id: String,

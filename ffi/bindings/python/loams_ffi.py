@@ -611,7 +611,7 @@ def _uniffi_check_api_checksums(lib):
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_runs_sync() != 29282:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
-    if lib.uniffi_loams_ffi_checksum_method_runs_watch() != 52591:
+    if lib.uniffi_loams_ffi_checksum_method_runs_watch() != 13864:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     if lib.uniffi_loams_ffi_checksum_method_taskhandle_cancel() != 56246:
         raise InternalError("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
@@ -6125,8 +6125,8 @@ class RunsProtocol(typing.Protocol):
         raise NotImplementedError
     async def watch(self, run_id: str,listener: RunListener) -> TaskHandle:
         """
-        Delivers the cached snapshot before returning, then the server's changes until the run ends or the handle
-        is cancelled or dropped.
+        Delivers the cached snapshot before returning, then the server's changes until the run ends, the server
+        refuses the watch (a last `Connection` notice gives the reason), or the handle is cancelled or dropped.
 """
         raise NotImplementedError
 
@@ -6261,8 +6261,8 @@ class Runs(RunsProtocol):
         )
     async def watch(self, run_id: str,listener: RunListener) -> TaskHandle:
         """
-        Delivers the cached snapshot before returning, then the server's changes until the run ends or the handle
-        is cancelled or dropped.
+        Delivers the cached snapshot before returning, then the server's changes until the run ends, the server
+        refuses the watch (a last `Connection` notice gives the reason), or the handle is cancelled or dropped.
 """
         
         _UniffiFfiConverterString.check_lower(run_id)

@@ -2388,8 +2388,8 @@ public protocol RunsProtocol: AnyObject, Sendable {
     func sync(runId: String) async throws  -> RunSync
     
     /**
-     * Delivers the cached snapshot before returning, then the server's changes until the run ends or the handle
-     * is cancelled or dropped.
+     * Delivers the cached snapshot before returning, then the server's changes until the run ends, the server
+     * refuses the watch (a last `Connection` notice gives the reason), or the handle is cancelled or dropped.
      */
     func watch(runId: String, listener: RunListener) async throws  -> TaskHandle
     
@@ -2531,8 +2531,8 @@ open func sync(runId: String)async throws  -> RunSync  {
 }
     
     /**
-     * Delivers the cached snapshot before returning, then the server's changes until the run ends or the handle
-     * is cancelled or dropped.
+     * Delivers the cached snapshot before returning, then the server's changes until the run ends, the server
+     * refuses the watch (a last `Connection` notice gives the reason), or the handle is cancelled or dropped.
      */
 open func watch(runId: String, listener: RunListener)async throws  -> TaskHandle  {
     return
@@ -6408,7 +6408,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_loams_ffi_checksum_method_runs_sync() != 29282) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_loams_ffi_checksum_method_runs_watch() != 52591) {
+    if (uniffi_loams_ffi_checksum_method_runs_watch() != 13864) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_loams_ffi_checksum_method_taskhandle_cancel() != 56246) {

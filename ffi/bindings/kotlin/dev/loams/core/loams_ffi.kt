@@ -1340,7 +1340,7 @@ private fun uniffiCheckApiChecksums(lib: IntegrityCheckingUniffiLib) {
     if ((lib.uniffi_loams_ffi_checksum_method_runs_sync() and 0xFFFF) != 29282) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
-    if ((lib.uniffi_loams_ffi_checksum_method_runs_watch() and 0xFFFF) != 52591) {
+    if ((lib.uniffi_loams_ffi_checksum_method_runs_watch() and 0xFFFF) != 13864) {
         throw RuntimeException("UniFFI API checksum mismatch: try cleaning and rebuilding your project")
     }
     if ((lib.uniffi_loams_ffi_checksum_method_taskhandle_cancel() and 0xFFFF) != 56246) {
@@ -4899,8 +4899,8 @@ public interface RunsInterface {
     suspend fun `sync`(`runId`: kotlin.String): RunSync
     
     /**
-     * Delivers the cached snapshot before returning, then the server's changes until the run ends or the handle
-     * is cancelled or dropped.
+     * Delivers the cached snapshot before returning, then the server's changes until the run ends, the server
+     * refuses the watch (a last `Connection` notice gives the reason), or the handle is cancelled or dropped.
      */
     suspend fun `watch`(`runId`: kotlin.String, `listener`: RunListener): TaskHandle
     
@@ -5126,8 +5126,8 @@ open class Runs: Disposable, AutoCloseable, RunsInterface
 
     
     /**
-     * Delivers the cached snapshot before returning, then the server's changes until the run ends or the handle
-     * is cancelled or dropped.
+     * Delivers the cached snapshot before returning, then the server's changes until the run ends, the server
+     * refuses the watch (a last `Connection` notice gives the reason), or the handle is cancelled or dropped.
      */
     @Throws(LoamsException::class)
     @Suppress("ASSIGNED_BUT_NEVER_ACCESSED_VARIABLE")
