@@ -15,9 +15,6 @@ use loams_proto::connect::{CallContext, ConnectError, Router};
 use loams_proto::factory::v1 as pf;
 use tokio::sync::mpsc;
 
-mod common;
-use common::wait_until;
-
 const RUN: &str = "r-0123456789abcdef";
 const ORG: &str = "acme";
 
@@ -327,6 +324,15 @@ async fn next<T: std::fmt::Debug>(
         if want(&u) {
             return u;
         }
+    }
+}
+
+/// Waits up to five seconds for `done`: work finished on another thread (a stream reaching the server) can come a
+/// moment after what the test saw, on a busy machine. The caller asserts the outcome.
+async fn wait_until(mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !done() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
