@@ -20,6 +20,7 @@ package dev.loams.core
 import com.sun.jna.Library
 import com.sun.jna.IntegerType
 import com.sun.jna.Native
+import com.sun.jna.Memory
 import com.sun.jna.Pointer
 import com.sun.jna.Structure
 import com.sun.jna.Callback
@@ -57,6 +58,27 @@ open class RustBuffer : Structure() {
     class ByValue: RustBuffer(), Structure.ByValue
     class ByReference: RustBuffer(), Structure.ByReference
 
+    // Loams (ffi/kotlin-jna-calls.patch): JNA would give every buffer its own tracked native `Memory` (two for each
+    // one a call returns by value) and copy its fields by reflection, which costs more than the call; a string
+    // argument and result take four such buffers. A buffer's memory now comes from its thread's slab, and its
+    // fields are read and written at their offsets, the same on 32- and 64-bit platforms (two 64-bit integers come
+    // before the pointer).
+    override fun autoAllocate(size: Int): Memory = uniffiSlabMemory(size)
+
+    override fun read() {
+        val memory = pointer
+        capacity = memory.getLong(0)
+        len = memory.getLong(8)
+        data = memory.getPointer(16)
+    }
+
+    override fun write() {
+        val memory = pointer
+        memory.setLong(0, capacity)
+        memory.setLong(8, len)
+        memory.setPointer(16, data)
+    }
+
    internal fun setValue(other: RustBuffer) {
         capacity = other.capacity
         len = other.len
@@ -91,6 +113,32 @@ open class RustBuffer : Structure() {
         this.data?.getByteBuffer(0, this.len)?.also {
             it.order(ByteOrder.BIG_ENDIAN)
         }
+}
+
+// Loams (ffi/kotlin-jna-calls.patch): small structures' memory, carved from one `Memory` per thread and never
+// reused. A piece is a view that holds on to its slab, so a slab is freed (by JNA's cleaner, like any `Memory`) only
+// once no structure in it is reachable; a thread opens a new slab when its current one is full.
+private class UniffiSlab {
+    val memory = Memory(UNIFFI_SLAB_SIZE).also { it.clear() }
+    var used = 0L
+}
+
+private const val UNIFFI_SLAB_SIZE = 4096L
+
+private val uniffiSlabs = object : ThreadLocal<UniffiSlab>() {
+    override fun initialValue() = UniffiSlab()
+}
+
+private fun uniffiSlabMemory(size: Int): Memory {
+    val aligned = (size.toLong() + 7) and 7L.inv()
+    var slab = uniffiSlabs.get()
+    if (slab.used + aligned > UNIFFI_SLAB_SIZE) {
+        slab = UniffiSlab()
+        uniffiSlabs.set(slab)
+    }
+    val piece = slab.memory.share(slab.used, aligned) as Memory
+    slab.used += aligned
+    return piece
 }
 
 // This is a helper for safely passing byte references into the rust code.
@@ -273,12 +321,15 @@ interface UniffiRustCallStatusErrorHandler<E> {
 // In practice we usually need to be synchronized to call this safely, so it doesn't
 // synchronize itself
 
-// Loams (ffi/kotlin-call-status.patch): a thread reuses its call statuses instead of creating one per call. A JNA
-// Structure is far dearer than the call it serves: its native Memory sits in a JNA-wide map until a garbage
-// collection lets a cleaner thread free it, and a status holds two structures. Calls nest on one thread all the
-// time (lowering a string allocates its buffer through another call, lifting an error frees one), so a status is
-// off its thread's list while its call runs and a nested call takes another. (An `initialValue` override rather
-// than `ThreadLocal.withInitial`, which Android has only from API level 26.)
+// Loams (ffi/kotlin-jna-calls.patch): a thread reuses its call statuses instead of creating one per call, and JNA
+// does not copy a status's fields to and from native memory around each call. A JNA Structure is far dearer than the
+// call it serves: its native Memory sits in a JNA-wide map until a garbage collection lets a cleaner thread free it,
+// a status holds two structures, and copying their fields goes through reflection. Rust writes a status only when
+// a call fails, so a status's memory stays zero (success, empty buffer) until then; after a failure it is read, then
+// zeroed again with its fields. Calls nest on one thread all the time (lowering a string allocates its buffer
+// through another call, lifting an error frees one), so a status is off its thread's list while its call runs and
+// a nested call takes another. (An `initialValue` override rather than `ThreadLocal.withInitial`, which Android has
+// only from API level 26.)
 private val uniffiCallStatuses = object : ThreadLocal<ArrayList<UniffiRustCallStatus>>() {
     override fun initialValue() = ArrayList<UniffiRustCallStatus>(2)
 }
@@ -286,19 +337,25 @@ private val uniffiCallStatuses = object : ThreadLocal<ArrayList<UniffiRustCallSt
 // Call a rust function that returns a Result<>.  Pass in the Error class companion that corresponds to the Err
 private inline fun <U, E: kotlin.Exception> uniffiRustCallWithError(errorHandler: UniffiRustCallStatusErrorHandler<E>, callback: (UniffiRustCallStatus) -> U): U {
     val statuses = uniffiCallStatuses.get()
-    val status = statuses.removeLastOrNull() ?: UniffiRustCallStatus()
-    // Rust writes the status only when a call fails, and on a panic whose message it cannot send it sets the code
-    // alone: every call must start from success with an empty buffer (all the status's fields), not from the last
-    // call's outcome.
-    status.code = UNIFFI_CALL_SUCCESS
-    status.error_buf.capacity = 0
-    status.error_buf.len = 0
-    status.error_buf.data = null
+    val status = statuses.removeLastOrNull() ?: UniffiRustCallStatus().also { it.setAutoSynch(false) }
+    // Until Rust's answer is read, the status may hold one (the call itself may throw after Rust wrote it).
+    var written = true
     try {
         val return_value = callback(status)
+        written = status.pointer.getByte(0) != UNIFFI_CALL_SUCCESS
+        if (written) {
+            status.read()
+        }
         uniffiCheckCallStatus(errorHandler, status)
         return return_value
     } finally {
+        if (written) {
+            status.code = UNIFFI_CALL_SUCCESS
+            status.error_buf.capacity = 0
+            status.error_buf.len = 0
+            status.error_buf.data = null
+            status.pointer.clear(status.size().toLong())
+        }
         statuses.add(status)
     }
 }

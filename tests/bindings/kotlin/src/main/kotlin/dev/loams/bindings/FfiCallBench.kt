@@ -38,8 +38,8 @@ private fun time(call: () -> Unit): Pair<Double, Double> {
  *
  * Then the parts of a generated call, to show where its time goes: the bare native call (a direct-mapped function
  * with no arguments and no call status), a call status (a JNA `Structure` holding a `RustBuffer` one: UniFFI's code
- * creates one per call, the patched bindings reuse them, see ffi/kotlin-call-status.patch), and one JNA `Memory`
- * block, which each structure allocates (a `RustBuffer` returned by value still does).
+ * creates one per call, the patched bindings reuse them, see ffi/kotlin-jna-calls.patch), and one JNA `Memory`
+ * block, which each structure allocates as JNA makes it (the patched bindings' buffers take theirs from a slab).
  */
 fun main() {
     val value = "r-5e66a7e179b2e2f2"

@@ -168,7 +168,7 @@ class BindingsTest {
 
     @Test
     fun eachCallGetsItsOwnOutcomeAfterFailuresAndAcrossThreads() {
-        // Each thread reuses its call statuses (ffi/kotlin-call-status.patch): a failed call must leave nothing for
+        // Each thread reuses its call statuses (ffi/kotlin-jna-calls.patch): a failed call must leave nothing for
         // the next one on its thread, and threads calling at once must not see each other's results or errors.
         val pool = Executors.newFixedThreadPool(8)
         try {
