@@ -59,10 +59,10 @@ open class RustBuffer : Structure() {
     class ByReference: RustBuffer(), Structure.ByReference
 
     // Loams (ffi/kotlin-jna-calls.patch): JNA would give every buffer its own tracked native `Memory` (two for each
-    // one a call returns by value) and copy its fields by reflection, which costs more than the call; a string
-    // argument and result take four such buffers. A buffer's memory now comes from its thread's slab, and its
-    // fields are read and written at their offsets, the same on 32- and 64-bit platforms (two 64-bit integers come
-    // before the pointer).
+    // one a call returns by value) and copy its fields by reflection, which costs more than the call: a string
+    // argument and result are two buffers returned by value, four such blocks. A buffer's memory now comes from its
+    // thread's slab, and its fields are read and written at their offsets, the same on 32- and 64-bit platforms
+    // (two 64-bit integers come before the pointer).
     override fun autoAllocate(size: Int): Memory = uniffiSlabMemory(size)
 
     override fun read() {
@@ -115,15 +115,17 @@ open class RustBuffer : Structure() {
         }
 }
 
-// Loams (ffi/kotlin-jna-calls.patch): small structures' memory, carved from one `Memory` per thread and never
-// reused. A piece is a view that holds on to its slab, so a slab is freed (by JNA's cleaner, like any `Memory`) only
-// once no structure in it is reachable; a thread opens a new slab when its current one is full.
+// Loams (ffi/kotlin-jna-calls.patch): buffers' memory, carved from one `Memory` per thread and never reused. A
+// piece is a view that holds on to its slab, so a slab is freed (by JNA's cleaner, like any `Memory`) only once no
+// buffer in it is reachable; a thread opens a new slab when its current one is full. 1 KiB (42 buffers) makes the
+// tracked allocation rare on a thread that calls often, and stays small on the threads JNA attaches for one
+// callback from Rust and detaches after (a listener's update, the signer), each of which opens a slab of its own.
 private class UniffiSlab {
     val memory = Memory(UNIFFI_SLAB_SIZE).also { it.clear() }
     var used = 0L
 }
 
-private const val UNIFFI_SLAB_SIZE = 4096L
+private const val UNIFFI_SLAB_SIZE = 1024L
 
 private val uniffiSlabs = object : ThreadLocal<UniffiSlab>() {
     override fun initialValue() = UniffiSlab()

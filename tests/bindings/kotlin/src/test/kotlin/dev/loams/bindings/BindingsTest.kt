@@ -168,13 +168,17 @@ class BindingsTest {
 
     @Test
     fun eachCallGetsItsOwnOutcomeAfterFailuresAndAcrossThreads() {
-        // Each thread reuses its call statuses (ffi/kotlin-jna-calls.patch): a failed call must leave nothing for
-        // the next one on its thread, and threads calling at once must not see each other's results or errors.
+        // Each thread reuses its call statuses and carves its buffers from slabs (ffi/kotlin-jna-calls.patch): a
+        // failed call must leave nothing for the next one on its thread, threads calling at once must not see each
+        // other's results or errors, and collections (which free the slabs no buffer uses) must not free one in use.
         val pool = Executors.newFixedThreadPool(8)
         try {
             val calls = (1..8).map { t ->
                 pool.submit {
                     repeat(2_000) { i ->
+                        if (i % 500 == 0) {
+                            System.gc()
+                        }
                         val id = "r-$t-$i"
                         if (i % 3 == 0) {
                             assertThrows<LoamsException.InvalidInput> { parseLink("loams://approvals/$id?decision=approve", emptyList()) }
