@@ -25,6 +25,8 @@ const PATCH: &str = "Divide by 100.\n\n=== src/checkout.py\n```python\ndef apply
 struct FakeAgents {
     /// Error events GlitchTip reports after the merge (above the threshold: regressed).
     error_events: u64,
+    /// What `forgejo.read_files` answers instead of the one small file.
+    read_files: Option<Value>,
     /// step id -> (agent.skill, answer), and how many times each step id was called.
     answered: Mutex<HashMap<String, (String, Value)>>,
     calls: Mutex<HashMap<String, u32>>,
@@ -42,6 +44,7 @@ impl FakeAgents {
             }
             ("plane", "comment") => json!({"id": "c-1"}),
             ("plane", "set_state") => json!({"state": "completed"}),
+            ("forgejo", "read_files") if self.read_files.is_some() => self.read_files.clone().unwrap(),
             ("forgejo", "read_files") => {
                 json!({"files": [{"path": "src/checkout.py", "content": "def apply_discount(price, percent):\n    return price / 0\n"}]})
             }
@@ -339,6 +342,34 @@ async fn a_run_driven_through_the_queue_succeeds_performing_each_step_once() {
             .await
             .unwrap();
     assert_eq!(approvals.items.len(), 1);
+    assert!(h.db.dead_letters(10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_step_result_too_large_to_keep_fails_the_run_and_says_why() {
+    // Two files within the engine's limit for one file, together more than a run's snapshot may hold: the store
+    // would refuse every append of the files read, and the run would wait for ever on a dead-lettered message.
+    let content = "x = 1\n".repeat(40_000);
+    let files = json!({"files": [
+        {"path": "src/checkout.py", "content": content},
+        {"path": "src/cart.py", "content": content},
+    ]});
+    let h = Harness::new(
+        FakeAgents {
+            read_files: Some(files),
+            ..FakeAgents::default()
+        },
+        2,
+    );
+    let opened = h.worker.open(ORG, signal("fp-large")).await.unwrap();
+    let run = h.drive(&opened.run_id).await;
+    assert_eq!(run.state, RunState::Failed, "{run:?}");
+    let ending = run.ending.expect("an ended run has its ending");
+    assert!(
+        ending.detail.contains("too large to keep") && ending.detail.contains("snapshot"),
+        "{ending:?}"
+    );
+    assert!(run.files.is_empty(), "the files were kept: {:?}", run.files.len());
     assert!(h.db.dead_letters(10).await.unwrap().is_empty());
 }
 
