@@ -16,8 +16,8 @@ use crate::prompts::{approval_summary, tail};
 use crate::review::{audit_verdict, lead_approves};
 use crate::run::{Cursor, Run, RunState, gated_action};
 use crate::{
-    Ctx, MAX_FEEDBACK, MAX_FILE_BYTES, MAX_FILES, MAX_ID, MAX_MODEL_TEXT, MAX_STEP_RETRIES,
-    MAX_TITLE,
+    Ctx, MAX_FEEDBACK, MAX_FILE_BYTES, MAX_FILES, MAX_ID, MAX_MODEL_TEXT, MAX_RUN_BYTES,
+    MAX_STEP_RETRIES, MAX_TITLE,
 };
 use crate::{LastRunStatus, Rejection, Signal};
 
@@ -437,7 +437,40 @@ fn completed(run: &Run, effect: &Effect, outcome: &Outcome, ctx: &Ctx) -> Vec<Ev
         }
         _ => Err("the outcome does not match the effect".into()),
     };
-    result.unwrap_or_else(|e| failure(run, step, &e, false))
+    let events = result.unwrap_or_else(|e| failure(run, step, &e, false));
+    within_run_limit(run, step, events)
+}
+
+/// `events`, unless they bring files (read or patched) that would make the run larger than `MAX_RUN_BYTES`: then
+/// the step fails instead, after the model call it paid for (its tokens are spent whatever becomes of the answer).
+/// Only these carry bulk; judging other results too would let a run near the limit lose a later step it must take.
+fn within_run_limit(run: &Run, step: &str, events: Vec<Event>) -> Vec<Event> {
+    let brings_files =
+        |e: &Event| matches!(e, Event::FilesRead { .. } | Event::PatchProposed { .. });
+    if !events.iter().any(brings_files) {
+        return events;
+    }
+    let mut next = run.clone();
+    for event in &events {
+        next.apply(event);
+    }
+    let size = serde_json::to_vec(&next).map_or(usize::MAX, |json| json.len());
+    if size <= MAX_RUN_BYTES {
+        return events;
+    }
+    let mut kept: Vec<Event> = events
+        .into_iter()
+        .take_while(|e| matches!(e, Event::ModelAnswered { .. }))
+        .collect();
+    let mut paid = run.clone();
+    for event in &kept {
+        paid.apply(event);
+    }
+    let error = format!(
+        "its result would make the run {size} bytes, more than the {MAX_RUN_BYTES} a run keeps"
+    );
+    kept.extend(failure(&paid, step, &error, false));
+    kept
 }
 
 fn field<'a>(v: &'a Value, key: &str) -> Result<&'a Value, String> {

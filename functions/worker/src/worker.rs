@@ -13,7 +13,7 @@ use loams_factory::{
     Policy, Prices, Run, RunState, Signal, run_kill_switch_id,
 };
 use loams_model::{ChatMessage, ChatModel, ChatRequest};
-use loams_platform::limits::{self, MAX_RECEIVE};
+use loams_platform::limits::MAX_RECEIVE;
 use loams_platform::{Claim, Clock, Cond, Delivery, Item, Page, Queue, Store, StoreError, Timers};
 use serde_json::json;
 use tokio::time::Instant;
@@ -31,6 +31,9 @@ const RETRY_DELAY_MS: u64 = 500;
 const MAX_BACKOFF_SHIFT: u32 = 4;
 /// Conditional-append conflicts tolerated in a row before the message is retried later.
 const MAX_CONFLICTS: u32 = 16;
+// The engine fails a step whose result would make a run larger than MAX_RUN_BYTES: below the store's snapshot
+// limit, every run it makes is one the store keeps.
+const _: () = assert!(loams_factory::MAX_RUN_BYTES < loams_platform::limits::MAX_BODY);
 /// A model call's idempotency lease: another worker may take the call over only after this.
 const MODEL_LEASE_MS: u64 = 180_000;
 /// Delay before a step whose model call is held by someone else is tried again. A third of the lease, so that a
@@ -538,28 +541,31 @@ impl Worker {
                 *ctx = self.ctx(org, Some(run_id), now).await?;
             }
             ctx.now_ms = now;
-            let Some(next) = keepable(org, run_id, &current.run, input, ctx)? else {
+            let events = loams_factory::decide(&current.run, input, ctx)
+                .map_err(|e| WorkerError::Corrupt(e.to_string()))?;
+            if events.is_empty() {
                 return Ok(current);
-            };
+            }
+            let mut bodies = Vec::with_capacity(events.len());
+            for event in &events {
+                current.run.apply(event);
+                bodies.push(logged(event, &current.run, now)?);
+            }
+            let snapshot = to_json(&current.run)?;
             match d
                 .store
                 .append(
                     org,
                     run_id,
                     current.version,
-                    next.run.state.as_str(),
-                    &next.snapshot,
-                    &next.bodies,
+                    current.run.state.as_str(),
+                    &snapshot,
+                    &bodies,
                     now,
                 )
                 .await
             {
-                Ok(version) => {
-                    return Ok(Current {
-                        run: next.run,
-                        version,
-                    });
-                }
+                Ok(version) => return Ok(Current { version, ..current }),
                 Err(StoreError::Conflict) => continue,
                 Err(e) => return Err(e.into()),
             }
@@ -914,73 +920,6 @@ fn fingerprint_key(fingerprint: &str) -> String {
 
 /// The stored form of an event: the event itself plus when it was recorded, the stage it left the run in and a
 /// one-line summary, so a timeline can say what happened when without replaying the run. Folding ignores them.
-/// What the engine decided for one input, applied: the run after it, and what an append stores.
-struct Decided {
-    run: Run,
-    snapshot: Vec<u8>,
-    bodies: Vec<Vec<u8>>,
-}
-
-/// What the engine decides for `input` on `run` (at `ctx.now_ms`), applied; `None` when it decides nothing.
-fn decided(run: &Run, input: &Input, ctx: &Ctx) -> Result<Option<Decided>, WorkerError> {
-    let events =
-        loams_factory::decide(run, input, ctx).map_err(|e| WorkerError::Corrupt(e.to_string()))?;
-    if events.is_empty() {
-        return Ok(None);
-    }
-    let mut next = run.clone();
-    let mut bodies = Vec::with_capacity(events.len());
-    for event in &events {
-        next.apply(event);
-        bodies.push(logged(event, &next, ctx.now_ms)?);
-    }
-    let snapshot = to_json(&next)?;
-    Ok(Some(Decided {
-        run: next,
-        snapshot,
-        bodies,
-    }))
-}
-
-/// `decided`, unless the store would refuse to keep it because a step's result made the run too large (the files
-/// an agent read or a patch, each within its own limits, past the snapshot's together): that step is then recorded
-/// as failed for that reason, which ends the run and says why, instead of an append the store refuses on every
-/// delivery of the message while the run waits for ever.
-fn keepable(
-    org: &str,
-    run_id: &str,
-    run: &Run,
-    input: &Input,
-    ctx: &Ctx,
-) -> Result<Option<Decided>, WorkerError> {
-    let next = decided(run, input, ctx)?;
-    let Some(kept) = &next else {
-        return Ok(next);
-    };
-    let refusal = limits::run_write(
-        org,
-        run_id,
-        kept.run.state.as_str(),
-        &kept.snapshot,
-        &kept.bodies,
-    );
-    match (refusal, input) {
-        (Err(StoreError::Invalid(why)), Input::Completed { step, outcome })
-            if !matches!(outcome, Outcome::Failed { .. }) =>
-        {
-            let failed = Input::Completed {
-                step: step.clone(),
-                outcome: Outcome::Failed {
-                    error: format!("its result is too large to keep: {why}"),
-                    retryable: false,
-                },
-            };
-            decided(run, &failed, ctx)
-        }
-        _ => Ok(next),
-    }
-}
-
 fn logged(event: &Event, run: &Run, now_ms: i64) -> Result<Vec<u8>, WorkerError> {
     let mut value = serde_json::to_value(event).map_err(|e| WorkerError::Corrupt(e.to_string()))?;
     if let Some(fields) = value.as_object_mut() {

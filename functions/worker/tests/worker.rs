@@ -44,7 +44,9 @@ impl FakeAgents {
             }
             ("plane", "comment") => json!({"id": "c-1"}),
             ("plane", "set_state") => json!({"state": "completed"}),
-            ("forgejo", "read_files") if self.read_files.is_some() => self.read_files.clone().unwrap(),
+            ("forgejo", "read_files") if self.read_files.is_some() => {
+                self.read_files.clone().unwrap()
+            }
             ("forgejo", "read_files") => {
                 json!({"files": [{"path": "src/checkout.py", "content": "def apply_discount(price, percent):\n    return price / 0\n"}]})
             }
@@ -118,6 +120,8 @@ impl AgentCaller for FakeAgents {
 #[derive(Default)]
 struct FakeModel {
     paid: Mutex<Vec<String>>,
+    /// What the "fix" purpose answers instead of PATCH.
+    fix: Mutex<Option<String>>,
 }
 
 #[async_trait]
@@ -125,7 +129,12 @@ impl ChatModel for FakeModel {
     async fn complete(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
         self.paid.lock().unwrap().push(req.purpose.clone());
         let text = match req.purpose.as_str() {
-            "fix" => PATCH.to_string(),
+            "fix" => self
+                .fix
+                .lock()
+                .unwrap()
+                .clone()
+                .unwrap_or_else(|| PATCH.to_string()),
             "lead_review" => LEAD_APPROVAL.to_string(),
             "security_audit" => format!(
                 "LOW src/checkout.py:2 negative percent; exploit: none; remedy: clamp\n\n{AUDIT_APPROVAL}"
@@ -345,31 +354,89 @@ async fn a_run_driven_through_the_queue_succeeds_performing_each_step_once() {
     assert!(h.db.dead_letters(10).await.unwrap().is_empty());
 }
 
-#[tokio::test]
-async fn a_step_result_too_large_to_keep_fails_the_run_and_says_why() {
-    // Two files within the engine's limit for one file, together more than a run's snapshot may hold: the store
-    // would refuse every append of the files read, and the run would wait for ever on a dead-lettered message.
-    let content = "x = 1\n".repeat(40_000);
-    let files = json!({"files": [
-        {"path": "src/checkout.py", "content": content},
-        {"path": "src/cart.py", "content": content},
-    ]});
-    let h = Harness::new(
+/// `forgejo.read_files`'s answer: these files, each holding `content`.
+fn files_read(paths: &[&str], content: &str) -> Value {
+    let files: Vec<Value> = paths
+        .iter()
+        .map(|path| json!({"path": path, "content": content}))
+        .collect();
+    json!({ "files": files })
+}
+
+fn harness_reading(files: Value) -> Harness {
+    Harness::new(
         FakeAgents {
             read_files: Some(files),
             ..FakeAgents::default()
         },
         2,
-    );
+    )
+}
+
+fn times_answered(h: &Harness, skill: &str) -> usize {
+    let answered = h.agents.answered.lock().unwrap();
+    answered.values().filter(|(s, _)| s == skill).count()
+}
+
+#[tokio::test]
+async fn files_too_large_for_a_run_to_keep_fail_the_step_and_the_run_says_why() {
+    // Two files within the engine's limit for one file, together more than a run may hold: before, the store
+    // refused every append of the files read, and the run waited for ever on a dead-lettered message.
+    let content = "x = 1\n".repeat(40_000);
+    let h = harness_reading(files_read(&["src/checkout.py", "src/cart.py"], &content));
     let opened = h.worker.open(ORG, signal("fp-large")).await.unwrap();
     let run = h.drive(&opened.run_id).await;
     assert_eq!(run.state, RunState::Failed, "{run:?}");
     let ending = run.ending.expect("an ended run has its ending");
-    assert!(
-        ending.detail.contains("too large to keep") && ending.detail.contains("snapshot"),
-        "{ending:?}"
+    assert!(ending.detail.contains("a run keeps"), "{ending:?}");
+    assert!(run.files.is_empty(), "{} files kept", run.files.len());
+    // Not retried: the same files would be too large again.
+    assert_eq!(times_answered(&h, "forgejo.read_files"), 1);
+    assert!(h.db.dead_letters(10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_patch_too_large_for_the_run_fails_the_step_after_recording_the_paid_answer() {
+    let h = harness_reading(files_read(&["src/checkout.py"], &"x = 1\n".repeat(25_000)));
+    let patch = format!(
+        "Rewrite.\n\n=== src/checkout.py\n```python\n{}```\n",
+        "y = 2\n".repeat(33_000)
     );
-    assert!(run.files.is_empty(), "the files were kept: {:?}", run.files.len());
+    *h.model.fix.lock().unwrap() = Some(patch);
+    let opened = h.worker.open(ORG, signal("fp-large-patch")).await.unwrap();
+    let run = h.drive(&opened.run_id).await;
+    assert_eq!(run.state, RunState::Failed, "{run:?}");
+    assert!(run.ending.expect("ended").detail.contains("a run keeps"));
+    assert!(run.patch.is_empty());
+    // The answer was paid once, and the run's budget counts it.
+    assert_eq!(*h.model.paid.lock().unwrap(), ["fix"]);
+    assert_eq!(run.budget.tokens, 120);
+    assert!(h.db.dead_letters(10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_run_just_within_the_limit_still_takes_every_later_step_its_revert_included() {
+    // Files that bring the run's JSON just under MAX_RUN_BYTES: the steps after them (reviews, approvals, merge,
+    // a regressed observation, the revert and its gate, the ending) grow it past that, and none may be refused.
+    let content = "x = 1\n".repeat(21_280);
+    let h = Harness::new(
+        FakeAgents {
+            read_files: Some(files_read(&["src/checkout.py", "src/cart.py"], &content)),
+            error_events: 50,
+            ..FakeAgents::default()
+        },
+        1,
+    );
+    let opened = h.worker.open(ORG, signal("fp-near-limit")).await.unwrap();
+    let run = h.drive(&opened.run_id).await;
+    let size = serde_json::to_vec(&run).unwrap().len();
+    assert!(
+        size > loams_factory::MAX_RUN_BYTES,
+        "the run is {size} bytes: not near the limit"
+    );
+    assert_eq!(run.state, RunState::Failed, "{:?}", run.ending);
+    assert_eq!(run.files.len(), 2);
+    assert_eq!(times_answered(&h, "forgejo.revert"), 1);
     assert!(h.db.dead_letters(10).await.unwrap().is_empty());
 }
 
