@@ -41,8 +41,13 @@ fn check_of(line: &str) -> Option<(bool, String)> {
 pub fn parse_ci_log(log: &str) -> CiReport {
     let mut report = CiReport::default();
     for line in log.lines() {
-        if let Some((passed, mut name)) = check_of(line) {
-            name.truncate(200);
+        if let Some((passed, name)) = check_of(line) {
+            // At most 200 bytes, cut on a character boundary (`String::truncate` panics inside a character).
+            let name: String = name
+                .char_indices()
+                .take_while(|(at, c)| at + c.len_utf8() <= 200)
+                .map(|(_, c)| c)
+                .collect();
             let list = if passed {
                 &mut report.passing
             } else {
@@ -95,5 +100,13 @@ mod tests {
         assert_eq!(a.signature, b.signature);
         assert_ne!(a.signature, c.signature);
         assert!(a.failing.is_empty());
+    }
+
+    #[test]
+    fn long_check_names_are_cut_on_a_character_boundary() {
+        // 199 bytes, then a two-byte character across the 200th: a byte cut there would split it.
+        let name = format!("{}é-and-more", "a".repeat(199));
+        let r = parse_ci_log(&format!("FAIL {name}\n"));
+        assert_eq!(r.failing, vec!["a".repeat(199)]);
     }
 }

@@ -216,7 +216,10 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
     let events = match input {
         Input::Continue => Vec::new(),
         Input::Completed { step, outcome } => match run.next_effect() {
-            Some(effect) if effect.step() == step => completed(run, &effect, outcome, ctx),
+            Some(effect) if effect.step() == step => {
+                let events = guard(run, completed(run, &effect, outcome, ctx), ctx);
+                return Ok(within_run_limit(run, step, events, ctx));
+            }
             _ => return Ok(Vec::new()),
         },
         Input::TriageDecided { accept, by } => {
@@ -437,14 +440,15 @@ fn completed(run: &Run, effect: &Effect, outcome: &Outcome, ctx: &Ctx) -> Vec<Ev
         }
         _ => Err("the outcome does not match the effect".into()),
     };
-    let events = result.unwrap_or_else(|e| failure(run, step, &e, false));
-    within_run_limit(run, step, events)
+    result.unwrap_or_else(|e| failure(run, step, &e, false))
 }
 
-/// `events`, unless they bring files (read or patched) that would make the run larger than `MAX_RUN_BYTES`: then
-/// the step fails instead, after the model call it paid for (its tokens are spent whatever becomes of the answer).
-/// Only these carry bulk; judging other results too would let a run near the limit lose a later step it must take.
-fn within_run_limit(run: &Run, step: &str, events: Vec<Event>) -> Vec<Event> {
+/// A completed step's `events` (guards included), unless they bring files (read or patched) that would make the run
+/// larger than `MAX_RUN_BYTES`: then the step fails instead, after the model call it paid for (its tokens are spent
+/// whatever becomes of the answer). The files come with the guards' events of the same decision, a gate on
+/// committing them included, whose request carries them once more. Only file-bringing results are judged: any
+/// other would let a run near the limit lose a later step it must take (a revert, a kill's compensation).
+fn within_run_limit(run: &Run, step: &str, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
     let brings_files =
         |e: &Event| matches!(e, Event::FilesRead { .. } | Event::PatchProposed { .. });
     if !events.iter().any(brings_files) {
@@ -470,7 +474,7 @@ fn within_run_limit(run: &Run, step: &str, events: Vec<Event>) -> Vec<Event> {
         "its result would make the run {size} bytes, more than the {MAX_RUN_BYTES} a run keeps"
     );
     kept.extend(failure(&paid, step, &error, false));
-    kept
+    guard(run, kept, ctx)
 }
 
 fn field<'a>(v: &'a Value, key: &str) -> Result<&'a Value, String> {

@@ -46,11 +46,14 @@ pub const MAX_FILE_BYTES: usize = 256 * 1024;
 /// Most files in one read or one patch.
 pub const MAX_FILES: usize = 32;
 /// Largest run (its JSON, the snapshot the worker stores) that files read or a patch may make; a larger one fails
-/// its step. Files and patches are each within the limits above yet can together pass the 400,000 bytes a store
-/// keeps of a snapshot, and an append the store refuses would strand the run. Every other result is bounded by
-/// the limits here, and the 100,000 bytes left are room for all a run still records after (reviews, approvals, a
-/// revert, its ending), so no later step, a revert or a kill included, is ever refused for size.
+/// its step. Files and patches are each within the limits above yet can together pass what a store keeps of a
+/// snapshot, and an append the store refuses would strand the run. Later steps are never judged (a run near the
+/// limit must still take its revert or its kill): they grow the run into `RUN_HEADROOM_BYTES`.
 pub const MAX_RUN_BYTES: usize = 300_000;
+/// Room over `MAX_RUN_BYTES` for what a run records after its last files: the last attempt's CI report and review
+/// feedback (each from a tail of at most `MAX_FEEDBACK` bytes without control characters, so at most twice that as
+/// JSON), approvals, a revert, its ending. `MAX_RUN_BYTES` plus this must not pass what a store keeps of a snapshot.
+pub const RUN_HEADROOM_BYTES: usize = 100_000;
 /// The tail of a CI log or a review report kept as feedback for the next attempt.
 pub const MAX_FEEDBACK: usize = 8 * 1024;
 /// Longest id-like string accepted from outside (step ids, approval ids, user names, shas, urls).

@@ -24,10 +24,16 @@ fn quote(text: &str) -> String {
         .join("\n")
 }
 
-/// The last `max` bytes of `text`, cut on a character boundary.
+/// The last `max` bytes of `text`, cut on a character boundary, without control characters but newlines and tabs:
+/// the run keeps such texts as JSON, where each would take six bytes (`\u001b`), and the room a run has for them
+/// is counted in bytes (`MAX_RUN_BYTES`). A CI log's colour codes lose their escape character and nothing more.
 pub(crate) fn tail(text: &str, max: usize) -> String {
+    let text: String = text
+        .chars()
+        .filter(|c| !c.is_control() || matches!(c, '\n' | '\t'))
+        .collect();
     if text.len() <= max {
-        return text.to_string();
+        return text;
     }
     let mut start = text.len() - max;
     while !text.is_char_boundary(start) {
@@ -254,8 +260,12 @@ mod tests {
     }
 
     #[test]
-    fn tail_cuts_on_char_boundaries() {
+    fn tail_cuts_on_char_boundaries_and_drops_control_characters() {
         assert_eq!(tail("abc", 10), "abc");
         assert_eq!(tail("héllo", 4), "llo");
+        assert_eq!(
+            tail("\u{1b}[31mFAIL\u{1b}[0m a\r\n\tb\u{0}", 100),
+            "[31mFAIL[0m a\n\tb"
+        );
     }
 }

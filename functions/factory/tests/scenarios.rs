@@ -435,6 +435,66 @@ fn policy_deny_stops_and_policy_approve_gates_writes() {
 }
 
 #[test]
+fn a_patch_whose_commit_gate_would_make_the_run_too_large_fails_before_the_gate() {
+    // A file and its patch that fit in a run together, not with the gate on committing them (protected writes),
+    // whose request carries the patched file once more: judged without the gate, the run would be accepted and
+    // then be more than a store keeps.
+    let content = "x = 1\n".repeat(20_000);
+    let patched = "y = 2\n".repeat(20_000);
+    let hook = move |e: &Effect| match e {
+        Effect::Call { skill, .. } if skill == "read_files" => Some(Outcome::Agent(
+            json!({"files": [{"path": "src/checkout.py", "content": content}]}),
+        )),
+        Effect::Model { purpose, .. } if purpose == "fix" => Some(Outcome::Model {
+            text: format!("Rewrite.\n\n=== src/checkout.py\n```python\n{patched}```\n"),
+            input_tokens: 1_000,
+            output_tokens: 200,
+        }),
+        _ => None,
+    };
+    let mut c = ctx();
+    c.policy.protected_envs = vec!["production".into()];
+    let mut world = World::with(hook);
+    let (w, run) = drive(&mut world, c);
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
+    assert!(run.ending.unwrap().detail.contains("a run keeps"));
+    assert!(!trace(&world).contains(&"approval.commit_patch".to_string()));
+    // The answer was paid for and stays counted.
+    assert_eq!(run.budget.tokens, 1_200);
+}
+
+#[test]
+fn what_a_run_records_after_its_last_files_fits_in_the_headroom() {
+    // Files that bring the run just under MAX_RUN_BYTES on its only attempt, then a CI failure whose log is made to
+    // cost the most JSON (quotes and backslashes, escaped to two bytes each; control characters, six, are dropped),
+    // kept as the report's checks, its signature and the feedback, then the hand-off and the ending.
+    let content = "x = 1\n".repeat(41_800);
+    let line = format!("FAIL {}\u{1}\n", "\"\\".repeat(95));
+    let log = line.repeat(60);
+    let hook = move |e: &Effect| match e {
+        Effect::Call { skill, .. } if skill == "read_files" => Some(Outcome::Agent(
+            json!({"files": [{"path": "src/checkout.py", "content": content}]}),
+        )),
+        Effect::Call { skill, .. } if skill == "ci_status" => {
+            Some(Outcome::Agent(json!({"state": "failure", "log": log})))
+        }
+        _ => None,
+    };
+    let mut c = ctx();
+    c.config.max_attempts = 1;
+    let mut world = World::with(hook);
+    let (w, run) = drive(&mut world, c);
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::FailSafe)));
+    assert_eq!(run.files.len(), 1, "the files were not kept");
+    let size = serde_json::to_vec(&run).unwrap().len();
+    assert!(
+        size > loams_factory::MAX_RUN_BYTES
+            && size <= loams_factory::MAX_RUN_BYTES + loams_factory::RUN_HEADROOM_BYTES,
+        "the run ended at {size} bytes"
+    );
+}
+
+#[test]
 fn auto_triage_needs_no_person() {
     let mut c = ctx();
     c.policy.auto_triage = true;

@@ -31,9 +31,12 @@ const RETRY_DELAY_MS: u64 = 500;
 const MAX_BACKOFF_SHIFT: u32 = 4;
 /// Conditional-append conflicts tolerated in a row before the message is retried later.
 const MAX_CONFLICTS: u32 = 16;
-// The engine fails a step whose result would make a run larger than MAX_RUN_BYTES: below the store's snapshot
-// limit, every run it makes is one the store keeps.
-const _: () = assert!(loams_factory::MAX_RUN_BYTES < loams_platform::limits::MAX_BODY);
+// The engine keeps a run's files within MAX_RUN_BYTES and leaves RUN_HEADROOM_BYTES for what the run records after
+// them, which it never refuses: together they must fit what the store keeps of a snapshot.
+const _: () = assert!(
+    loams_factory::MAX_RUN_BYTES + loams_factory::RUN_HEADROOM_BYTES
+        <= loams_platform::limits::MAX_BODY
+);
 /// A model call's idempotency lease: another worker may take the call over only after this.
 const MODEL_LEASE_MS: u64 = 180_000;
 /// Delay before a step whose model call is held by someone else is tried again. A third of the lease, so that a
