@@ -496,9 +496,11 @@ fn number(v: &Value, key: &str) -> Result<u64, String> {
 }
 
 fn attempt_failed(run: &Run, reason: &str, feedback: &str) -> Vec<Event> {
+    // A reason may quote the model (a patch's bad path); the run keeps it for good.
+    let reason = tail(reason, MAX_TEXT);
     let mut ev = vec![Event::AttemptFailed {
         attempt: run.attempt,
-        reason: reason.into(),
+        reason: reason.clone(),
         feedback: tail(feedback, MAX_FEEDBACK),
     }];
     if run.attempt >= run.config.max_attempts {

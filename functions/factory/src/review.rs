@@ -8,6 +8,11 @@ pub const LEAD_APPROVAL: &str = "All good";
 /// The security auditor approves only when this is the last line of the report and no line anywhere else names a
 /// CRITICAL or HIGH severity, however it is written.
 pub const AUDIT_APPROVAL: &str = "No CRITICAL or HIGH findings.";
+/// Most findings an audit records (each at most 500 characters with a location of at most `MAX_LOCATION` bytes:
+/// a few hundred kilobytes of JSON at worst, under the 400,000 bytes a store keeps of an event).
+const MAX_FINDINGS: usize = 100;
+/// Longest location (`path:line`) a finding records.
+const MAX_LOCATION: usize = 300;
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 #[serde(rename_all = "UPPERCASE")]
@@ -77,12 +82,12 @@ fn finding(line: &str) -> Option<Finding> {
             c.is_whitespace() || matches!(c, '`' | ',' | ';' | '(' | ')' | '|' | '*' | '[' | ']')
         })
         .map(|w| w.trim_end_matches('.'))
-        .find(|w| is_location(w))
+        .find(|w| w.len() <= MAX_LOCATION && is_location(w))
         .map(str::to_string);
     Some(Finding {
         severity,
         location,
-        text: text.chars().take(500).collect(),
+        text: text.chars().filter(|c| !c.is_control()).take(500).collect(),
     })
 }
 
@@ -105,8 +110,12 @@ pub fn audit_verdict(report: &str) -> (bool, Vec<Finding>) {
     } else {
         &all[..]
     };
-    let found: Vec<Finding> = body.iter().filter_map(|l| finding(l)).collect();
+    let mut found: Vec<Finding> = body.iter().filter_map(|l| finding(l)).collect();
     let approved = approval_last && !found.iter().any(|f| f.severity.blocks());
+    // The most severe are kept when there are too many: a report the model filled with findings would otherwise
+    // make an event larger than a store keeps.
+    found.sort_by_key(|f| f.severity);
+    found.truncate(MAX_FINDINGS);
     (approved, found)
 }
 
@@ -186,6 +195,20 @@ mod tests {
         assert_eq!(f[0].location.as_deref(), Some("src/a.py:10"));
         assert_eq!(f[1].severity, Severity::Medium);
         assert_eq!(f[1].location.as_deref(), Some("src/b.py:2-4"));
+    }
+
+    #[test]
+    fn an_audit_keeps_its_most_severe_findings_when_it_lists_too_many() {
+        let mut report = "LOW src/a.py:1 style\n".repeat(150);
+        report.push_str(&format!("HIGH src/b.py:2 injection\n{AUDIT_APPROVAL}\n"));
+        let (approved, findings) = audit_verdict(&report);
+        assert!(!approved, "the finding past the cap still blocks");
+        assert_eq!(findings.len(), MAX_FINDINGS);
+        assert_eq!(findings[0].severity, Severity::High);
+        let long = format!("LOW src/{}.py:1 x\u{1b}[0m", "d".repeat(400));
+        let (_, findings) = audit_verdict(&long);
+        assert_eq!(findings[0].location, None);
+        assert!(!findings[0].text.contains('\u{1b}'));
     }
 
     #[test]

@@ -712,6 +712,34 @@ fn ill_typed_output_is_a_recorded_failure() {
 }
 
 #[test]
+fn a_failed_attempt_keeps_a_bounded_reason() {
+    // A patch whose path is the model's long line: the attempt's reason quotes it, and the run keeps the reason.
+    let mut world = World::with(|e| match e {
+        Effect::Model { purpose, .. } if purpose == "fix" => Some(Outcome::Model {
+            text: format!("Fix.\n\n=== {}\n```\nx\n```\n", "\"".repeat(100_000)),
+            input_tokens: 1,
+            output_tokens: 1,
+        }),
+        _ => None,
+    });
+    let (w, run) = drive(&mut world, ctx());
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::FailSafe)));
+    let reasons: Vec<usize> = w
+        .log
+        .iter()
+        .filter_map(|e| match e {
+            Event::AttemptFailed { reason, .. } => Some(reason.len()),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !reasons.is_empty() && reasons.iter().all(|n| *n <= 2_000),
+        "{reasons:?}"
+    );
+    assert!(serde_json::to_vec(&run).unwrap().len() < 50_000);
+}
+
+#[test]
 fn retryable_failure_retries_under_a_new_step_id() {
     let mut world = World::with(|e| match e {
         Effect::Call { skill, step, .. } if skill == "create_issue" && !step.ends_with("~3") => {
