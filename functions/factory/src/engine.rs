@@ -13,7 +13,7 @@ use crate::input::{Input, Outcome};
 use crate::patch::{FileContent, check_scope, parse_patch, render_files};
 use crate::policy::{Risk, Verdict, risk_of};
 use crate::prompts::{approval_summary, tail};
-use crate::review::{audit_verdict, lead_approves};
+use crate::review::{Finding, audit_verdict, lead_approves};
 use crate::run::{Cursor, Run, RunState, gated_action};
 use crate::{
     Ctx, MAX_FEEDBACK, MAX_FILE_BYTES, MAX_FILES, MAX_ID, MAX_MODEL_TEXT, MAX_RUN_BYTES,
@@ -579,11 +579,11 @@ fn model_result(run: &Run, answer: &str) -> Vec<Event> {
         Cursor::SecurityAudit => {
             let (approved, findings) = audit_verdict(answer);
             let report = tail(answer, MAX_FEEDBACK);
-            let blocking: Vec<String> = findings
-                .iter()
-                .filter(|f| f.severity.blocks())
-                .map(|f| f.text.clone())
-                .collect();
+            // The most severe last: the feedback keeps the tail of what it is given.
+            let mut blocking: Vec<&Finding> =
+                findings.iter().filter(|f| f.severity.blocks()).collect();
+            blocking.sort_by_key(|f| std::cmp::Reverse(f.severity));
+            let blocking: Vec<String> = blocking.iter().map(|f| f.text.clone()).collect();
             let mut ev = vec![Event::SecurityAudited {
                 approved,
                 findings,

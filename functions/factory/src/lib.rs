@@ -50,9 +50,10 @@ pub const MAX_FILES: usize = 32;
 /// snapshot, and an append the store refuses would strand the run. Later steps are never judged (a run near the
 /// limit must still take its revert or its kill): they grow the run into `RUN_HEADROOM_BYTES`.
 pub const MAX_RUN_BYTES: usize = 300_000;
-/// Room over `MAX_RUN_BYTES` for what a run records after its last files: the last attempt's CI report and review
-/// feedback (each from a tail of at most `MAX_FEEDBACK` bytes without control characters, so at most twice that as
-/// JSON), approvals, a revert, its ending. `MAX_RUN_BYTES` plus this must not pass what a store keeps of a snapshot.
+/// Room over `MAX_RUN_BYTES` for what a run records after its last files: the last attempt's CI report (its failing
+/// checks, listed and again in its signature) and feedback, all from tails of at most `MAX_FEEDBACK` bytes without
+/// control characters (so at most twice that each as JSON, about 50,000 bytes together), approvals, a revert, its
+/// ending. `MAX_RUN_BYTES` plus this must not pass what a store keeps of a snapshot.
 pub const RUN_HEADROOM_BYTES: usize = 100_000;
 /// The tail of a CI log or a review report kept as feedback for the next attempt.
 pub const MAX_FEEDBACK: usize = 8 * 1024;

@@ -8,8 +8,9 @@ pub const LEAD_APPROVAL: &str = "All good";
 /// The security auditor approves only when this is the last line of the report and no line anywhere else names a
 /// CRITICAL or HIGH severity, however it is written.
 pub const AUDIT_APPROVAL: &str = "No CRITICAL or HIGH findings.";
-/// Most findings an audit records (each at most 500 characters with a location of at most `MAX_LOCATION` bytes:
-/// a few hundred kilobytes of JSON at worst, under the 400,000 bytes a store keeps of an event).
+/// Most findings an audit records. A finding is at most 500 characters without control characters (2,000 bytes of
+/// JSON at most: four-byte characters, or quotes escaped to two) and a location of at most `MAX_LOCATION` bytes
+/// without them, so an audit's event stays near 300,000 bytes at worst, under the 400,000 a store keeps of an event.
 const MAX_FINDINGS: usize = 100;
 /// Longest location (`path:line`) a finding records.
 const MAX_LOCATION: usize = 300;
@@ -59,6 +60,7 @@ fn is_location(token: &str) -> bool {
     match token.rsplit_once(':') {
         Some((file, line)) => {
             !file.is_empty()
+                && !file.contains(char::is_control)
                 && file.contains(['.', '/'])
                 && !line.is_empty()
                 && line.chars().all(|c| c.is_ascii_digit() || c == '-')
@@ -110,13 +112,24 @@ pub fn audit_verdict(report: &str) -> (bool, Vec<Finding>) {
     } else {
         &all[..]
     };
-    let mut found: Vec<Finding> = body.iter().filter_map(|l| finding(l)).collect();
+    let found: Vec<Finding> = body.iter().filter_map(|l| finding(l)).collect();
     let approved = approval_last && !found.iter().any(|f| f.severity.blocks());
-    // The most severe are kept when there are too many: a report the model filled with findings would otherwise
-    // make an event larger than a store keeps.
-    found.sort_by_key(|f| f.severity);
-    found.truncate(MAX_FINDINGS);
-    (approved, found)
+    (approved, most_severe(found))
+}
+
+/// At most `MAX_FINDINGS` of `found`, the most severe, in the report's order: a report the model filled with findings
+/// would otherwise make an event larger than a store keeps.
+fn most_severe(found: Vec<Finding>) -> Vec<Finding> {
+    if found.len() <= MAX_FINDINGS {
+        return found;
+    }
+    // A stable sort: among equally severe findings the earlier ones are kept.
+    let mut kept: Vec<usize> = (0..found.len()).collect();
+    kept.sort_by_key(|&i| found[i].severity);
+    kept.truncate(MAX_FINDINGS);
+    kept.sort_unstable();
+    let mut found: Vec<Option<Finding>> = found.into_iter().map(Some).collect();
+    kept.into_iter().filter_map(|i| found[i].take()).collect()
 }
 
 #[cfg(test)]
@@ -204,11 +217,39 @@ mod tests {
         let (approved, findings) = audit_verdict(&report);
         assert!(!approved, "the finding past the cap still blocks");
         assert_eq!(findings.len(), MAX_FINDINGS);
-        assert_eq!(findings[0].severity, Severity::High);
+        assert_eq!(
+            findings.last().unwrap().severity,
+            Severity::High,
+            "in the report's order"
+        );
+        assert!(
+            findings[..MAX_FINDINGS - 1]
+                .iter()
+                .all(|f| f.severity == Severity::Low)
+        );
         let long = format!("LOW src/{}.py:1 x\u{1b}[0m", "d".repeat(400));
         let (_, findings) = audit_verdict(&long);
         assert_eq!(findings[0].location, None);
         assert!(!findings[0].text.contains('\u{1b}'));
+        let hidden = "LOW src/\u{1}\u{1}.py:1 x";
+        assert_eq!(audit_verdict(hidden).1[0].location, None);
+    }
+
+    #[test]
+    fn the_largest_audit_event_stays_well_within_what_a_store_keeps() {
+        // Each finding as costly as JSON allows: its location at the cap, 500 four-byte characters of text (the
+        // severity word after them), and a report tail of quotes.
+        let line = format!("{} {}:1 CRITICAL\n", "😀".repeat(500), "./".repeat(149));
+        let answer = line.repeat(MAX_FINDINGS + 20);
+        let (approved, findings) = audit_verdict(&answer);
+        assert!(!approved);
+        let event = crate::Event::SecurityAudited {
+            approved,
+            findings,
+            report: "\"".repeat(crate::MAX_FEEDBACK),
+        };
+        let size = serde_json::to_vec(&event).unwrap().len();
+        assert!(size < 300_000, "{size} bytes");
     }
 
     #[test]

@@ -190,6 +190,42 @@ fn lead_review_changes_go_back_to_fix_with_the_report() {
 }
 
 #[test]
+fn the_most_severe_audit_findings_reach_the_next_attempt_however_many() {
+    // More blocking text than the feedback keeps (its last MAX_FEEDBACK bytes): the critical finding, listed first,
+    // must still be what the next attempt reads.
+    let mut report = String::from("CRITICAL src/checkout.py:1 the secret key is logged\n");
+    for i in 0..30 {
+        report.push_str(&format!("HIGH src/checkout.py:{i} {}\n", "h".repeat(400)));
+    }
+    let mut world = World::with(move |e| match e {
+        Effect::Model { purpose, step, .. }
+            if purpose == "security_audit" && parts(step).1 == 2 =>
+        {
+            Some(Outcome::Model {
+                text: report.clone(),
+                input_tokens: 1,
+                output_tokens: 1,
+            })
+        }
+        _ => None,
+    });
+    let (w, _) = drive(&mut world, ctx());
+    let feedback = w
+        .log
+        .iter()
+        .find_map(|e| match e {
+            Event::AttemptFailed {
+                attempt: 2,
+                feedback,
+                ..
+            } => Some(feedback.clone()),
+            _ => None,
+        })
+        .expect("the audit failed attempt 2");
+    assert!(feedback.contains("the secret key is logged"), "{feedback}");
+}
+
+#[test]
 fn high_audit_finding_goes_back_to_fix() {
     let mut world = World::with(|e| match e {
         Effect::Model { purpose, step, .. }
@@ -466,11 +502,12 @@ fn a_patch_whose_commit_gate_would_make_the_run_too_large_fails_before_the_gate(
 #[test]
 fn what_a_run_records_after_its_last_files_fits_in_the_headroom() {
     // Files that bring the run just under MAX_RUN_BYTES on its only attempt, then a CI failure whose log is made to
-    // cost the most JSON (quotes and backslashes, escaped to two bytes each; control characters, six, are dropped),
-    // kept as the report's checks, its signature and the feedback, then the hand-off and the ending.
+    // cost the most JSON (distinct checks of quotes and backslashes, escaped to two bytes each; control characters,
+    // six, are dropped), kept as the report's checks, its signature and the feedback, then the hand-off and ending.
     let content = "x = 1\n".repeat(41_800);
-    let line = format!("FAIL {}\u{1}\n", "\"\\".repeat(95));
-    let log = line.repeat(60);
+    let log: String = (0..60)
+        .map(|i| format!("FAIL c{i:02}{}\u{1}\n", "\"\\".repeat(95)))
+        .collect();
     let hook = move |e: &Effect| match e {
         Effect::Call { skill, .. } if skill == "read_files" => Some(Outcome::Agent(
             json!({"files": [{"path": "src/checkout.py", "content": content}]}),
