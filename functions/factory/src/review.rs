@@ -10,7 +10,8 @@ pub const LEAD_APPROVAL: &str = "All good";
 pub const AUDIT_APPROVAL: &str = "No CRITICAL or HIGH findings.";
 /// Most findings an audit records. A finding is at most 500 characters without control characters (2,000 bytes of
 /// JSON at most: four-byte characters, or quotes escaped to two) and a location of at most `MAX_LOCATION` bytes
-/// without them, so an audit's event stays near 300,000 bytes at worst, under the 400,000 a store keeps of an event.
+/// without them (twice that as JSON at most, all quotes or backslashes), so an audit's event stays near 300,000
+/// bytes at worst, under the 400,000 a store keeps of an event.
 const MAX_FINDINGS: usize = 100;
 /// Longest location (`path:line`) a finding records.
 const MAX_LOCATION: usize = 300;
@@ -237,9 +238,9 @@ mod tests {
 
     #[test]
     fn the_largest_audit_event_stays_well_within_what_a_store_keeps() {
-        // Each finding as costly as JSON allows: its location at the cap, 500 four-byte characters of text (the
-        // severity word after them), and a report tail of quotes.
-        let line = format!("{} {}:1 CRITICAL\n", "😀".repeat(500), "./".repeat(149));
+        // Each finding as costly as JSON allows: 500 four-byte characters of text (the severity word after them), a
+        // location at the cap made of quotes (two bytes each as JSON), and a report tail of quotes.
+        let line = format!("{} /{}:1 CRITICAL\n", "😀".repeat(500), "\"".repeat(297));
         let answer = line.repeat(MAX_FINDINGS + 20);
         let (approved, findings) = audit_verdict(&answer);
         assert!(!approved);
