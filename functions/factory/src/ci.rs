@@ -41,13 +41,9 @@ fn check_of(line: &str) -> Option<(bool, String)> {
 pub fn parse_ci_log(log: &str) -> CiReport {
     let mut report = CiReport::default();
     for line in log.lines() {
-        if let Some((passed, name)) = check_of(line) {
-            // At most 200 bytes, cut on a character boundary (`String::truncate` panics inside a character).
-            let name: String = name
-                .char_indices()
-                .take_while(|(at, c)| at + c.len_utf8() <= 200)
-                .map(|(_, c)| c)
-                .collect();
+        if let Some((passed, mut name)) = check_of(line) {
+            // At most 200 bytes, cut on a character boundary (`truncate` panics inside a character).
+            name.truncate(name.floor_char_boundary(200));
             let list = if passed {
                 &mut report.passing
             } else {

@@ -217,7 +217,7 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
         Input::Continue => Vec::new(),
         Input::Completed { step, outcome } => match run.next_effect() {
             Some(effect) if effect.step() == step => {
-                let events = guard(run, completed(run, &effect, outcome, ctx), ctx);
+                let events = completed(run, &effect, outcome, ctx);
                 return Ok(within_run_limit(run, step, events, ctx));
             }
             _ => return Ok(Vec::new()),
@@ -443,22 +443,20 @@ fn completed(run: &Run, effect: &Effect, outcome: &Outcome, ctx: &Ctx) -> Vec<Ev
     result.unwrap_or_else(|e| failure(run, step, &e, false))
 }
 
-/// A completed step's `events` (guards included), unless they bring files (read or patched) that would make the run
+/// A completed step's `events` with the guards', unless they bring files (read or patched) that would make the run
 /// larger than `MAX_RUN_BYTES`: then the step fails instead, after the model call it paid for (its tokens are spent
-/// whatever becomes of the answer). The files come with the guards' events of the same decision, a gate on
+/// whatever becomes of the answer). The files are judged with the guards' events of the same decision, a gate on
 /// committing them included, whose request carries them once more. Only file-bringing results are judged: any
 /// other would let a run near the limit lose a later step it must take (a revert, a kill's compensation).
 fn within_run_limit(run: &Run, step: &str, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
     let brings_files =
         |e: &Event| matches!(e, Event::FilesRead { .. } | Event::PatchProposed { .. });
-    if !events.iter().any(brings_files) {
+    let judged = events.iter().any(brings_files);
+    let (events, next) = guarded(run, events, ctx);
+    if !judged {
         return events;
     }
-    let mut next = run.clone();
-    for event in &events {
-        next.apply(event);
-    }
-    let size = serde_json::to_vec(&next).map_or(usize::MAX, |json| json.len());
+    let size = serde_json::to_vec(&*next).map_or(usize::MAX, |json| json.len());
     if size <= MAX_RUN_BYTES {
         return events;
     }
@@ -844,7 +842,12 @@ fn ci_result(run: &Run, v: &Value) -> Result<Vec<Event>, String> {
 }
 
 /// Applies the input's events to a scratch copy, then checks the guards until the run has something safe to do.
-fn guard(run: &Run, mut events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
+fn guard(run: &Run, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
+    guarded(run, events, ctx).0
+}
+
+/// `events` followed by the guards' events, and the run after all of them.
+fn guarded<'a>(run: &'a Run, mut events: Vec<Event>, ctx: &Ctx) -> (Vec<Event>, Cow<'a, Run>) {
     // Copied only once there is an event to fold in: the common input (a continue before a step the guards let
     // through) decides nothing, and a run carries its files and attempts, so a copy per decision is not free.
     let mut next = Cow::Borrowed(run);
@@ -860,7 +863,7 @@ fn guard(run: &Run, mut events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
         next.to_mut().apply(&e);
         events.push(e);
     }
-    events
+    (events, next)
 }
 
 fn guard_once(run: &Run, ctx: &Ctx) -> Option<Event> {

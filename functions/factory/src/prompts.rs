@@ -35,11 +35,7 @@ pub(crate) fn tail(text: &str, max: usize) -> String {
     if text.len() <= max {
         return text;
     }
-    let mut start = text.len() - max;
-    while !text.is_char_boundary(start) {
-        start += 1;
-    }
-    text[start..].to_string()
+    text[text.ceil_char_boundary(text.len() - max)..].to_string()
 }
 
 fn signal_block(run: &Run) -> String {

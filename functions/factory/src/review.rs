@@ -125,12 +125,11 @@ fn most_severe(found: Vec<Finding>) -> Vec<Finding> {
         return found;
     }
     // A stable sort: among equally severe findings the earlier ones are kept.
-    let mut kept: Vec<usize> = (0..found.len()).collect();
-    kept.sort_by_key(|&i| found[i].severity);
-    kept.truncate(MAX_FINDINGS);
-    kept.sort_unstable();
-    let mut found: Vec<Option<Finding>> = found.into_iter().map(Some).collect();
-    kept.into_iter().filter_map(|i| found[i].take()).collect()
+    let mut ranked: Vec<(usize, Finding)> = found.into_iter().enumerate().collect();
+    ranked.sort_by_key(|(_, f)| f.severity);
+    ranked.truncate(MAX_FINDINGS);
+    ranked.sort_unstable_by_key(|(at, _)| *at);
+    ranked.into_iter().map(|(_, f)| f).collect()
 }
 
 #[cfg(test)]
