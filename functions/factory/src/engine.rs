@@ -218,7 +218,7 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
         Input::Completed { step, outcome } => match run.next_effect() {
             Some(effect) if effect.step() == step => {
                 let events = completed(run, &effect, outcome, ctx);
-                return Ok(within_run_limit(run, step, events, ctx));
+                return Ok(within_run_limit(run, Some(step), events, ctx));
             }
             _ => return Ok(Vec::new()),
         },
@@ -332,7 +332,7 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
             }]
         }
     };
-    Ok(guard(run, events, ctx))
+    Ok(within_run_limit(run, None, events, ctx))
 }
 
 fn limit_text(limit: Option<u64>) -> String {
@@ -443,36 +443,48 @@ fn completed(run: &Run, effect: &Effect, outcome: &Outcome, ctx: &Ctx) -> Vec<Ev
     result.unwrap_or_else(|e| failure(run, step, &e, false))
 }
 
-/// A completed step's `events` with the guards', unless they bring files (read or patched) that would make the run
-/// larger than `MAX_RUN_BYTES`: then the step fails instead, after the model call it paid for (its tokens are spent
-/// whatever becomes of the answer). The files are judged with the guards' events of the same decision, a gate on
-/// committing them included, whose request carries them once more. Only file-bringing results are judged: any
-/// other would let a run near the limit lose a later step it must take (a revert, a kill's compensation).
-fn within_run_limit(run: &Run, step: &str, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
-    let brings_files =
-        |e: &Event| matches!(e, Event::FilesRead { .. } | Event::PatchProposed { .. });
-    let judged = events.iter().any(brings_files);
+/// A decision's `events` with the guards', unless they bring files that would make the run larger than
+/// `MAX_RUN_BYTES`: then the decision fails its step (`step`, or the run's next one) instead, after the events that
+/// came before the files (a model call's tokens are spent whatever becomes of the answer). Files come from a read,
+/// a patch, or a gate on committing a patch, whose request carries them once more; a policy read at any decision
+/// may open that gate, so every decision that opens it is judged, not only the patch's. No other decision is
+/// judged: that would let a run near the limit lose a later step it must take (a revert, a kill's compensation).
+fn within_run_limit(run: &Run, step: Option<&str>, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
     let (events, next) = guarded(run, events, ctx);
-    if !judged {
+    let Some(first) = events.iter().position(brings_files) else {
         return events;
-    }
+    };
     let size = serde_json::to_vec(&*next).map_or(usize::MAX, |json| json.len());
     if size <= MAX_RUN_BYTES {
         return events;
     }
-    let mut kept: Vec<Event> = events
-        .into_iter()
-        .take_while(|e| matches!(e, Event::ModelAnswered { .. }))
-        .collect();
-    let mut paid = run.clone();
+    let mut kept = events;
+    kept.truncate(first);
+    let mut before = run.clone();
     for event in &kept {
-        paid.apply(event);
+        before.apply(event);
     }
-    let error = format!(
-        "its result would make the run {size} bytes, more than the {MAX_RUN_BYTES} a run keeps"
+    let step = step.map_or_else(
+        || {
+            run.next_effect()
+                .map(|e| e.step().to_owned())
+                .unwrap_or_default()
+        },
+        str::to_owned,
     );
-    kept.extend(failure(&paid, step, &error, false));
+    let error = format!(
+        "the files it brings would make the run {size} bytes, more than the {MAX_RUN_BYTES} a run keeps"
+    );
+    kept.extend(failure(&before, &step, &error, false));
     guard(run, kept, ctx)
+}
+
+fn brings_files(event: &Event) -> bool {
+    match event {
+        Event::FilesRead { .. } | Event::PatchProposed { .. } => true,
+        Event::GateOpened { request } => request.action.args.get("files").is_some(),
+        _ => false,
+    }
 }
 
 fn field<'a>(v: &'a Value, key: &str) -> Result<&'a Value, String> {

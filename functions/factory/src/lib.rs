@@ -45,8 +45,8 @@ pub const MAX_MODEL_TEXT: usize = 256 * 1024;
 pub const MAX_FILE_BYTES: usize = 256 * 1024;
 /// Most files in one read or one patch.
 pub const MAX_FILES: usize = 32;
-/// Largest run (its JSON, the snapshot the worker stores) that files read or a patch may make; a larger one fails
-/// its step. Files and patches are each within the limits above yet can together pass what a store keeps of a
+/// Largest run (its JSON, the snapshot the worker stores) that files read, a patch, or a gate on committing it may
+/// make; a larger one fails its step. Files and patches are each within the limits above yet can together pass what a store keeps of a
 /// snapshot, and an append the store refuses would strand the run. Later steps are never judged (a run near the
 /// limit must still take its revert or its kill): they grow the run into `RUN_HEADROOM_BYTES`.
 pub const MAX_RUN_BYTES: usize = 300_000;

@@ -475,9 +475,22 @@ fn a_patch_whose_commit_gate_would_make_the_run_too_large_fails_before_the_gate(
     // A file and its patch that fit in a run together, not with the gate on committing them (protected writes),
     // whose request carries the patched file once more: judged without the gate, the run would be accepted and
     // then be more than a store keeps.
-    let content = "x = 1\n".repeat(20_000);
-    let patched = "y = 2\n".repeat(20_000);
-    let hook = move |e: &Effect| match e {
+    let mut c = ctx();
+    c.policy.protected_envs = vec!["production".into()];
+    let mut world = World::with(large_patch_hook(20_000));
+    let (w, run) = drive(&mut world, c);
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
+    assert!(run.ending.unwrap().detail.contains("a run keeps"));
+    assert!(!trace(&world).contains(&"approval.commit_patch".to_string()));
+    // The answer was paid for and stays counted.
+    assert_eq!(run.budget.tokens, 1_200);
+}
+
+/// A read of `lines` lines and a fix rewriting every one of them.
+fn large_patch_hook(lines: usize) -> impl Fn(&Effect) -> Option<Outcome> {
+    let content = "x = 1\n".repeat(lines);
+    let patched = "y = 2\n".repeat(lines);
+    move |e: &Effect| match e {
         Effect::Call { skill, .. } if skill == "read_files" => Some(Outcome::Agent(
             json!({"files": [{"path": "src/checkout.py", "content": content}]}),
         )),
@@ -487,16 +500,51 @@ fn a_patch_whose_commit_gate_would_make_the_run_too_large_fails_before_the_gate(
             output_tokens: 200,
         }),
         _ => None,
-    };
-    let mut c = ctx();
-    c.policy.protected_envs = vec!["production".into()];
-    let mut world = World::with(hook);
-    let (w, run) = drive(&mut world, c);
+    }
+}
+
+#[test]
+fn a_commit_gate_a_policy_opens_after_the_patch_is_judged_too() {
+    // The files and patch of the test above, accepted with no environment protected; then the environment becomes
+    // protected before the commit, so the gate, whose request carries the files once more, opens in a later
+    // decision. It is judged there: the run fails with its reason instead of becoming more than a store keeps.
+    let mut world = World::with(large_patch_hook(20_000));
+    let mut w = Worker::start(signal(), ctx());
+    until_run(&mut w, &mut world, |run| !run.patch.is_empty());
+    w.ctx.policy.protected_envs = vec!["production".into()];
+    let run = w.drain(&mut world);
     assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
-    assert!(run.ending.unwrap().detail.contains("a run keeps"));
-    assert!(!trace(&world).contains(&"approval.commit_patch".to_string()));
-    // The answer was paid for and stays counted.
-    assert_eq!(run.budget.tokens, 1_200);
+    let detail = run.ending.clone().unwrap().detail;
+    assert!(
+        detail.contains(":commit_patch: the files it brings") && detail.contains("a run keeps"),
+        "{detail}"
+    );
+    assert!(run.gate.is_none());
+    assert!(!trace(&world).iter().any(|s| s.ends_with(".commit_patch")));
+    assert!(serde_json::to_vec(&run).unwrap().len() <= loams_factory::MAX_RUN_BYTES);
+}
+
+#[test]
+fn a_commit_gate_a_policy_opens_after_the_patch_opens_when_it_fits() {
+    // Smaller files: the late gate fits, the commit is approved and made, and the run stays within what a store keeps
+    // at every step.
+    let mut world = World::with(large_patch_hook(13_500));
+    let mut w = Worker::start(signal(), ctx());
+    until_run(&mut w, &mut world, |run| !run.patch.is_empty());
+    w.ctx.policy.protected_envs = vec!["production".into()];
+    until_run(&mut w, &mut world, |run| {
+        let size = serde_json::to_vec(run).unwrap().len();
+        assert!(
+            size <= loams_factory::MAX_RUN_BYTES + loams_factory::RUN_HEADROOM_BYTES,
+            "{size}"
+        );
+        run.state.is_terminal()
+    });
+    // The world fails the first attempt's CI and the second proposes the same patch, so the run stops there.
+    assert_eq!(ended(&w), (RunState::Failed, Some(Reason::NoProgress)));
+    let t = trace(&world);
+    assert!(t.contains(&"approval.commit_patch".to_string()));
+    assert!(t.contains(&"forgejo.commit_patch".to_string()));
 }
 
 #[test]
