@@ -17,15 +17,17 @@ impl Backend {
         aws_backend(config, embedded(config)?, b.aws_endpoint.is_some()).await
     }
 
-    /// As [`Backend::from_config`] on an SDK configuration the caller built, and creating nothing, not even on an
-    /// emulator: the Lambda functions, whose table and queue come from the template (a cold start must not pay
-    /// for checking them), and whose agents read their secret with the same configuration.
+    /// The Lambda functions' backend, DynamoDB and SQS only, on an SDK configuration the caller built, and creating
+    /// nothing, not even on an emulator: their table and queue come from the template (a cold start must not pay
+    /// for checking them), and their agents read their secret with the same configuration. Never the embedded
+    /// store, so a Lambda binary does not carry SQLite.
     #[cfg(feature = "aws")]
     pub async fn open_on(config: &Config, sdk: &aws_config::SdkConfig) -> anyhow::Result<Backend> {
-        if !config.backend.uses_aws() {
-            return Backend::sqlite(&config.data_dir);
+        let b = &config.backend;
+        if (b.store, b.queue) != (StoreKind::Dynamodb, QueueKind::Sqs) {
+            bail!("setting `backend`: a Lambda function runs on DynamoDB and SQS only");
         }
-        aws_backend_on(config, embedded(config)?, false, sdk).await
+        aws_backend_on(config, None, false, sdk).await
     }
 }
 

@@ -1400,6 +1400,18 @@ mod tests {
             .collect()
     }
 
+    /// Lambda runs on DynamoDB and SQS: the embedded store is refused by name (and so stays out of the binary).
+    #[tokio::test]
+    async fn a_function_opens_no_backend_but_dynamodb_and_sqs() {
+        let sdk = aws_config::SdkConfig::builder().build();
+        let mut config = Config::default();
+        let refused = Backend::open_on(&config, &sdk).await.err().unwrap();
+        assert!(refused.to_string().starts_with("setting `backend`"), "{refused}");
+        config.backend.store = StoreKind::Dynamodb;
+        let refused = Backend::open_on(&config, &sdk).await.err().unwrap();
+        assert!(refused.to_string().starts_with("setting `backend`"), "{refused}");
+    }
+
     /// An SQS event as Lambda delivers it, through the handler, against the SQLite backend.
     #[tokio::test]
     async fn sqs_batch_reports_exactly_the_records_to_deliver_again() {
