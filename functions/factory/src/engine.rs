@@ -218,7 +218,7 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
         Input::Completed { step, outcome } => match run.next_effect() {
             Some(effect) if effect.step() == step => {
                 let events = completed(run, &effect, outcome, ctx);
-                return Ok(within_run_limit(run, Some(step), events, ctx));
+                return Ok(within_run_limit(run, events, ctx));
             }
             _ => return Ok(Vec::new()),
         },
@@ -332,7 +332,7 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
             }]
         }
     };
-    Ok(within_run_limit(run, None, events, ctx))
+    Ok(within_run_limit(run, events, ctx))
 }
 
 fn limit_text(limit: Option<u64>) -> String {
@@ -444,12 +444,13 @@ fn completed(run: &Run, effect: &Effect, outcome: &Outcome, ctx: &Ctx) -> Vec<Ev
 }
 
 /// A decision's `events` with the guards', unless they bring files that would make the run larger than
-/// `MAX_RUN_BYTES`: then the decision fails its step (`step`, or the run's next one) instead, after the events that
-/// came before the files (a model call's tokens are spent whatever becomes of the answer). Files come from a read,
-/// a patch, or a gate on committing a patch, whose request carries them once more; a policy read at any decision
-/// may open that gate, so every decision that opens it is judged, not only the patch's. No other decision is
-/// judged: that would let a run near the limit lose a later step it must take (a revert, a kill's compensation).
-fn within_run_limit(run: &Run, step: Option<&str>, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
+/// `MAX_RUN_BYTES`: then the events before the files are kept (a model call's tokens are spent whatever becomes of
+/// the answer) and the step the files come with fails instead: the completed read or fix, or the call a gate was
+/// opened for (a retry of a failed commit has its own step). Files come from a read, a patch, or a gate on committing
+/// a patch, whose request carries them once more; a policy read at any decision may open that gate, so every
+/// decision that opens it is judged, not only the patch's. No other decision is judged: that would let a run near
+/// the limit lose a later step it must take (a revert, a kill's compensation).
+fn within_run_limit(run: &Run, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
     let (events, next) = guarded(run, events, ctx);
     let Some(first) = events.iter().position(brings_files) else {
         return events;
@@ -464,14 +465,11 @@ fn within_run_limit(run: &Run, step: Option<&str>, events: Vec<Event>, ctx: &Ctx
     for event in &kept {
         before.apply(event);
     }
-    let step = step.map_or_else(
-        || {
-            run.next_effect()
-                .map(|e| e.step().to_owned())
-                .unwrap_or_default()
-        },
-        str::to_owned,
-    );
+    // Files arrive only with a step: a completed one, which the events before them (a model's tokens) leave next,
+    // or the one the guards gate.
+    let step = before
+        .next_effect()
+        .map_or_else(|| run.id.clone(), |effect| effect.step().to_owned());
     let error = format!(
         "the files it brings would make the run {size} bytes, more than the {MAX_RUN_BYTES} a run keeps"
     );

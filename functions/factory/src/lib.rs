@@ -46,9 +46,9 @@ pub const MAX_FILE_BYTES: usize = 256 * 1024;
 /// Most files in one read or one patch.
 pub const MAX_FILES: usize = 32;
 /// Largest run (its JSON, the snapshot the worker stores) that files read, a patch, or a gate on committing it may
-/// make; a larger one fails its step. Files and patches are each within the limits above yet can together pass what a store keeps of a
-/// snapshot, and an append the store refuses would strand the run. Later steps are never judged (a run near the
-/// limit must still take its revert or its kill): they grow the run into `RUN_HEADROOM_BYTES`.
+/// make; a larger one fails its step. Files and patches are each within the limits above yet can together pass what a
+/// store keeps of a snapshot, and an append the store refuses would strand the run. Later steps are never judged (a run
+/// near the limit must still take its revert or its kill): they grow the run into `RUN_HEADROOM_BYTES`.
 pub const MAX_RUN_BYTES: usize = 300_000;
 /// Room over `MAX_RUN_BYTES` for what a run records after its last files: the last attempt's CI report (its failing
 /// checks, listed and again in its signature) and feedback, all from tails of at most `MAX_FEEDBACK` bytes without

@@ -525,6 +525,60 @@ fn a_commit_gate_a_policy_opens_after_the_patch_is_judged_too() {
 }
 
 #[test]
+fn a_late_commit_gate_on_a_retry_fails_the_retry_not_the_failed_commit() {
+    // The commit fails for a passing reason and the environment is protected by the time that failure is decided:
+    // the guards gate the retry, whose gate would carry the files. The failure is kept as it came, and the step
+    // refused for the size is the retry, not the commit that timed out.
+    let mut world = World::with(large_patch_hook(20_000));
+    let mut w = Worker::start(signal(), ctx());
+    until_run(&mut w, &mut world, |run| !run.patch.is_empty());
+    let run = w.run();
+    let commit = run.next_effect().unwrap();
+    assert!(
+        commit.step().ends_with(":commit_patch"),
+        "{}",
+        commit.step()
+    );
+    let mut protected = w.ctx.clone();
+    protected.policy.protected_envs = vec!["production".into()];
+    let timed_out = Input::Completed {
+        step: commit.step().into(),
+        outcome: Outcome::Failed {
+            error: "timed out".into(),
+            retryable: true,
+        },
+    };
+    let events = loams_factory::decide(&run, &timed_out, &protected).unwrap();
+    let failed: Vec<(&str, bool)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::StepFailed {
+                step, retryable, ..
+            } => Some((step.as_str(), *retryable)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed.len(), 2, "{events:?}");
+    assert_eq!(failed[0], (commit.step(), true));
+    assert_ne!(failed[1].0, commit.step());
+    assert!(
+        failed[1].0.contains("commit_patch") && !failed[1].1,
+        "{failed:?}"
+    );
+    assert!(!events.iter().any(
+        |e| matches!(e, Event::GateOpened { request } if request.action.skill == "commit_patch")
+    ));
+    let mut ended = run.clone();
+    for e in &events {
+        ended.apply(e);
+    }
+    assert_eq!(
+        ended.ending.map(|e| e.reason),
+        Some(Some(Reason::StepFailed))
+    );
+}
+
+#[test]
 fn a_commit_gate_a_policy_opens_after_the_patch_opens_when_it_fits() {
     // Smaller files: the late gate fits, the commit is approved and made, and the run stays within what a store keeps
     // at every step.
