@@ -417,23 +417,24 @@ fn completed(run: &Run, effect: &Effect, outcome: &Outcome, ctx: &Ctx) -> Vec<Ev
                 output_tokens,
             },
         ) => {
-            let answered = Event::ModelAnswered {
-                step: step.into(),
-                purpose: purpose.clone(),
-                input_tokens: *input_tokens,
-                output_tokens: *output_tokens,
-                cost_micros: ctx.prices.cost_micros(*input_tokens, *output_tokens),
-            };
-            // Tokens are paid even when the answer is unusable, so they are recorded first.
-            let mut ev = vec![answered];
+            let answered = model_answered(step, purpose, *input_tokens, *output_tokens, ctx);
             if text.len() > MAX_MODEL_TEXT {
-                let mut next = run.clone();
-                next.apply(&ev[0]);
-                ev.extend(failure(&next, step, "the model answer is too long", false));
-                return ev;
+                return paid_in_vain(run, step, answered, "the model answer is too long");
             }
+            let mut ev = vec![answered];
             ev.extend(model_result(run, text));
             Ok(ev)
+        }
+        (
+            Effect::Model { purpose, .. },
+            Outcome::ModelUnusable {
+                error,
+                input_tokens,
+                output_tokens,
+            },
+        ) => {
+            let answered = model_answered(step, purpose, *input_tokens, *output_tokens, ctx);
+            return paid_in_vain(run, step, answered, error);
         }
         (Effect::Call { agent, skill, .. }, Outcome::Agent(v)) => {
             call_result(run, v, ctx).map_err(|e| format!("bad output of {agent}.{skill}: {e}"))
@@ -441,6 +442,31 @@ fn completed(run: &Run, effect: &Effect, outcome: &Outcome, ctx: &Ctx) -> Vec<Ev
         _ => Err("the outcome does not match the effect".into()),
     };
     result.unwrap_or_else(|e| failure(run, step, &e, false))
+}
+
+fn model_answered(
+    step: &str,
+    purpose: &str,
+    input_tokens: u64,
+    output_tokens: u64,
+    ctx: &Ctx,
+) -> Event {
+    Event::ModelAnswered {
+        step: step.into(),
+        purpose: purpose.into(),
+        input_tokens,
+        output_tokens,
+        cost_micros: ctx.prices.cost_micros(input_tokens, output_tokens),
+    }
+}
+
+/// A model answer that cannot be used: its tokens are paid all the same, so they are recorded before the step fails.
+fn paid_in_vain(run: &Run, step: &str, answered: Event, error: &str) -> Vec<Event> {
+    let mut paid = run.clone();
+    paid.apply(&answered);
+    let mut ev = vec![answered];
+    ev.extend(failure(&paid, step, error, false));
+    ev
 }
 
 /// A decision's `events` with the guards', unless they bring files that would make the run larger than

@@ -764,14 +764,12 @@ impl Worker {
                         .cost_micros(answer.input_tokens, answer.output_tokens),
                     tokens: answer.input_tokens.saturating_add(answer.output_tokens),
                 };
-                let outcome = Outcome::Model {
+                let (outcome, kept) = keepable(Outcome::Model {
                     text: answer.text,
                     input_tokens: answer.input_tokens,
                     output_tokens: answer.output_tokens,
-                };
-                d.store
-                    .finish(org, &key, &to_json(&outcome)?, d.clock.now_ms())
-                    .await?;
+                })?;
+                d.store.finish(org, &key, &kept, d.clock.now_ms()).await?;
                 // Counted after the answer is kept, so a failure here never makes the call be paid again. The price
                 // is an undercount of this one answer when the count fails or the process dies right here.
                 if let Err(e) = spend::add(d.store.as_ref(), org, d.clock.now_ms(), paid).await {
@@ -931,6 +929,33 @@ fn logged(event: &Event, run: &Run, now_ms: i64) -> Result<Vec<u8>, WorkerError>
         fields.insert("summary".into(), json!(event.summary()));
     }
     to_json(&value)
+}
+
+/// A model answer as its idempotency result, and that result's bytes. An answer larger than a store keeps (a model
+/// may send megabytes) would be refused on every delivery and paid for again each time the claim's lease ran out:
+/// it is kept as unusable instead, its tokens counted, its text dropped.
+fn keepable(answer: Outcome) -> Result<(Outcome, Vec<u8>), WorkerError> {
+    use loams_platform::limits::MAX_BODY;
+    let json = to_json(&answer)?;
+    match answer {
+        Outcome::Model {
+            input_tokens,
+            output_tokens,
+            ..
+        } if json.len() > MAX_BODY => {
+            let unusable = Outcome::ModelUnusable {
+                error: format!(
+                    "the model answer is {} bytes as JSON, more than the {MAX_BODY} a store keeps",
+                    json.len()
+                ),
+                input_tokens,
+                output_tokens,
+            };
+            let json = to_json(&unusable)?;
+            Ok((unusable, json))
+        }
+        _ => Ok((answer, json)),
+    }
 }
 
 fn to_json<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, WorkerError> {

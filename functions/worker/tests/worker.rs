@@ -415,6 +415,22 @@ async fn a_patch_too_large_for_the_run_fails_the_step_after_recording_the_paid_a
 }
 
 #[tokio::test]
+async fn a_model_answer_larger_than_a_store_keeps_is_paid_once_and_fails_the_step() {
+    // Kept whole as the call's idempotency result, the answer was refused by the store on every delivery and paid
+    // for again each time the claim's lease ran out, until the message was dead-lettered.
+    let h = Harness::new(FakeAgents::default(), 2);
+    *h.model.fix.lock().unwrap() = Some("x".repeat(loams_platform::limits::MAX_BODY));
+    let opened = h.worker.open(ORG, signal("fp-huge-answer")).await.unwrap();
+    let run = h.drive(&opened.run_id).await;
+    assert_eq!(run.state, RunState::Failed, "{run:?}");
+    let detail = run.ending.expect("ended").detail;
+    assert!(detail.contains("a store keeps"), "{detail}");
+    assert_eq!(*h.model.paid.lock().unwrap(), ["fix"]);
+    assert_eq!(run.budget.tokens, 120);
+    assert!(h.db.dead_letters(10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
 async fn a_run_just_within_the_limit_still_takes_every_later_step_its_revert_included() {
     // Files that bring the run's JSON just under MAX_RUN_BYTES: the steps after them (reviews, approvals, merge,
     // a regressed observation, the revert and its gate, the ending) grow it past that, and none may be refused.
