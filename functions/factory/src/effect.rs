@@ -69,7 +69,9 @@ pub enum Effect {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         approval_id: Option<String>,
     },
-    /// A model completion with purpose `fix`, `lead_review` or `security_audit`; answer with `Outcome::Model`.
+    /// A model completion with purpose `fix`, `lead_review` or `security_audit`; answer with `Outcome::Model`, with
+    /// `Outcome::ModelUnusable` for a paid answer too large to keep as the call's result, or with `Outcome::Failed`
+    /// when the call failed (nothing paid).
     Model {
         step: String,
         purpose: String,

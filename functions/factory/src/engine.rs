@@ -487,19 +487,23 @@ fn within_run_limit(run: &Run, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
     }
     let mut kept = events;
     kept.truncate(first);
+    // A kill switch the guards obeyed after the files still ends the run as killed, without the files.
+    if ctx.kill.org || ctx.kill.runs.contains(&run.id) {
+        return guard(run, kept, ctx);
+    }
+    let error = format!(
+        "the files it brings would make the run {size} bytes, more than the {MAX_RUN_BYTES} a run keeps"
+    );
     let mut before = run.clone();
     for event in &kept {
         before.apply(event);
     }
-    // Files arrive only with a step: a completed one, which the events before them (a model's tokens) leave next,
-    // or the one the guards gate.
-    let step = before
-        .next_effect()
-        .map_or_else(|| run.id.clone(), |effect| effect.step().to_owned());
-    let error = format!(
-        "the files it brings would make the run {size} bytes, more than the {MAX_RUN_BYTES} a run keeps"
-    );
-    kept.extend(failure(&before, &step, &error, false));
+    // Files arrive with a step: a completed one, which the events before them (a model's tokens) leave next, or the
+    // call the guards gate. Without one (not expected) the run ends without naming a step that never was.
+    match before.next_effect() {
+        Some(effect) => kept.extend(failure(&before, effect.step(), &error, false)),
+        None => kept.push(abandon(RunState::Failed, Reason::StepFailed, error)),
+    }
     guard(run, kept, ctx)
 }
 
