@@ -503,14 +503,20 @@ fn large_patch_hook(lines: usize) -> impl Fn(&Effect) -> Option<Outcome> {
     }
 }
 
+/// A run driven up to its commit with a patch of `large_patch_hook(lines)`, and its world.
+fn patched(lines: usize) -> (World, Worker) {
+    let mut world = World::with(large_patch_hook(lines));
+    let mut w = Worker::start(signal(), ctx());
+    until_run(&mut w, &mut world, |run| !run.patch.is_empty());
+    (world, w)
+}
+
 #[test]
 fn a_commit_gate_a_policy_opens_after_the_patch_is_judged_too() {
     // The files and patch of the test above, accepted with no environment protected; then the environment becomes
     // protected before the commit, so the gate, whose request carries the files once more, opens in a later
     // decision. It is judged there: the run fails with its reason instead of becoming more than a store keeps.
-    let mut world = World::with(large_patch_hook(20_000));
-    let mut w = Worker::start(signal(), ctx());
-    until_run(&mut w, &mut world, |run| !run.patch.is_empty());
+    let (mut world, mut w) = patched(20_000);
     w.ctx.policy.protected_envs = vec!["production".into()];
     let run = w.drain(&mut world);
     assert_eq!(ended(&w), (RunState::Failed, Some(Reason::StepFailed)));
@@ -529,9 +535,7 @@ fn a_late_commit_gate_on_a_retry_fails_the_retry_not_the_failed_commit() {
     // The commit fails for a passing reason and the environment is protected by the time that failure is decided:
     // the guards gate the retry, whose gate would carry the files. The failure is kept as it came, and the step
     // refused for the size is the retry, not the commit that timed out.
-    let mut world = World::with(large_patch_hook(20_000));
-    let mut w = Worker::start(signal(), ctx());
-    until_run(&mut w, &mut world, |run| !run.patch.is_empty());
+    let (_, mut w) = patched(20_000);
     let run = w.run();
     let commit = run.next_effect().unwrap();
     assert!(
@@ -617,9 +621,7 @@ fn a_kill_with_a_read_too_large_to_keep_ends_the_run_as_killed() {
 fn a_commit_gate_a_policy_opens_after_the_patch_opens_when_it_fits() {
     // Smaller files: the late gate fits, the commit is approved and made, and the run stays within what a store keeps
     // at every step.
-    let mut world = World::with(large_patch_hook(13_500));
-    let mut w = Worker::start(signal(), ctx());
-    until_run(&mut w, &mut world, |run| !run.patch.is_empty());
+    let (mut world, mut w) = patched(13_500);
     w.ctx.policy.protected_envs = vec!["production".into()];
     until_run(&mut w, &mut world, |run| {
         let size = serde_json::to_vec(run).unwrap().len();
