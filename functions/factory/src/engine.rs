@@ -472,10 +472,12 @@ fn paid_in_vain(run: &Run, step: &str, answered: Event, error: &str) -> Vec<Even
 /// A decision's `events` with the guards', unless they bring files that would make the run larger than
 /// `MAX_RUN_BYTES`: then the events before the files are kept (a model call's tokens are spent whatever becomes of
 /// the answer) and the step the files come with fails instead: the completed read or fix, or the call a gate was
-/// opened for (a retry of a failed commit has its own step). Files come from a read, a patch, or a gate on committing
-/// a patch, whose request carries them once more; a policy read at any decision may open that gate, so every
-/// decision that opens it is judged, not only the patch's. No other decision is judged: that would let a run near
-/// the limit lose a later step it must take (a revert, a kill's compensation).
+/// opened for (a retry of a failed commit has its own step). A kill the guards obeyed after the files outranks that
+/// failure, as it would have had the files fitted: the run ends killed, without them, and says which switch. Files
+/// come from a read, a patch, or a gate on committing a patch, whose request carries them once more; a policy read at
+/// any decision may open that gate, so every decision that opens it is judged, not only the patch's. No other
+/// decision is judged: that would let a run near the limit lose a later step it must take (a revert, a kill's
+/// compensation).
 fn within_run_limit(run: &Run, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
     let (events, next) = guarded(run, events, ctx);
     let Some(first) = events.iter().position(brings_files) else {
@@ -486,9 +488,18 @@ fn within_run_limit(run: &Run, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
         return events;
     }
     let mut kept = events;
-    kept.truncate(first);
-    // A kill switch the guards obeyed after the files still ends the run as killed, without the files.
-    if ctx.kill.org || ctx.kill.runs.contains(&run.id) {
+    let brought = kept.split_off(first);
+    let killed = |e: &Event| {
+        matches!(
+            e,
+            Event::Abandoned {
+                state: RunState::Killed,
+                ..
+            }
+        )
+    };
+    if let Some(kill) = brought.into_iter().find(killed) {
+        kept.push(kill);
         return guard(run, kept, ctx);
     }
     let error = format!(

@@ -570,30 +570,41 @@ fn a_late_commit_gate_on_a_retry_fails_the_retry_not_the_failed_commit() {
     assert!(!events.iter().any(
         |e| matches!(e, Event::GateOpened { request } if request.action.skill == "commit_patch")
     ));
-    let mut ended = run.clone();
-    for e in &events {
-        ended.apply(e);
-    }
     assert_eq!(
-        ended.ending.map(|e| e.reason),
+        after(&run, &events).ending.map(|e| e.reason),
         Some(Some(Reason::StepFailed))
     );
+}
+
+/// A run driven in `world` until its next effect is the one `next` picks, that effect, and the context it ran in.
+fn until_next(
+    world: &mut World,
+    next: impl Fn(&Effect) -> bool,
+) -> (Run, Effect, loams_factory::Ctx) {
+    let mut w = Worker::start(signal(), ctx());
+    until_run(&mut w, world, |run| {
+        run.next_effect().is_some_and(|e| next(&e))
+    });
+    let run = w.run();
+    let effect = run.next_effect().unwrap();
+    (run, effect, w.ctx)
+}
+
+/// `run` as `events` leave it.
+fn after(run: &Run, events: &[Event]) -> Run {
+    let mut run = run.clone();
+    for e in events {
+        run.apply(e);
+    }
+    run
 }
 
 #[test]
 fn a_kill_with_a_read_too_large_to_keep_ends_the_run_as_killed() {
     // The organisation is killed while a read brings a file the run cannot keep: the files go, the kill stays, and
     // the run ends killed, not failed for the size.
-    let mut world = World::new();
-    let mut w = Worker::start(signal(), ctx());
-    let reads_next = |run: &Run| {
-        run.next_effect()
-            .is_some_and(|e| matches!(&e, Effect::Call { skill, .. } if skill == "read_files"))
-    };
-    until_run(&mut w, &mut world, reads_next);
-    let run = w.run();
-    let read = run.next_effect().unwrap();
-    let mut killed = w.ctx.clone();
+    let reads = |e: &Effect| matches!(e, Effect::Call { skill, .. } if skill == "read_files");
+    let (run, read, mut killed) = until_next(&mut World::new(), reads);
     killed.kill.org = true;
     // 258,000 bytes, within one file's limit; over 300,000 as JSON (each newline escaped).
     let content = "x = 1\n".repeat(43_000);
@@ -605,16 +616,40 @@ fn a_kill_with_a_read_too_large_to_keep_ends_the_run_as_killed() {
     };
     let events = decide(&run, &answered, &killed).unwrap();
     assert!(!events.iter().any(|e| matches!(e, Event::FilesRead { .. })));
-    let mut ended = run.clone();
-    for e in &events {
-        ended.apply(e);
-    }
+    let ending = after(&run, &events).ending.expect("the run ends");
+    assert_eq!(
+        (ending.state, ending.reason),
+        (RunState::Killed, Some(Reason::Killed)),
+        "{events:?}"
+    );
+}
+
+#[test]
+fn an_agent_kill_with_a_patch_too_large_to_keep_ends_the_run_as_killed() {
+    // Forgejo is switched off while the fix brings a patch the run cannot keep: the guards would end the run killed
+    // at the commit that follows; without the patch the run still ends killed, its answer's tokens counted.
+    let fixes = |e: &Effect| matches!(e, Effect::Model { purpose, .. } if purpose == "fix");
+    let (run, fix, mut killed) = until_next(&mut World::with(large_patch_hook(22_000)), fixes);
+    killed.kill.agents = vec!["forgejo".into()];
+    let answered = Input::Completed {
+        step: fix.step().into(),
+        outcome: large_patch_hook(22_000)(&fix).unwrap(),
+    };
+    let events = decide(&run, &answered, &killed).unwrap();
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, Event::PatchProposed { .. }))
+    );
+    let ended = after(&run, &events);
+    assert_eq!(ended.budget.tokens, run.budget.tokens + 1_200);
     let ending = ended.ending.expect("the run ends");
     assert_eq!(
         (ending.state, ending.reason),
         (RunState::Killed, Some(Reason::Killed)),
         "{events:?}"
     );
+    assert!(ending.detail.contains("agent forgejo"), "{}", ending.detail);
 }
 
 #[test]
