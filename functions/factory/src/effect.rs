@@ -71,7 +71,7 @@ pub enum Effect {
     },
     /// A model completion with purpose `fix`, `lead_review` or `security_audit`; answer with `Outcome::Model`, with
     /// `Outcome::ModelUnusable` for a paid answer too large to keep as the call's result, or with `Outcome::Failed`
-    /// when the call failed (nothing paid).
+    /// when no whole answer came back (no tokens to count, though a provider may bill one cut off mid-answer).
     Model {
         step: String,
         purpose: String,

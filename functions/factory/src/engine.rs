@@ -218,7 +218,7 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
         Input::Completed { step, outcome } => match run.next_effect() {
             Some(effect) if effect.step() == step => {
                 let events = completed(run, &effect, outcome, ctx);
-                return Ok(within_run_limit(run, events, ctx));
+                return Ok(within_run_limit(run, Some(step), events, ctx));
             }
             _ => return Ok(Vec::new()),
         },
@@ -332,7 +332,7 @@ pub fn decide(run: &Run, input: &Input, ctx: &Ctx) -> Result<Vec<Event>, Rejecti
             }]
         }
     };
-    Ok(within_run_limit(run, events, ctx))
+    Ok(within_run_limit(run, None, events, ctx))
 }
 
 fn limit_text(limit: Option<u64>) -> String {
@@ -477,8 +477,13 @@ fn paid_in_vain(run: &Run, step: &str, answered: Event, error: &str) -> Vec<Even
 /// come from a read, a patch, or a gate on committing a patch, whose request carries them once more; a policy read at
 /// any decision may open that gate, so every decision that opens it is judged, not only the patch's. No other
 /// decision is judged: that would let a run near the limit lose a later step it must take (a revert, a kill's
-/// compensation).
-fn within_run_limit(run: &Run, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
+/// compensation). `completed` is the step a completed input names.
+fn within_run_limit(
+    run: &Run,
+    completed: Option<&str>,
+    events: Vec<Event>,
+    ctx: &Ctx,
+) -> Vec<Event> {
     let (events, next) = guarded(run, events, ctx);
     let Some(first) = events.iter().position(brings_files) else {
         return events;
@@ -489,6 +494,10 @@ fn within_run_limit(run: &Run, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
     }
     let mut kept = events;
     let brought = kept.split_off(first);
+    // The files came with the step that completed, unless the guards brought them in a gate: then with the call
+    // they gated.
+    let gated = matches!(brought[0], Event::GateOpened { .. });
+    let step = completed.filter(|_| !gated).map(str::to_owned);
     let killed = |e: &Event| {
         matches!(
             e,
@@ -509,10 +518,10 @@ fn within_run_limit(run: &Run, events: Vec<Event>, ctx: &Ctx) -> Vec<Event> {
     for event in &kept {
         before.apply(event);
     }
-    // Files arrive with a step: a completed one, which the events before them (a model's tokens) leave next, or the
-    // call the guards gate. Without one (not expected) the run ends without naming a step that never was.
-    match before.next_effect() {
-        Some(effect) => kept.extend(failure(&before, effect.step(), &error, false)),
+    // A gated call is the run's next step once the events before the gate are in (a failed commit's retry has its
+    // own). Without a step (not expected) the run ends without naming one that never was.
+    match step.or_else(|| before.next_effect().map(|e| e.step().to_owned())) {
+        Some(step) => kept.extend(failure(&before, &step, &error, false)),
         None => kept.push(abandon(RunState::Failed, Reason::StepFailed, error)),
     }
     guard(run, kept, ctx)

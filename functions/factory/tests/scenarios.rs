@@ -653,6 +653,39 @@ fn an_agent_kill_with_a_patch_too_large_to_keep_ends_the_run_as_killed() {
 }
 
 #[test]
+fn a_retried_fix_whose_patch_is_too_large_fails_under_its_own_step() {
+    // The first call of the fix fails for a passing reason; its retry brings a patch the run cannot keep. The step
+    // that fails is the retry that answered, although the answer's tokens (progress) reset the count of retries.
+    let fixes = |e: &Effect| matches!(e, Effect::Model { purpose, .. } if purpose == "fix");
+    let (run, fix, ctx) = until_next(&mut World::with(large_patch_hook(22_000)), fixes);
+    let limited = Input::Completed {
+        step: fix.step().into(),
+        outcome: Outcome::Failed {
+            error: "rate limited".into(),
+            retryable: true,
+        },
+    };
+    let run = after(&run, &decide(&run, &limited, &ctx).unwrap());
+    let retry = run.next_effect().unwrap();
+    assert_eq!(retry.step(), format!("{}~2", fix.step()));
+    let answered = Input::Completed {
+        step: retry.step().into(),
+        outcome: large_patch_hook(22_000)(&retry).unwrap(),
+    };
+    let events = decide(&run, &answered, &ctx).unwrap();
+    let failed: Vec<(&str, bool)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::StepFailed {
+                step, retryable, ..
+            } => Some((step.as_str(), *retryable)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed, [(retry.step(), false)], "{events:?}");
+}
+
+#[test]
 fn a_commit_gate_a_policy_opens_after_the_patch_opens_when_it_fits() {
     // Smaller files: the late gate fits, the commit is approved and made, and the run stays within what a store keeps
     // at every step.

@@ -779,7 +779,8 @@ impl Worker {
                 Ok(outcome)
             }
             Err(e) => {
-                // Nothing was paid for a failed call that may be retried; free the key for the retry.
+                // No whole answer, so no token count to record (a provider may still bill an answer cut off
+                // mid-way: not counted); free the key for the retry.
                 d.store.release(org, &key).await?;
                 Ok(Outcome::Failed {
                     error: e.to_string(),
