@@ -469,14 +469,14 @@ fn paid_in_vain(run: &Run, step: &str, answered: Event, error: &str) -> Vec<Even
     ev
 }
 
-/// A decision's `events` with the guards', unless they bring files that would make the run larger than
-/// `MAX_RUN_BYTES`: then the events before the files are kept (a model call's tokens are spent whatever becomes of
-/// the answer) and the step the files come with fails instead: the completed read or fix, or the call a gate was
-/// opened for (a retry of a failed commit has its own step). A kill the guards obeyed after the files outranks that
-/// failure, as it would have had the files fitted: the run ends killed, without them, and says which switch. Files
-/// come from a read, a patch, or a gate on committing a patch, whose request carries them once more; a policy read at
-/// any decision may open that gate, so every decision that opens it is judged, not only the patch's. No other
-/// decision is judged: that would let a run near the limit lose a later step it must take (a revert, a kill's
+/// A decision's `events` with the guards', unless they bring files that would make the run larger than `MAX_RUN_BYTES`:
+/// then the events before the files are kept (a model call's tokens are spent whatever becomes of the answer) and the
+/// step the files come with fails instead: the completed read or fix, or the call a gate was opened for (a retry of a
+/// failed commit has its own step). A kill the guards obeyed after the files outranks that failure, as it would have
+/// had the files fitted: the step's refusal is recorded, and the run ends killed, without the files, saying which
+/// switch. Files come from a read, a patch, or a gate on committing a patch, whose request carries them once more; a
+/// policy read at any decision may open that gate, so every decision that opens it is judged, not only the patch's. No
+/// other decision is judged: that would let a run near the limit lose a later step it must take (a revert, a kill's
 /// compensation). `completed` is the step a completed input names.
 fn within_run_limit(
     run: &Run,
@@ -497,7 +497,19 @@ fn within_run_limit(
     // The files came with the step that completed, unless the guards brought them in a gate: then with the call
     // they gated.
     let gated = matches!(brought[0], Event::GateOpened { .. });
-    let step = completed.filter(|_| !gated).map(str::to_owned);
+    let mut before = run.clone();
+    for event in &kept {
+        before.apply(event);
+    }
+    // A gated call is the run's next step once the events before the gate are in (a failed commit's retry has its
+    // own). Without a step (not expected) the run ends without naming one that never was.
+    let step = completed
+        .filter(|_| !gated)
+        .map(str::to_owned)
+        .or_else(|| before.next_effect().map(|e| e.step().to_owned()));
+    let error = format!(
+        "the files it brings would make the run {size} bytes, more than the {MAX_RUN_BYTES} a run keeps"
+    );
     let killed = |e: &Event| {
         matches!(
             e,
@@ -507,22 +519,17 @@ fn within_run_limit(
             }
         )
     };
-    if let Some(kill) = brought.into_iter().find(killed) {
-        kept.push(kill);
-        return guard(run, kept, ctx);
-    }
-    let error = format!(
-        "the files it brings would make the run {size} bytes, more than the {MAX_RUN_BYTES} a run keeps"
-    );
-    let mut before = run.clone();
-    for event in &kept {
-        before.apply(event);
-    }
-    // A gated call is the run's next step once the events before the gate are in (a failed commit's retry has its
-    // own). Without a step (not expected) the run ends without naming one that never was.
-    match step.or_else(|| before.next_effect().map(|e| e.step().to_owned())) {
-        Some(step) => kept.extend(failure(&before, &step, &error, false)),
-        None => kept.push(abandon(RunState::Failed, Reason::StepFailed, error)),
+    match (step, brought.into_iter().find(killed)) {
+        (step, Some(kill)) => {
+            kept.extend(step.map(|step| Event::StepFailed {
+                step,
+                error,
+                retryable: false,
+            }));
+            kept.push(kill);
+        }
+        (Some(step), None) => kept.extend(failure(&before, &step, &error, false)),
+        (None, None) => kept.push(abandon(RunState::Failed, Reason::StepFailed, error)),
     }
     guard(run, kept, ctx)
 }

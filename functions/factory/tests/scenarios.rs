@@ -553,15 +553,7 @@ fn a_late_commit_gate_on_a_retry_fails_the_retry_not_the_failed_commit() {
         },
     };
     let events = loams_factory::decide(&run, &timed_out, &protected).unwrap();
-    let failed: Vec<(&str, bool)> = events
-        .iter()
-        .filter_map(|e| match e {
-            Event::StepFailed {
-                step, retryable, ..
-            } => Some((step.as_str(), *retryable)),
-            _ => None,
-        })
-        .collect();
+    let failed = failed_steps(&events);
     assert_eq!(failed.len(), 2, "{events:?}");
     assert_eq!(failed[0], (commit.step(), true));
     // The retried call itself (its step carries the retry's count), not its approval.
@@ -590,6 +582,19 @@ fn until_next(
     (run, effect, w.ctx)
 }
 
+/// The steps `events` fail, each with whether it may be retried.
+fn failed_steps(events: &[Event]) -> Vec<(&str, bool)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::StepFailed {
+                step, retryable, ..
+            } => Some((step.as_str(), *retryable)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// `run` as `events` leave it.
 fn after(run: &Run, events: &[Event]) -> Run {
     let mut run = run.clone();
@@ -602,7 +607,7 @@ fn after(run: &Run, events: &[Event]) -> Run {
 #[test]
 fn a_kill_with_a_read_too_large_to_keep_ends_the_run_as_killed() {
     // The organisation is killed while a read brings a file the run cannot keep: the files go, the kill stays, and
-    // the run ends killed, not failed for the size.
+    // the run ends killed, not failed for the size (whose refusal is recorded all the same).
     let reads = |e: &Effect| matches!(e, Effect::Call { skill, .. } if skill == "read_files");
     let (run, read, mut killed) = until_next(&mut World::new(), reads);
     killed.kill.org = true;
@@ -616,6 +621,8 @@ fn a_kill_with_a_read_too_large_to_keep_ends_the_run_as_killed() {
     };
     let events = decide(&run, &answered, &killed).unwrap();
     assert!(!events.iter().any(|e| matches!(e, Event::FilesRead { .. })));
+    // The refusal is on record, under the read.
+    assert_eq!(failed_steps(&events), [(read.step(), false)]);
     let ending = after(&run, &events).ending.expect("the run ends");
     assert_eq!(
         (ending.state, ending.reason),
@@ -641,6 +648,7 @@ fn an_agent_kill_with_a_patch_too_large_to_keep_ends_the_run_as_killed() {
             .iter()
             .any(|e| matches!(e, Event::PatchProposed { .. }))
     );
+    assert_eq!(failed_steps(&events), [(fix.step(), false)]);
     let ended = after(&run, &events);
     assert_eq!(ended.budget.tokens, run.budget.tokens + 1_200);
     let ending = ended.ending.expect("the run ends");
@@ -673,15 +681,7 @@ fn a_retried_fix_whose_patch_is_too_large_fails_under_its_own_step() {
         outcome: large_patch_hook(22_000)(&retry).unwrap(),
     };
     let events = decide(&run, &answered, &ctx).unwrap();
-    let failed: Vec<(&str, bool)> = events
-        .iter()
-        .filter_map(|e| match e {
-            Event::StepFailed {
-                step, retryable, ..
-            } => Some((step.as_str(), *retryable)),
-            _ => None,
-        })
-        .collect();
+    let failed = failed_steps(&events);
     assert_eq!(failed, [(retry.step(), false)], "{events:?}");
 }
 
