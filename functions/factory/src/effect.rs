@@ -70,8 +70,9 @@ pub enum Effect {
         approval_id: Option<String>,
     },
     /// A model completion with purpose `fix`, `lead_review` or `security_audit`; answer with `Outcome::Model`, with
-    /// `Outcome::ModelUnusable` for a paid answer too large to keep as the call's result, or with `Outcome::Failed`
-    /// when no whole answer came back (no tokens to count, though a provider may bill one cut off mid-answer).
+    /// `Outcome::ModelUnusable` for an answer that told its tokens but holds nothing to use or is too large to keep
+    /// as the call's result, or with `Outcome::Failed` when no answer told its tokens (none to count, though a
+    /// provider may bill one cut off mid-way or too large to read).
     Model {
         step: String,
         purpose: String,

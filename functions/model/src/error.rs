@@ -12,9 +12,18 @@ pub enum ModelError {
     /// HTTP 429; `retry_after` is the server's Retry-After (seconds form) when it sent one.
     #[error("rate limited by the model endpoint (retry after {retry_after:?})")]
     RateLimited { retry_after: Option<Duration> },
-    /// A 2xx answer that is not a usable chat completion (bad JSON, no choice, too large).
+    /// A 2xx answer that is not a usable chat completion and says nothing of its tokens (bad JSON, too large, no
+    /// usage).
     #[error("bad response from the model endpoint: {0}")]
     BadResponse(String),
+    /// A chat completion that says what its tokens cost but holds no answer (no choice, no content): the tokens are
+    /// billed all the same.
+    #[error("unusable answer from the model endpoint: {why}")]
+    Unusable {
+        why: String,
+        input_tokens: u64,
+        output_tokens: u64,
+    },
     /// The replay cassette has no more completions recorded for this purpose.
     #[error("cassette exhausted: no more completions recorded for purpose `{purpose}`")]
     CassetteExhausted { purpose: String },
@@ -30,6 +39,7 @@ impl ModelError {
             ModelError::Transport(_) | ModelError::RateLimited { .. } => true,
             ModelError::Status { status, .. } => *status >= 500,
             ModelError::BadResponse(_)
+            | ModelError::Unusable { .. }
             | ModelError::CassetteExhausted { .. }
             | ModelError::Config(_) => false,
         }

@@ -206,24 +206,26 @@ impl OpenAiCompatible {
         let bytes = bytes?;
         let parsed: WireResponse = serde_json::from_slice(&bytes)
             .map_err(|e| ModelError::BadResponse(format!("not a chat completion: {e}")))?;
-        let choice = parsed
-            .choices
-            .into_iter()
-            .next()
-            .ok_or_else(|| ModelError::BadResponse("no choices".into()))?;
-        let text = choice
-            .message
-            .content
-            .ok_or_else(|| ModelError::BadResponse("choice has no content".into()))?;
         let usage = parsed
             .usage
             .ok_or_else(|| ModelError::BadResponse("no usage".into()))?;
-        Ok(ChatResponse {
-            text,
-            model: parsed.model.unwrap_or_else(|| self.model.clone()),
-            input_tokens: usage.prompt_tokens,
-            output_tokens: usage.completion_tokens,
-        })
+        let text = match parsed.choices.into_iter().next() {
+            Some(choice) => choice.message.content.ok_or("choice has no content"),
+            None => Err("no choices"),
+        };
+        match text {
+            Ok(text) => Ok(ChatResponse {
+                text,
+                model: parsed.model.unwrap_or_else(|| self.model.clone()),
+                input_tokens: usage.prompt_tokens,
+                output_tokens: usage.completion_tokens,
+            }),
+            Err(why) => Err(ModelError::Unusable {
+                why: why.into(),
+                input_tokens: usage.prompt_tokens,
+                output_tokens: usage.completion_tokens,
+            }),
+        }
     }
 
     /// A short, key-free excerpt of an error body (some providers echo the presented key back).
@@ -303,6 +305,7 @@ fn error_type(e: &ModelError) -> &'static str {
         ModelError::Status { .. } => "http_status",
         ModelError::RateLimited { .. } => "rate_limited",
         ModelError::BadResponse(_) => "bad_response",
+        ModelError::Unusable { .. } => "unusable",
         ModelError::CassetteExhausted { .. } => "cassette_exhausted",
         ModelError::Config(_) => "config",
     }

@@ -155,9 +155,31 @@ async fn server_error_is_retryable_and_redacted() {
 }
 
 #[tokio::test]
-async fn malformed_and_empty_answers_are_bad_responses() {
+async fn an_answer_without_a_choice_is_unusable_but_its_tokens_are_told() {
     let (base, _) = mock().await;
-    for scenario in ["malformed", "nochoice", "huge"] {
+    let err = client(&base, "nochoice", KEY)
+        .complete(&request())
+        .await
+        .unwrap_err();
+    let ModelError::Unusable {
+        why,
+        input_tokens,
+        output_tokens,
+    } = &err
+    else {
+        panic!("unexpected {err:?}")
+    };
+    assert_eq!(
+        (why.as_str(), *input_tokens, *output_tokens),
+        ("no choices", 1, 0)
+    );
+    assert!(!err.is_retryable());
+}
+
+#[tokio::test]
+async fn malformed_and_oversized_answers_are_bad_responses() {
+    let (base, _) = mock().await;
+    for scenario in ["malformed", "huge"] {
         let err = client(&base, scenario, KEY)
             .complete(&request())
             .await

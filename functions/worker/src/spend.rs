@@ -5,6 +5,7 @@
 //! added to one of them at random: with one record, a hundred runs answering at once lost most of their
 //! conditional writes to each other (20 conflicts per run in the engine benchmark). Reading sums them in one query.
 
+use loams_factory::{Outcome, Prices};
 use loams_platform::backoff::{jittered, random_u64};
 use loams_platform::calendar::{DAY_MS, civil_from_days};
 use loams_platform::{Cond, Item, Page, Store, StoreError};
@@ -23,6 +24,28 @@ const SHARDS: u8 = 8;
 pub(crate) struct Spent {
     pub micros: u64,
     pub tokens: u64,
+}
+
+impl Spent {
+    /// What a model call's outcome cost: an answer's tokens at `prices`, usable or not; nothing for a failed call.
+    pub(crate) fn of(outcome: &Outcome, prices: &Prices) -> Spent {
+        match *outcome {
+            Outcome::Model {
+                input_tokens,
+                output_tokens,
+                ..
+            }
+            | Outcome::ModelUnusable {
+                input_tokens,
+                output_tokens,
+                ..
+            } => Spent {
+                micros: prices.cost_micros(input_tokens, output_tokens),
+                tokens: input_tokens.saturating_add(output_tokens),
+            },
+            Outcome::Agent(_) | Outcome::Failed { .. } => Spent::default(),
+        }
+    }
 }
 
 /// What the organisation has spent on models in the month of `now_ms`.

@@ -12,7 +12,7 @@ use loams_factory::{
     Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, LastRunStatus, OrgSpend, Outcome,
     Policy, Prices, Run, RunState, Signal, run_kill_switch_id,
 };
-use loams_model::{ChatMessage, ChatModel, ChatRequest};
+use loams_model::{ChatMessage, ChatModel, ChatRequest, ModelError};
 use loams_platform::limits::MAX_RECEIVE;
 use loams_platform::{Claim, Clock, Cond, Delivery, Item, Page, Queue, Store, StoreError, Timers};
 use serde_json::json;
@@ -756,38 +756,44 @@ impl Worker {
         };
         let span =
             info_span!("chat", gen_ai.operation.name = "chat", purpose = %purpose, step = %step);
-        match d.model.complete(&request).instrument(span).await {
-            Ok(answer) => {
-                let paid = spend::Spent {
-                    micros: d
-                        .prices
-                        .cost_micros(answer.input_tokens, answer.output_tokens),
-                    tokens: answer.input_tokens.saturating_add(answer.output_tokens),
-                };
-                let (outcome, kept) = keepable(Outcome::Model {
-                    text: answer.text,
-                    input_tokens: answer.input_tokens,
-                    output_tokens: answer.output_tokens,
-                })?;
-                d.store.finish(org, &key, &kept, d.clock.now_ms()).await?;
-                // Counted after the answer is kept, so a failure here never makes the call be paid again. The price
-                // is an undercount of this one answer when the count fails or the process dies right here.
-                if let Err(e) = spend::add(d.store.as_ref(), org, d.clock.now_ms(), paid).await {
-                    let (micros, tokens) = (paid.micros, paid.tokens);
-                    error!(error = %e, %org, micros, tokens, "the organisation's model spend was not counted");
-                }
-                Ok(outcome)
-            }
+        let answered = match d.model.complete(&request).instrument(span).await {
+            Ok(answer) => Outcome::Model {
+                text: answer.text,
+                input_tokens: answer.input_tokens,
+                output_tokens: answer.output_tokens,
+            },
+            // An answer with nothing to use still told its tokens: they are billed, so it is kept and counted.
+            Err(
+                e @ ModelError::Unusable {
+                    input_tokens,
+                    output_tokens,
+                    ..
+                },
+            ) => Outcome::ModelUnusable {
+                error: e.to_string(),
+                input_tokens,
+                output_tokens,
+            },
             Err(e) => {
-                // No whole answer, so no token count to record (a provider may still bill an answer cut off
-                // mid-way: not counted); free the key for the retry.
+                // No answer that told its tokens, so none to count (a provider may still bill an answer cut off
+                // mid-way or one too large to read: not counted); free the key for the retry.
                 d.store.release(org, &key).await?;
-                Ok(Outcome::Failed {
+                return Ok(Outcome::Failed {
                     error: e.to_string(),
                     retryable: e.is_retryable(),
-                })
+                });
             }
+        };
+        let (outcome, kept) = keepable(answered)?;
+        d.store.finish(org, &key, &kept, d.clock.now_ms()).await?;
+        // Counted after the answer is kept, so a failure here never makes the call be paid again. The price is an
+        // undercount of this one answer when the count fails or the process dies right here.
+        let paid = spend::Spent::of(&outcome, &d.prices);
+        if let Err(e) = spend::add(d.store.as_ref(), org, d.clock.now_ms(), paid).await {
+            let (micros, tokens) = (paid.micros, paid.tokens);
+            error!(error = %e, %org, micros, tokens, "the organisation's model spend was not counted");
         }
+        Ok(outcome)
     }
 
     /// The world outside the run that the engine may look at, read fresh (kill switches are read strongly), for a

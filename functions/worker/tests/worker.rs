@@ -2,6 +2,7 @@
 //! and the crash and concurrency cases of one message.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -122,12 +123,21 @@ struct FakeModel {
     paid: Mutex<Vec<String>>,
     /// What the "fix" purpose answers instead of PATCH.
     fix: Mutex<Option<String>>,
+    /// The "fix" purpose answers a completion without a choice, its tokens told.
+    fix_without_choice: AtomicBool,
 }
 
 #[async_trait]
 impl ChatModel for FakeModel {
     async fn complete(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
         self.paid.lock().unwrap().push(req.purpose.clone());
+        if req.purpose == "fix" && self.fix_without_choice.load(Ordering::Relaxed) {
+            return Err(ModelError::Unusable {
+                why: "no choices".into(),
+                input_tokens: 100,
+                output_tokens: 20,
+            });
+        }
         let text = match req.purpose.as_str() {
             "fix" => self
                 .fix
@@ -395,6 +405,20 @@ async fn files_too_large_for_a_run_to_keep_fail_the_step_and_the_run_says_why() 
     assert!(h.db.dead_letters(10).await.unwrap().is_empty());
 }
 
+/// Drives a run whose fix answer cannot be used until it fails saying `why`: the answer was paid once, the run's
+/// budget counts it, and no message was dead-lettered on the way.
+async fn fails_after_one_paid_fix(h: &Harness, fingerprint: &str, why: &str) -> Run {
+    let opened = h.worker.open(ORG, signal(fingerprint)).await.unwrap();
+    let run = h.drive(&opened.run_id).await;
+    assert_eq!(run.state, RunState::Failed, "{run:?}");
+    let detail = &run.ending.as_ref().expect("ended").detail;
+    assert!(detail.contains(why), "{detail}");
+    assert_eq!(*h.model.paid.lock().unwrap(), ["fix"]);
+    assert_eq!(run.budget.tokens, 120);
+    assert!(h.db.dead_letters(10).await.unwrap().is_empty());
+    run
+}
+
 #[tokio::test]
 async fn a_patch_too_large_for_the_run_fails_the_step_after_recording_the_paid_answer() {
     let h = harness_reading(files_read(&["src/checkout.py"], &"x = 1\n".repeat(25_000)));
@@ -403,15 +427,8 @@ async fn a_patch_too_large_for_the_run_fails_the_step_after_recording_the_paid_a
         "y = 2\n".repeat(33_000)
     );
     *h.model.fix.lock().unwrap() = Some(patch);
-    let opened = h.worker.open(ORG, signal("fp-large-patch")).await.unwrap();
-    let run = h.drive(&opened.run_id).await;
-    assert_eq!(run.state, RunState::Failed, "{run:?}");
-    assert!(run.ending.expect("ended").detail.contains("a run keeps"));
+    let run = fails_after_one_paid_fix(&h, "fp-large-patch", "a run keeps").await;
     assert!(run.patch.is_empty());
-    // The answer was paid once, and the run's budget counts it.
-    assert_eq!(*h.model.paid.lock().unwrap(), ["fix"]);
-    assert_eq!(run.budget.tokens, 120);
-    assert!(h.db.dead_letters(10).await.unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -420,14 +437,22 @@ async fn a_model_answer_larger_than_a_store_keeps_is_paid_once_and_fails_the_ste
     // for again each time the claim's lease ran out, until the message was dead-lettered.
     let h = Harness::new(FakeAgents::default(), 2);
     *h.model.fix.lock().unwrap() = Some("x".repeat(loams_platform::limits::MAX_BODY));
-    let opened = h.worker.open(ORG, signal("fp-huge-answer")).await.unwrap();
-    let run = h.drive(&opened.run_id).await;
-    assert_eq!(run.state, RunState::Failed, "{run:?}");
-    let detail = run.ending.expect("ended").detail;
-    assert!(detail.contains("a store keeps"), "{detail}");
-    assert_eq!(*h.model.paid.lock().unwrap(), ["fix"]);
-    assert_eq!(run.budget.tokens, 120);
-    assert!(h.db.dead_letters(10).await.unwrap().is_empty());
+    fails_after_one_paid_fix(&h, "fp-huge-answer", "a store keeps").await;
+}
+
+#[tokio::test]
+async fn an_answer_without_a_choice_is_paid_once_counted_and_fails_the_step() {
+    // The provider bills a completion that tells its tokens but holds no answer: the run and the organisation count
+    // them, and the call is not bought again.
+    let h = Harness::new(FakeAgents::default(), 2);
+    h.model.fix_without_choice.store(true, Ordering::Relaxed);
+    fails_after_one_paid_fix(&h, "fp-no-choice", "no choices").await;
+    let spend = h.db.list_items(ORG, "spend", None, Page::first(10));
+    let counted: u64 = (spend.await.unwrap().items.iter())
+        .map(|item| serde_json::from_slice::<Value>(&item.body).unwrap()["tokens"].clone())
+        .map(|tokens| tokens.as_u64().unwrap())
+        .sum();
+    assert_eq!(counted, 120);
 }
 
 #[tokio::test]
