@@ -72,7 +72,7 @@ pub enum Effect {
     /// A model completion with purpose `fix`, `lead_review` or `security_audit`; answer with `Outcome::Model`, with
     /// `Outcome::ModelUnusable` for an answer that told its tokens but holds nothing to use or is too large to keep
     /// as the call's result, or with `Outcome::Failed` when no answer told its tokens (none to count, though a
-    /// provider may bill one cut off mid-way or too large to read).
+    /// provider may bill one cut off mid-way, too large to read, not a chat completion, or without usage).
     Model {
         step: String,
         purpose: String,

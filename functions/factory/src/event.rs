@@ -313,7 +313,7 @@ impl Event {
             } => {
                 format!(
                     "model answered for {purpose} ({} tokens)",
-                    input_tokens + output_tokens
+                    input_tokens.saturating_add(*output_tokens)
                 )
             }
             Event::PatchProposed { files, .. } => {
@@ -406,4 +406,25 @@ fn verdict_name(verdict: ObserveVerdict) -> String {
 
 fn reason_name(reason: Reason) -> String {
     wire_name(reason)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Event;
+
+    #[test]
+    fn a_summary_of_tokens_no_model_could_use_does_not_overflow() {
+        // The counts come from the model endpoint; the run's record must still read.
+        let answered = Event::ModelAnswered {
+            step: "r-1:fix:1:propose".into(),
+            purpose: "fix".into(),
+            input_tokens: u64::MAX,
+            output_tokens: 1,
+            cost_micros: 0,
+        };
+        assert_eq!(
+            answered.summary(),
+            format!("model answered for fix ({} tokens)", u64::MAX)
+        );
+    }
 }

@@ -15,6 +15,8 @@ pub const DEFAULT_BASE_URL: &str = "https://api.deepseek.com";
 pub const DEFAULT_MODEL: &str = "deepseek-chat";
 /// Upper bound on a completion body we accept; a chat answer is far smaller, so more means a broken or hostile peer.
 pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+/// Most tokens an answer may say it used on either side: ten times the largest context windows offered today.
+pub const MAX_TOKENS_TOLD: u64 = 10_000_000;
 /// How much of an error body is kept in [`ModelError::Status`].
 const ERROR_EXCERPT_CHARS: usize = 512;
 
@@ -90,17 +92,17 @@ struct WireRequest<'a> {
 }
 
 // Only the fields we use; serde skips the rest (DeepSeek adds `reasoning_content`, cache-hit usage, ...).
+// Everything but usage may be missing: an answer that tells its tokens is billed, so it must parse to be counted.
 #[derive(Deserialize)]
 struct WireResponse {
-    #[serde(default)]
     model: Option<String>,
-    choices: Vec<WireChoice>,
+    choices: Option<Vec<WireChoice>>,
     usage: Option<WireUsage>,
 }
 
 #[derive(Deserialize)]
 struct WireChoice {
-    message: WireMessage,
+    message: Option<WireMessage>,
 }
 
 #[derive(Deserialize)]
@@ -209,8 +211,15 @@ impl OpenAiCompatible {
         let usage = parsed
             .usage
             .ok_or_else(|| ModelError::BadResponse("no usage".into()))?;
-        let text = match parsed.choices.into_iter().next() {
-            Some(choice) => choice.message.content.ok_or("choice has no content"),
+        // A count no model can reach is not believed: counted, it would spend the organisation's month at once.
+        if usage.prompt_tokens.max(usage.completion_tokens) > MAX_TOKENS_TOLD {
+            return Err(ModelError::BadResponse(format!(
+                "usage of {} input and {} output tokens is past any model's context ({MAX_TOKENS_TOLD})",
+                usage.prompt_tokens, usage.completion_tokens
+            )));
+        }
+        let text = match parsed.choices.unwrap_or_default().into_iter().next() {
+            Some(choice) => (choice.message.and_then(|m| m.content)).ok_or("choice has no content"),
             None => Err("no choices"),
         };
         match text {
@@ -293,6 +302,16 @@ impl ChatModel for OpenAiCompatible {
             }
             Err(e) => {
                 span.record("error.type", error_type(e));
+                if let ModelError::Unusable {
+                    input_tokens,
+                    output_tokens,
+                    ..
+                } = e
+                {
+                    // Billed all the same: traces count what the provider charges.
+                    span.record("gen_ai.usage.input_tokens", input_tokens);
+                    span.record("gen_ai.usage.output_tokens", output_tokens);
+                }
             }
         }
         result

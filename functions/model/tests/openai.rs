@@ -53,6 +53,14 @@ async fn handler(
         "fail" => (StatusCode::INTERNAL_SERVER_ERROR, format!("upstream exploded; key was {KEY}")).into_response(),
         "malformed" => (StatusCode::OK, [("content-type", "application/json")], "{\"choices\": [").into_response(),
         "nochoice" => Json(json!({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 0}})).into_response(),
+        "nochoices" => Json(json!({"usage": {"prompt_tokens": 2, "completion_tokens": 0}})).into_response(),
+        "nocontent" => Json(json!({"choices": [{"message": {"role": "assistant", "content": null}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4}})).into_response(),
+        "nomessage" => Json(json!({"choices": [{"index": 0}], "usage": {"prompt_tokens": 5, "completion_tokens": 6}}))
+            .into_response(),
+        "nousage" => Json(json!({"choices": [{"message": {"content": "the patch"}}]})).into_response(),
+        "untold" => Json(json!({"choices": [{"message": {"content": "the patch"}}],
+            "usage": {"prompt_tokens": u64::MAX, "completion_tokens": 1}})).into_response(),
         "huge" => (StatusCode::OK, "x".repeat(loams_model::MAX_RESPONSE_BYTES + 1)).into_response(),
         _ => StatusCode::NOT_FOUND.into_response(),
     }
@@ -155,31 +163,39 @@ async fn server_error_is_retryable_and_redacted() {
 }
 
 #[tokio::test]
-async fn an_answer_without_a_choice_is_unusable_but_its_tokens_are_told() {
+async fn an_answer_without_a_choice_or_content_is_unusable_but_its_tokens_are_told() {
     let (base, _) = mock().await;
-    let err = client(&base, "nochoice", KEY)
-        .complete(&request())
-        .await
-        .unwrap_err();
-    let ModelError::Unusable {
-        why,
-        input_tokens,
-        output_tokens,
-    } = &err
-    else {
-        panic!("unexpected {err:?}")
-    };
-    assert_eq!(
-        (why.as_str(), *input_tokens, *output_tokens),
-        ("no choices", 1, 0)
-    );
-    assert!(!err.is_retryable());
+    for (scenario, expected) in [
+        ("nochoice", ("no choices", 1, 0)),
+        ("nochoices", ("no choices", 2, 0)),
+        ("nocontent", ("choice has no content", 3, 4)),
+        ("nomessage", ("choice has no content", 5, 6)),
+    ] {
+        let err = client(&base, scenario, KEY)
+            .complete(&request())
+            .await
+            .unwrap_err();
+        let ModelError::Unusable {
+            why,
+            input_tokens,
+            output_tokens,
+        } = &err
+        else {
+            panic!("{scenario}: unexpected {err:?}")
+        };
+        assert_eq!(
+            (why.as_str(), *input_tokens, *output_tokens),
+            expected,
+            "{scenario}"
+        );
+        assert!(!err.is_retryable());
+    }
 }
 
 #[tokio::test]
-async fn malformed_and_oversized_answers_are_bad_responses() {
+async fn malformed_oversized_and_unbelievable_answers_are_bad_responses() {
     let (base, _) = mock().await;
-    for scenario in ["malformed", "huge"] {
+    for scenario in ["malformed", "huge", "nousage", "untold"] {
         let err = client(&base, scenario, KEY)
             .complete(&request())
             .await

@@ -775,8 +775,9 @@ impl Worker {
                 output_tokens,
             },
             Err(e) => {
-                // No answer that told its tokens, so none to count (a provider may still bill an answer cut off
-                // mid-way or one too large to read: not counted); free the key for the retry.
+                // No answer that told its tokens, so none to count, though a provider may bill one all the same (cut
+                // off mid-way, too large to read, not a chat completion, without usage): not counted. The key is
+                // freed for the retry.
                 d.store.release(org, &key).await?;
                 return Ok(Outcome::Failed {
                     error: e.to_string(),
@@ -939,13 +940,18 @@ fn logged(event: &Event, run: &Run, now_ms: i64) -> Result<Vec<u8>, WorkerError>
 }
 
 /// A model answer as its idempotency result, and that result's bytes. An answer larger than a store keeps (a model
-/// may send megabytes) would be refused on every delivery and paid for again each time the claim's lease ran out:
-/// it is kept as unusable instead, its tokens counted, its text dropped.
+/// may send megabytes; an unusable one's reason is the client's) would be refused on every delivery and paid for
+/// again each time the claim's lease ran out: it is kept as unusable instead, its tokens counted, its text dropped.
 fn keepable(answer: Outcome) -> Result<(Outcome, Vec<u8>), WorkerError> {
     use loams_platform::limits::MAX_BODY;
     let json = to_json(&answer)?;
     match answer {
         Outcome::Model {
+            input_tokens,
+            output_tokens,
+            ..
+        }
+        | Outcome::ModelUnusable {
             input_tokens,
             output_tokens,
             ..
