@@ -12,8 +12,8 @@ pub enum ModelError {
     /// HTTP 429; `retry_after` is the server's Retry-After (seconds form) when it sent one.
     #[error("rate limited by the model endpoint (retry after {retry_after:?})")]
     RateLimited { retry_after: Option<Duration> },
-    /// A 2xx answer that is not a usable chat completion and says nothing of its tokens (bad JSON, too large, no
-    /// usage).
+    /// A 2xx answer that is not a usable chat completion and tells no believable tokens (bad JSON, too large, no
+    /// usage, or usage past `MAX_TOKENS_TOLD`).
     #[error("bad response from the model endpoint: {0}")]
     BadResponse(String),
     /// A chat completion that says what its tokens cost but holds no answer (no choice, no content): the tokens are

@@ -15,7 +15,8 @@ pub const DEFAULT_BASE_URL: &str = "https://api.deepseek.com";
 pub const DEFAULT_MODEL: &str = "deepseek-chat";
 /// Upper bound on a completion body we accept; a chat answer is far smaller, so more means a broken or hostile peer.
 pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
-/// Most tokens an answer may say it used on either side: ten times the largest context windows offered today.
+/// Most tokens an answer may say it used on either side: as large as the largest context window advertised (about
+/// 10M tokens), five times the largest the common hosted models take; a count beyond it is a broken or hostile peer.
 pub const MAX_TOKENS_TOLD: u64 = 10_000_000;
 /// How much of an error body is kept in [`ModelError::Status`].
 const ERROR_EXCERPT_CHARS: usize = 512;

@@ -8,7 +8,9 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use loams_model::{ChatMessage, ChatModel, ChatRequest, ModelConfig, ModelError, OpenAiCompatible};
+use loams_model::{
+    ChatMessage, ChatModel, ChatRequest, MAX_TOKENS_TOLD, ModelConfig, ModelError, OpenAiCompatible,
+};
 use serde_json::{Value, json};
 
 const KEY: &str = "sk-test-secret-key-123";
@@ -61,9 +63,19 @@ async fn handler(
         "nousage" => Json(json!({"choices": [{"message": {"content": "the patch"}}]})).into_response(),
         "untold" => Json(json!({"choices": [{"message": {"content": "the patch"}}],
             "usage": {"prompt_tokens": u64::MAX, "completion_tokens": 1}})).into_response(),
+        "most" => told(MAX_TOKENS_TOLD, MAX_TOKENS_TOLD),
+        "past_prompt" => told(MAX_TOKENS_TOLD + 1, 1),
+        "past_completion" => told(1, MAX_TOKENS_TOLD + 1),
         "huge" => (StatusCode::OK, "x".repeat(loams_model::MAX_RESPONSE_BYTES + 1)).into_response(),
         _ => StatusCode::NOT_FOUND.into_response(),
     }
+}
+
+/// An answer that says it used these tokens.
+fn told(prompt_tokens: u64, completion_tokens: u64) -> axum::response::Response {
+    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens});
+    Json(json!({"choices": [{"message": {"content": "the patch"}}], "usage": usage}))
+        .into_response()
 }
 
 async fn mock() -> (String, Seen) {
@@ -193,9 +205,29 @@ async fn an_answer_without_a_choice_or_content_is_unusable_but_its_tokens_are_to
 }
 
 #[tokio::test]
+async fn an_answer_at_the_most_tokens_believed_is_an_answer() {
+    let (base, _) = mock().await;
+    let answer = client(&base, "most", KEY)
+        .complete(&request())
+        .await
+        .unwrap();
+    assert_eq!(
+        (answer.input_tokens, answer.output_tokens),
+        (MAX_TOKENS_TOLD, MAX_TOKENS_TOLD)
+    );
+}
+
+#[tokio::test]
 async fn malformed_oversized_and_unbelievable_answers_are_bad_responses() {
     let (base, _) = mock().await;
-    for scenario in ["malformed", "huge", "nousage", "untold"] {
+    for scenario in [
+        "malformed",
+        "huge",
+        "nousage",
+        "untold",
+        "past_prompt",
+        "past_completion",
+    ] {
         let err = client(&base, scenario, KEY)
             .complete(&request())
             .await

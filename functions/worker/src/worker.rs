@@ -775,9 +775,9 @@ impl Worker {
                 output_tokens,
             },
             Err(e) => {
-                // No answer that told its tokens, so none to count, though a provider may bill one all the same (cut
-                // off mid-way, too large to read, not a chat completion, without usage): not counted. The key is
-                // freed for the retry.
+                // No answer told believable tokens, so none are counted, though a provider may bill one all the same
+                // (cut off mid-way, too large to read, not a chat completion, without usage, or with usage past
+                // `MAX_TOKENS_TOLD`). The key is freed for the retry.
                 d.store.release(org, &key).await?;
                 return Ok(Outcome::Failed {
                     error: e.to_string(),

@@ -2,7 +2,6 @@
 //! and the crash and concurrency cases of one message.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -123,17 +122,18 @@ struct FakeModel {
     paid: Mutex<Vec<String>>,
     /// What the "fix" purpose answers instead of PATCH.
     fix: Mutex<Option<String>>,
-    /// The "fix" purpose answers a completion without a choice, its tokens told.
-    fix_without_choice: AtomicBool,
+    /// Why the "fix" purpose answers a completion with nothing to use, its tokens told.
+    fix_unusable: Mutex<Option<String>>,
 }
 
 #[async_trait]
 impl ChatModel for FakeModel {
     async fn complete(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
         self.paid.lock().unwrap().push(req.purpose.clone());
-        if req.purpose == "fix" && self.fix_without_choice.load(Ordering::Relaxed) {
+        let unusable = self.fix_unusable.lock().unwrap().clone();
+        if let Some(why) = unusable.filter(|_| req.purpose == "fix") {
             return Err(ModelError::Unusable {
-                why: "no choices".into(),
+                why,
                 input_tokens: 100,
                 output_tokens: 20,
             });
@@ -440,19 +440,33 @@ async fn a_model_answer_larger_than_a_store_keeps_is_paid_once_and_fails_the_ste
     fails_after_one_paid_fix(&h, "fp-huge-answer", "a store keeps").await;
 }
 
+/// The tokens the organisation's spend counts this month.
+async fn org_tokens(h: &Harness) -> u64 {
+    let spend = h.db.list_items(ORG, "spend", None, Page::first(10));
+    (spend.await.unwrap().items.iter())
+        .map(|item| serde_json::from_slice::<Value>(&item.body).unwrap()["tokens"].clone())
+        .map(|tokens| tokens.as_u64().unwrap())
+        .sum()
+}
+
 #[tokio::test]
 async fn an_answer_without_a_choice_is_paid_once_counted_and_fails_the_step() {
     // The provider bills a completion that tells its tokens but holds no answer: the run and the organisation count
     // them, and the call is not bought again.
     let h = Harness::new(FakeAgents::default(), 2);
-    h.model.fix_without_choice.store(true, Ordering::Relaxed);
+    *h.model.fix_unusable.lock().unwrap() = Some("no choices".into());
     fails_after_one_paid_fix(&h, "fp-no-choice", "no choices").await;
-    let spend = h.db.list_items(ORG, "spend", None, Page::first(10));
-    let counted: u64 = (spend.await.unwrap().items.iter())
-        .map(|item| serde_json::from_slice::<Value>(&item.body).unwrap()["tokens"].clone())
-        .map(|tokens| tokens.as_u64().unwrap())
-        .sum();
-    assert_eq!(counted, 120);
+    assert_eq!(org_tokens(&h).await, 120);
+}
+
+#[tokio::test]
+async fn an_unusable_answer_whose_reason_is_larger_than_a_store_keeps_is_paid_once() {
+    // A client's reason for an unusable answer is kept with it: one past what a store keeps would have been refused
+    // on every delivery, the answer bought again each time the claim's lease ran out.
+    let h = Harness::new(FakeAgents::default(), 2);
+    *h.model.fix_unusable.lock().unwrap() = Some("x".repeat(loams_platform::limits::MAX_BODY));
+    fails_after_one_paid_fix(&h, "fp-huge-reason", "a store keeps").await;
+    assert_eq!(org_tokens(&h).await, 120);
 }
 
 #[tokio::test]
