@@ -15,9 +15,9 @@ pub enum Outcome {
         input_tokens: u64,
         output_tokens: u64,
     },
-    /// A model answer paid for that holds nothing to use (a completion without a choice or content) or cannot be
-    /// kept as it came (larger than a store keeps): its tokens count, its text is gone, and the step fails with
-    /// `error`.
+    /// A model answer paid for, its tokens believable, that holds nothing to use (a completion without a choice or
+    /// content) or cannot be kept as it came (larger than a store keeps): its tokens count, its text is gone, and the
+    /// step fails with `error`.
     ModelUnusable {
         error: String,
         input_tokens: u64,

@@ -16,8 +16,8 @@ pub enum ModelError {
     /// usage, or usage past `MAX_TOKENS_TOLD`).
     #[error("bad response from the model endpoint: {0}")]
     BadResponse(String),
-    /// A chat completion that says what its tokens cost but holds no answer (no choice, no content): the tokens are
-    /// billed all the same.
+    /// A chat completion that tells believable tokens (within `MAX_TOKENS_TOLD`) but holds no answer (no choice, no
+    /// content): the tokens are billed all the same.
     #[error("unusable answer from the model endpoint: {why}")]
     Unusable {
         why: String,

@@ -15,8 +15,9 @@ pub const DEFAULT_BASE_URL: &str = "https://api.deepseek.com";
 pub const DEFAULT_MODEL: &str = "deepseek-chat";
 /// Upper bound on a completion body we accept; a chat answer is far smaller, so more means a broken or hostile peer.
 pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
-/// Most tokens an answer may say it used on either side: as large as the largest context window advertised (about
-/// 10M tokens), five times the largest the common hosted models take; a count beyond it is a broken or hostile peer.
+/// Most tokens an answer may say it used on either side: the largest context window of a model on offer (Llama 4
+/// Scout, 10M), five times the largest the common hosted models take (2M). A count beyond it is a broken or hostile
+/// peer, not a model a client of this kind talks to.
 pub const MAX_TOKENS_TOLD: u64 = 10_000_000;
 /// How much of an error body is kept in [`ModelError::Status`].
 const ERROR_EXCERPT_CHARS: usize = 512;
@@ -212,10 +213,10 @@ impl OpenAiCompatible {
         let usage = parsed
             .usage
             .ok_or_else(|| ModelError::BadResponse("no usage".into()))?;
-        // A count no model can reach is not believed: counted, it would spend the organisation's month at once.
+        // A count past any model on offer is not believed: counted, it would spend the organisation's month at once.
         if usage.prompt_tokens.max(usage.completion_tokens) > MAX_TOKENS_TOLD {
             return Err(ModelError::BadResponse(format!(
-                "usage of {} input and {} output tokens is past any model's context ({MAX_TOKENS_TOLD})",
+                "usage of {} input and {} output tokens is past any model on offer ({MAX_TOKENS_TOLD})",
                 usage.prompt_tokens, usage.completion_tokens
             )));
         }
