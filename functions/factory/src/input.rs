@@ -29,6 +29,25 @@ pub enum Outcome {
     },
 }
 
+impl Outcome {
+    /// The input and output tokens a model answer was billed for, usable or not.
+    pub fn model_tokens(&self) -> Option<(u64, u64)> {
+        match *self {
+            Outcome::Model {
+                input_tokens,
+                output_tokens,
+                ..
+            }
+            | Outcome::ModelUnusable {
+                input_tokens,
+                output_tokens,
+                ..
+            } => Some((input_tokens, output_tokens)),
+            Outcome::Agent(_) | Outcome::Failed { .. } => None,
+        }
+    }
+}
+
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Input {

@@ -29,22 +29,12 @@ pub(crate) struct Spent {
 impl Spent {
     /// What a model call's outcome cost: an answer's tokens at `prices`, usable or not; nothing for a failed call.
     pub(crate) fn of(outcome: &Outcome, prices: &Prices) -> Spent {
-        match *outcome {
-            Outcome::Model {
-                input_tokens,
-                output_tokens,
-                ..
-            }
-            | Outcome::ModelUnusable {
-                input_tokens,
-                output_tokens,
-                ..
-            } => Spent {
-                micros: prices.cost_micros(input_tokens, output_tokens),
-                tokens: input_tokens.saturating_add(output_tokens),
-            },
-            Outcome::Agent(_) | Outcome::Failed { .. } => Spent::default(),
-        }
+        outcome
+            .model_tokens()
+            .map_or_else(Spent::default, |(input, output)| Spent {
+                micros: prices.cost_micros(input, output),
+                tokens: input.saturating_add(output),
+            })
     }
 }
 

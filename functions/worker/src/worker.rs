@@ -945,17 +945,8 @@ fn logged(event: &Event, run: &Run, now_ms: i64) -> Result<Vec<u8>, WorkerError>
 fn keepable(answer: Outcome) -> Result<(Outcome, Vec<u8>), WorkerError> {
     use loams_platform::limits::MAX_BODY;
     let json = to_json(&answer)?;
-    match answer {
-        Outcome::Model {
-            input_tokens,
-            output_tokens,
-            ..
-        }
-        | Outcome::ModelUnusable {
-            input_tokens,
-            output_tokens,
-            ..
-        } if json.len() > MAX_BODY => {
+    match answer.model_tokens() {
+        Some((input_tokens, output_tokens)) if json.len() > MAX_BODY => {
             let unusable = Outcome::ModelUnusable {
                 error: format!(
                     "the model answer is {} bytes as JSON, more than the {MAX_BODY} a store keeps",
