@@ -93,29 +93,29 @@ struct WireRequest<'a> {
     stream: bool,
 }
 
-// Only the fields we use; serde skips the rest (DeepSeek adds `reasoning_content`, cache-hit usage, ...).
-// Everything but usage may be missing: an answer that tells its tokens is billed, so it must parse to be counted.
-#[derive(Deserialize)]
-struct WireResponse {
-    model: Option<String>,
-    choices: Option<Vec<WireChoice>>,
-    usage: Option<WireUsage>,
-}
-
-#[derive(Deserialize)]
-struct WireChoice {
-    message: Option<WireMessage>,
-}
-
-#[derive(Deserialize)]
-struct WireMessage {
-    content: Option<String>,
-}
-
+// The answer is read in two passes: its usage first, then its text from whatever shape the rest has. An answer that
+// tells its tokens is billed, so nothing else in it (a missing, null or oddly typed choice, message or content) may
+// keep them from being counted. Fields not read are skipped (DeepSeek adds `reasoning_content`, cache-hit usage, ...).
 #[derive(Deserialize)]
 struct WireUsage {
-    prompt_tokens: u64,
-    completion_tokens: u64,
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+}
+
+/// The text of a message's `content`: a string, or the text parts of an array of content parts (`{"type": "text",
+/// "text": ...}`, as some OpenAI-compatible gateways send it).
+fn content_text(content: &serde_json::Value) -> Option<String> {
+    match content {
+        serde_json::Value::String(text) => Some(text.clone()),
+        serde_json::Value::Array(parts) => {
+            let texts: Vec<&str> = parts
+                .iter()
+                .filter_map(|part| part.get("text")?.as_str())
+                .collect();
+            (!texts.is_empty()).then(|| texts.concat())
+        }
+        _ => None,
+    }
 }
 
 impl OpenAiCompatible {
@@ -208,33 +208,42 @@ impl OpenAiCompatible {
             });
         }
         let bytes = bytes?;
-        let parsed: WireResponse = serde_json::from_slice(&bytes)
+        let parsed: serde_json::Value = serde_json::from_slice(&bytes)
             .map_err(|e| ModelError::BadResponse(format!("not a chat completion: {e}")))?;
         let usage = parsed
-            .usage
+            .get("usage")
+            .and_then(|usage| WireUsage::deserialize(usage).ok())
+            .filter(|usage| usage.prompt_tokens.is_some() || usage.completion_tokens.is_some())
             .ok_or_else(|| ModelError::BadResponse("no usage".into()))?;
+        let (input_tokens, output_tokens) = (
+            usage.prompt_tokens.unwrap_or(0),
+            usage.completion_tokens.unwrap_or(0),
+        );
         // A count past any model on offer is not believed: counted, it would spend the organisation's month at once.
-        if usage.prompt_tokens.max(usage.completion_tokens) > MAX_TOKENS_TOLD {
+        if input_tokens.max(output_tokens) > MAX_TOKENS_TOLD {
             return Err(ModelError::BadResponse(format!(
-                "usage of {} input and {} output tokens is past any model on offer ({MAX_TOKENS_TOLD})",
-                usage.prompt_tokens, usage.completion_tokens
+                "usage of {input_tokens} input and {output_tokens} output tokens is past any model on offer \
+                 ({MAX_TOKENS_TOLD})"
             )));
         }
-        let text = match parsed.choices.unwrap_or_default().into_iter().next() {
-            Some(choice) => (choice.message.and_then(|m| m.content)).ok_or("choice has no content"),
-            None => Err("no choices"),
+        let text = match parsed.pointer("/choices/0") {
+            None | Some(serde_json::Value::Null) => Err("no choices"),
+            Some(choice) => (choice.pointer("/message/content"))
+                .and_then(content_text)
+                .ok_or("choice has no content"),
         };
         match text {
             Ok(text) => Ok(ChatResponse {
                 text,
-                model: parsed.model.unwrap_or_else(|| self.model.clone()),
-                input_tokens: usage.prompt_tokens,
-                output_tokens: usage.completion_tokens,
+                model: (parsed.get("model").and_then(|m| m.as_str()))
+                    .map_or_else(|| self.model.clone(), str::to_owned),
+                input_tokens,
+                output_tokens,
             }),
             Err(why) => Err(ModelError::Unusable {
                 why: why.into(),
-                input_tokens: usage.prompt_tokens,
-                output_tokens: usage.completion_tokens,
+                input_tokens,
+                output_tokens,
             }),
         }
     }

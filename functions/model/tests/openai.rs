@@ -64,6 +64,15 @@ async fn handler(
         "untold" => Json(json!({"choices": [{"message": {"content": "the patch"}}],
             "usage": {"prompt_tokens": u64::MAX, "completion_tokens": 1}})).into_response(),
         "most" => told(MAX_TOKENS_TOLD, MAX_TOKENS_TOLD),
+        "parts" => Json(json!({"choices": [{"message": {"content": [
+                {"type": "text", "text": "the "}, {"type": "image_url"}, {"type": "text", "text": "patch"}]}}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 3}})).into_response(),
+        "prompt_only" => Json(json!({"choices": [{"message": {"content": "the patch"}}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": null}})).into_response(),
+        "nullchoice" => Json(json!({"choices": [null], "usage": {"prompt_tokens": 8, "completion_tokens": 9}}))
+            .into_response(),
+        "oddcontent" => Json(json!({"choices": [{"message": {"content": 42}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 11}})).into_response(),
         "past_prompt" => told(MAX_TOKENS_TOLD + 1, 1),
         "past_completion" => told(1, MAX_TOKENS_TOLD + 1),
         "huge" => (StatusCode::OK, "x".repeat(loams_model::MAX_RESPONSE_BYTES + 1)).into_response(),
@@ -182,6 +191,8 @@ async fn an_answer_without_a_choice_or_content_is_unusable_but_its_tokens_are_to
         ("nochoices", ("no choices", 2, 0)),
         ("nocontent", ("choice has no content", 3, 4)),
         ("nomessage", ("choice has no content", 5, 6)),
+        ("nullchoice", ("no choices", 8, 9)),
+        ("oddcontent", ("choice has no content", 10, 11)),
     ] {
         let err = client(&base, scenario, KEY)
             .complete(&request())
@@ -202,6 +213,28 @@ async fn an_answer_without_a_choice_or_content_is_unusable_but_its_tokens_are_to
         );
         assert!(!err.is_retryable());
     }
+}
+
+#[tokio::test]
+async fn content_in_parts_and_a_usage_without_output_still_answer() {
+    let (base, _) = mock().await;
+    let answer = client(&base, "parts", KEY)
+        .complete(&request())
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            answer.text.as_str(),
+            answer.input_tokens,
+            answer.output_tokens
+        ),
+        ("the patch", 12, 3)
+    );
+    let answer = client(&base, "prompt_only", KEY)
+        .complete(&request())
+        .await
+        .unwrap();
+    assert_eq!((answer.input_tokens, answer.output_tokens), (7, 0));
 }
 
 #[tokio::test]
