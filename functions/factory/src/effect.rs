@@ -72,8 +72,8 @@ pub enum Effect {
     /// A model completion with purpose `fix`, `lead_review` or `security_audit`; answer with `Outcome::Model`, with
     /// `Outcome::ModelUnusable` for an answer that told believable tokens but holds nothing to use or is too large to
     /// keep as the call's result, or with `Outcome::Failed` when no answer told believable tokens (none are counted,
-    /// though a provider may bill one cut off mid-way, too large to read, not a chat completion, without usage, or with
-    /// usage past the model client's `MAX_TOKENS_TOLD`).
+    /// though a provider may bill one cut off mid-way, too large to read, not a chat completion, without both usage
+    /// counts, or with usage past the model client's `MAX_TOKENS_TOLD`).
     Model {
         step: String,
         purpose: String,

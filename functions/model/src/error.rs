@@ -13,7 +13,7 @@ pub enum ModelError {
     #[error("rate limited by the model endpoint (retry after {retry_after:?})")]
     RateLimited { retry_after: Option<Duration> },
     /// A 2xx answer that is not a usable chat completion and tells no believable tokens (bad JSON, too large, no
-    /// usage, or usage past `MAX_TOKENS_TOLD`).
+    /// usage with both counts, or usage past `MAX_TOKENS_TOLD`).
     #[error("bad response from the model endpoint: {0}")]
     BadResponse(String),
     /// A chat completion that tells believable tokens (within `MAX_TOKENS_TOLD`) but holds no answer (no choice, no

@@ -96,20 +96,22 @@ struct WireRequest<'a> {
 // The answer is read in two passes: its usage first, then its text from whatever shape the rest has. An answer that
 // tells its tokens is billed, so nothing else in it (a missing, null or oddly typed choice, message or content) may
 // keep them from being counted. Fields not read are skipped (DeepSeek adds `reasoning_content`, cache-hit usage, ...).
+// Both counts or none: a count left out is not taken for 0, which would let the answer be used and go uncounted.
 #[derive(Deserialize)]
 struct WireUsage {
-    prompt_tokens: Option<u64>,
-    completion_tokens: Option<u64>,
+    prompt_tokens: u64,
+    completion_tokens: u64,
 }
 
 /// The text of a message's `content`: a string, or the text parts of an array of content parts (`{"type": "text",
-/// "text": ...}`, as some OpenAI-compatible gateways send it).
+/// "text": ...}`, as some OpenAI-compatible gateways send it; other parts, reasoning ones too, are not the answer).
 fn content_text(content: &serde_json::Value) -> Option<String> {
     match content {
         serde_json::Value::String(text) => Some(text.clone()),
         serde_json::Value::Array(parts) => {
             let texts: Vec<&str> = parts
                 .iter()
+                .filter(|part| part.get("type").and_then(|t| t.as_str()) == Some("text"))
                 .filter_map(|part| part.get("text")?.as_str())
                 .collect();
             (!texts.is_empty()).then(|| texts.concat())
@@ -213,12 +215,8 @@ impl OpenAiCompatible {
         let usage = parsed
             .get("usage")
             .and_then(|usage| WireUsage::deserialize(usage).ok())
-            .filter(|usage| usage.prompt_tokens.is_some() || usage.completion_tokens.is_some())
-            .ok_or_else(|| ModelError::BadResponse("no usage".into()))?;
-        let (input_tokens, output_tokens) = (
-            usage.prompt_tokens.unwrap_or(0),
-            usage.completion_tokens.unwrap_or(0),
-        );
+            .ok_or_else(|| ModelError::BadResponse("no usage with both counts".into()))?;
+        let (input_tokens, output_tokens) = (usage.prompt_tokens, usage.completion_tokens);
         // A count past any model on offer is not believed: counted, it would spend the organisation's month at once.
         if input_tokens.max(output_tokens) > MAX_TOKENS_TOLD {
             return Err(ModelError::BadResponse(format!(

@@ -776,8 +776,8 @@ impl Worker {
             },
             Err(e) => {
                 // No answer told believable tokens, so none are counted, though a provider may bill one all the same
-                // (cut off mid-way, too large to read, not a chat completion, without usage, or with usage past
-                // `MAX_TOKENS_TOLD`). The key is freed for the retry.
+                // (cut off mid-way, too large to read, not a chat completion, without both usage counts, or with usage
+                // past `MAX_TOKENS_TOLD`). The key is freed for the retry.
                 d.store.release(org, &key).await?;
                 return Ok(Outcome::Failed {
                     error: e.to_string(),
