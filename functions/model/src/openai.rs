@@ -93,31 +93,54 @@ struct WireRequest<'a> {
     stream: bool,
 }
 
-// The answer is read in two passes: its usage first, then its text from whatever shape the rest has. An answer that
-// tells its tokens is billed, so nothing else in it (a missing, null or oddly typed choice, message or content) may
-// keep them from being counted. Fields not read are skipped (DeepSeek adds `reasoning_content`, cache-hit usage, ...).
-// Both counts or none: a count left out is not taken for 0, which would let the answer be used and go uncounted.
+// Only the fields we use, typed so serde skips the rest without building it (DeepSeek adds `reasoning_content`,
+// cache-hit usage, ...): a 4 MiB body of anything else costs no memory. Everything but usage may be missing or null:
+// an answer that tells its tokens is billed, so it must parse to be counted.
+#[derive(Deserialize)]
+struct WireResponse {
+    model: Option<String>,
+    choices: Option<FirstChoice>,
+    usage: Option<WireUsage>,
+}
+
+/// The first of a completion's choices (the one asked for), the others skipped unread.
+struct FirstChoice(Option<WireChoice>);
+
+impl<'de> Deserialize<'de> for FirstChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct First;
+        impl<'de> serde::de::Visitor<'de> for First {
+            type Value = FirstChoice;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a list of choices")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<FirstChoice, A::Error> {
+                let first = seq.next_element::<Option<WireChoice>>()?.flatten();
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(FirstChoice(first))
+            }
+        }
+        deserializer.deserialize_seq(First)
+    }
+}
+
+#[derive(Deserialize)]
+struct WireChoice {
+    message: Option<WireMessage>,
+}
+
+#[derive(Deserialize)]
+struct WireMessage {
+    content: Option<String>,
+}
+
 #[derive(Deserialize)]
 struct WireUsage {
     prompt_tokens: u64,
     completion_tokens: u64,
-}
-
-/// The text of a message's `content`: a string, or the text parts of an array of content parts (`{"type": "text",
-/// "text": ...}`, as some OpenAI-compatible gateways send it; other parts, reasoning ones too, are not the answer).
-fn content_text(content: &serde_json::Value) -> Option<String> {
-    match content {
-        serde_json::Value::String(text) => Some(text.clone()),
-        serde_json::Value::Array(parts) => {
-            let texts: Vec<&str> = parts
-                .iter()
-                .filter(|part| part.get("type").and_then(|t| t.as_str()) == Some("text"))
-                .filter_map(|part| part.get("text")?.as_str())
-                .collect();
-            (!texts.is_empty()).then(|| texts.concat())
-        }
-        _ => None,
-    }
 }
 
 impl OpenAiCompatible {
@@ -210,38 +233,33 @@ impl OpenAiCompatible {
             });
         }
         let bytes = bytes?;
-        let parsed: serde_json::Value = serde_json::from_slice(&bytes)
+        let parsed: WireResponse = serde_json::from_slice(&bytes)
             .map_err(|e| ModelError::BadResponse(format!("not a chat completion: {e}")))?;
         let usage = parsed
-            .get("usage")
-            .and_then(|usage| WireUsage::deserialize(usage).ok())
-            .ok_or_else(|| ModelError::BadResponse("no usage with both counts".into()))?;
-        let (input_tokens, output_tokens) = (usage.prompt_tokens, usage.completion_tokens);
+            .usage
+            .ok_or_else(|| ModelError::BadResponse("no usage".into()))?;
         // A count past any model on offer is not believed: counted, it would spend the organisation's month at once.
-        if input_tokens.max(output_tokens) > MAX_TOKENS_TOLD {
+        if usage.prompt_tokens.max(usage.completion_tokens) > MAX_TOKENS_TOLD {
             return Err(ModelError::BadResponse(format!(
-                "usage of {input_tokens} input and {output_tokens} output tokens is past any model on offer \
-                 ({MAX_TOKENS_TOLD})"
+                "usage of {} input and {} output tokens is past any model on offer ({MAX_TOKENS_TOLD})",
+                usage.prompt_tokens, usage.completion_tokens
             )));
         }
-        let text = match parsed.pointer("/choices/0") {
-            None | Some(serde_json::Value::Null) => Err("no choices"),
-            Some(choice) => (choice.pointer("/message/content"))
-                .and_then(content_text)
-                .ok_or("choice has no content"),
+        let text = match parsed.choices.and_then(|first| first.0) {
+            Some(choice) => (choice.message.and_then(|m| m.content)).ok_or("choice has no content"),
+            None => Err("no choices"),
         };
         match text {
             Ok(text) => Ok(ChatResponse {
                 text,
-                model: (parsed.get("model").and_then(|m| m.as_str()))
-                    .map_or_else(|| self.model.clone(), str::to_owned),
-                input_tokens,
-                output_tokens,
+                model: parsed.model.unwrap_or_else(|| self.model.clone()),
+                input_tokens: usage.prompt_tokens,
+                output_tokens: usage.completion_tokens,
             }),
             Err(why) => Err(ModelError::Unusable {
                 why: why.into(),
-                input_tokens,
-                output_tokens,
+                input_tokens: usage.prompt_tokens,
+                output_tokens: usage.completion_tokens,
             }),
         }
     }
