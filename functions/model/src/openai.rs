@@ -13,8 +13,13 @@ pub const DEFAULT_BASE_URL: &str = "https://api.deepseek.com";
 /// The contract's default. DeepSeek has announced this name as a legacy alias of its V4 model, so deployments
 /// should set the model explicitly; the default only keeps the zero-config path working while the alias lives.
 pub const DEFAULT_MODEL: &str = "deepseek-chat";
-/// Upper bound on a completion body we accept; a chat answer is far smaller, so more means a broken or hostile peer.
-pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+/// Upper bound on a completion body we accept. The engine uses at most 256 KiB of answer text; this leaves room for
+/// its escapes and a reasoning model's thoughts, and more means a broken or hostile peer. Parsing costs memory in
+/// proportion (serde's error for a mistyped value quotes it, at up to six bytes a byte), so it is kept to that.
+pub const MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+/// Longest model name kept from an answer (it names the trace's model); a longer one, or one with control
+/// characters, is not a model's name, and the configured one is kept instead.
+const MAX_MODEL_NAME: usize = 256;
 /// Most tokens an answer may say it used on either side: the largest context window of a model on offer (Llama 4
 /// Scout, 10M), five times the largest the common hosted models take (2M). A count beyond it is a broken or hostile
 /// peer, not a model a client of this kind talks to.
@@ -94,8 +99,10 @@ struct WireRequest<'a> {
 }
 
 // Only the fields we use, typed so serde skips the rest without building it (DeepSeek adds `reasoning_content`,
-// cache-hit usage, ...): a 4 MiB body of anything else costs no memory. Everything but usage may be missing or null:
-// an answer that tells its tokens is billed, so it must parse to be counted.
+// cache-hit usage, ...): what is skipped costs memory bounded by the body's size, not a tree of it. Everything but
+// usage may be missing or null, so an answer that tells its tokens is counted; but a value of another type where a
+// field is read (content in parts, a choice that is not an object, a `model` that is not a string) fails the whole
+// parse, and such a billed answer is not counted.
 #[derive(Deserialize)]
 struct WireResponse {
     model: Option<String>,
@@ -234,7 +241,15 @@ impl OpenAiCompatible {
         }
         let bytes = bytes?;
         let parsed: WireResponse = serde_json::from_slice(&bytes)
-            .map_err(|e| ModelError::BadResponse(format!("not a chat completion: {e}")))?;
+            // Not `{e}`: serde's message quotes a mistyped value whole, up to six times the body.
+            .map_err(|e| {
+                ModelError::BadResponse(format!(
+                    "not a chat completion ({:?} error at line {}, column {})",
+                    e.classify(),
+                    e.line(),
+                    e.column()
+                ))
+            })?;
         let usage = parsed
             .usage
             .ok_or_else(|| ModelError::BadResponse("no usage".into()))?;
@@ -252,7 +267,9 @@ impl OpenAiCompatible {
         match text {
             Ok(text) => Ok(ChatResponse {
                 text,
-                model: parsed.model.unwrap_or_else(|| self.model.clone()),
+                model: (parsed.model)
+                    .filter(|m| m.len() <= MAX_MODEL_NAME && !m.chars().any(char::is_control))
+                    .unwrap_or_else(|| self.model.clone()),
                 input_tokens: usage.prompt_tokens,
                 output_tokens: usage.completion_tokens,
             }),

@@ -70,6 +70,11 @@ async fn handler(
             "usage": {"prompt_tokens": 1, "completion_tokens": 2}})).into_response(),
         "halfusage" => Json(json!({"choices": [{"message": {"content": "the patch"}}],
             "usage": {"prompt_tokens": 7, "completion_tokens": null}})).into_response(),
+        "emptyusage" => Json(json!({"choices": [{"message": {"content": "the patch"}}], "usage": {}})).into_response(),
+        "mistyped" => Json(json!({"choices": "\u{7f}".repeat(100_000), "usage": {"prompt_tokens": 1, "completion_tokens": 1}}))
+            .into_response(),
+        "longname" => Json(json!({"model": "m".repeat(1_000), "choices": [{"message": {"content": "the patch"}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1}})).into_response(),
         "past_prompt" => told(MAX_TOKENS_TOLD + 1, 1),
         "past_completion" => told(1, MAX_TOKENS_TOLD + 1),
         "huge" => (StatusCode::OK, "x".repeat(loams_model::MAX_RESPONSE_BYTES + 1)).into_response(),
@@ -229,6 +234,16 @@ async fn the_first_choice_is_the_answer_whatever_follows_it() {
 }
 
 #[tokio::test]
+async fn a_model_name_no_model_has_is_not_kept() {
+    let (base, _) = mock().await;
+    let answer = client(&base, "longname", KEY)
+        .complete(&request())
+        .await
+        .unwrap();
+    assert_eq!(answer.model, "deepseek-chat");
+}
+
+#[tokio::test]
 async fn an_answer_at_the_most_tokens_believed_is_an_answer() {
     let (base, _) = mock().await;
     let answer = client(&base, "most", KEY)
@@ -252,6 +267,8 @@ async fn malformed_oversized_and_unbelievable_answers_are_bad_responses() {
         "past_prompt",
         "past_completion",
         "halfusage",
+        "emptyusage",
+        "mistyped",
     ] {
         let err = client(&base, scenario, KEY)
             .complete(&request())
@@ -260,6 +277,12 @@ async fn malformed_oversized_and_unbelievable_answers_are_bad_responses() {
         assert!(
             matches!(err, ModelError::BadResponse(_)),
             "{scenario}: {err:?}"
+        );
+        // A bad answer's reason is kept with the run: it never quotes the answer.
+        assert!(
+            err.to_string().len() < 300,
+            "{scenario}: {} bytes",
+            err.to_string().len()
         );
         assert!(!err.is_retryable());
     }
