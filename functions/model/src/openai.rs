@@ -13,10 +13,13 @@ pub const DEFAULT_BASE_URL: &str = "https://api.deepseek.com";
 /// The contract's default. DeepSeek has announced this name as a legacy alias of its V4 model, so deployments
 /// should set the model explicitly; the default only keeps the zero-config path working while the alias lives.
 pub const DEFAULT_MODEL: &str = "deepseek-chat";
-/// Upper bound on a completion body we accept. The engine uses at most 256 KiB of answer text; this leaves room for
-/// its escapes and a reasoning model's thoughts, and more means a broken or hostile peer. Parsing costs memory in
-/// proportion (serde's error for a mistyped value quotes it, at up to six bytes a byte), so it is kept to that.
-pub const MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+/// Upper bound on a completion body we accept: room for the longest answer a provider bills (a reasoning model's
+/// thoughts and answer, hundreds of thousands of tokens), so that one too long to use is still counted; more means a
+/// broken or hostile peer. Parsing a body this size costs memory in proportion: serde's error for a mistyped value
+/// quotes it whole, at up to six bytes a byte, for as long as the error lives (see `parse_error`).
+pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+/// How much of serde's message a bad answer's reason keeps.
+const MAX_PARSE_ERROR: usize = 160;
 /// Longest model name kept from an answer (it names the trace's model); a longer one, or one with control
 /// characters, is not a model's name, and the configured one is kept instead.
 const MAX_MODEL_NAME: usize = 256;
@@ -240,16 +243,8 @@ impl OpenAiCompatible {
             });
         }
         let bytes = bytes?;
-        let parsed: WireResponse = serde_json::from_slice(&bytes)
-            // Not `{e}`: serde's message quotes a mistyped value whole, up to six times the body.
-            .map_err(|e| {
-                ModelError::BadResponse(format!(
-                    "not a chat completion ({:?} error at line {}, column {})",
-                    e.classify(),
-                    e.line(),
-                    e.column()
-                ))
-            })?;
+        let parsed: WireResponse =
+            serde_json::from_slice(&bytes).map_err(|e| ModelError::BadResponse(parse_error(&e)))?;
         let usage = parsed
             .usage
             .ok_or_else(|| ModelError::BadResponse("no usage".into()))?;
@@ -360,6 +355,33 @@ impl ChatModel for OpenAiCompatible {
         }
         result
     }
+}
+
+/// Why an answer is not a chat completion: the start of serde's message (which quotes a mistyped value whole, up to six
+/// times the body, and is not copied further) and where it stopped.
+fn parse_error(e: &serde_json::Error) -> String {
+    /// Keeps the first `MAX_PARSE_ERROR` bytes written to it, then refuses the rest.
+    struct Start(String);
+    impl fmt::Write for Start {
+        fn write_str(&mut self, s: &str) -> fmt::Result {
+            let room = MAX_PARSE_ERROR.saturating_sub(self.0.len());
+            self.0.push_str(&s[..s.floor_char_boundary(room)]);
+            if s.len() > room {
+                Err(fmt::Error)
+            } else {
+                Ok(())
+            }
+        }
+    }
+    let mut start = Start(String::new());
+    // The message without its position (`Display` ends with it; the position is added below, whole).
+    let _ = fmt::write(&mut start, format_args!("{e}"));
+    format!(
+        "not a chat completion: {} (line {}, column {})",
+        start.0.split(" at line ").next().unwrap_or_default(),
+        e.line(),
+        e.column()
+    )
 }
 
 fn error_type(e: &ModelError) -> &'static str {

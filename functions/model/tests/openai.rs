@@ -73,13 +73,24 @@ async fn handler(
         "emptyusage" => Json(json!({"choices": [{"message": {"content": "the patch"}}], "usage": {}})).into_response(),
         "mistyped" => Json(json!({"choices": "\u{7f}".repeat(100_000), "usage": {"prompt_tokens": 1, "completion_tokens": 1}}))
             .into_response(),
-        "longname" => Json(json!({"model": "m".repeat(1_000), "choices": [{"message": {"content": "the patch"}}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1}})).into_response(),
+        "name256" => named(&"m".repeat(256)),
+        "name257" => named(&"m".repeat(257)),
+        "namectl" => named("deepseek\u{1b}[31m"),
+        "thoughtful" => Json(json!({"choices": [{"message": {"content": "the patch",
+                "reasoning_content": "hmm ".repeat(512 * 1024)}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 600_000}})).into_response(),
         "past_prompt" => told(MAX_TOKENS_TOLD + 1, 1),
         "past_completion" => told(1, MAX_TOKENS_TOLD + 1),
         "huge" => (StatusCode::OK, "x".repeat(loams_model::MAX_RESPONSE_BYTES + 1)).into_response(),
         _ => StatusCode::NOT_FOUND.into_response(),
     }
+}
+
+/// An answer from a model of this name.
+fn named(name: &str) -> axum::response::Response {
+    let usage = json!({"prompt_tokens": 1, "completion_tokens": 1});
+    Json(json!({"model": name, "choices": [{"message": {"content": "the patch"}}], "usage": usage}))
+        .into_response()
 }
 
 /// An answer that says it used these tokens.
@@ -236,11 +247,52 @@ async fn the_first_choice_is_the_answer_whatever_follows_it() {
 #[tokio::test]
 async fn a_model_name_no_model_has_is_not_kept() {
     let (base, _) = mock().await;
-    let answer = client(&base, "longname", KEY)
+    let longest = "m".repeat(256);
+    for (scenario, kept) in [
+        ("name256", longest.as_str()),
+        ("name257", "deepseek-chat"),
+        ("namectl", "deepseek-chat"),
+    ] {
+        let answer = client(&base, scenario, KEY)
+            .complete(&request())
+            .await
+            .unwrap();
+        assert_eq!(answer.model, kept, "{scenario}");
+    }
+}
+
+#[tokio::test]
+async fn a_reasoning_models_long_answer_is_read_and_counted() {
+    // Over 2 MiB with its thoughts: too long for the engine to use, but billed, so it must come back with its tokens.
+    let (base, _) = mock().await;
+    let answer = client(&base, "thoughtful", KEY)
         .complete(&request())
         .await
         .unwrap();
-    assert_eq!(answer.model, "deepseek-chat");
+    assert_eq!(
+        (answer.text.as_str(), answer.output_tokens),
+        ("the patch", 600_000)
+    );
+}
+
+#[tokio::test]
+async fn a_bad_answer_says_what_serde_found_and_where() {
+    let (base, _) = mock().await;
+    for (scenario, says) in [
+        ("halfusage", "invalid type: null, expected u64"),
+        ("emptyusage", "missing field `prompt_tokens`"),
+        ("mistyped", "invalid type: string"),
+    ] {
+        let err = client(&base, scenario, KEY)
+            .complete(&request())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(says) && err.contains("(line 1, column "),
+            "{scenario}: {err}"
+        );
+    }
 }
 
 #[tokio::test]
