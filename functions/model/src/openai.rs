@@ -18,7 +18,7 @@ pub const DEFAULT_MODEL: &str = "deepseek-chat";
 /// broken or hostile peer. Parsing a body this size costs memory in proportion: serde's error for a mistyped value
 /// quotes it whole, at up to six bytes a byte, for as long as the error lives (see `parse_error`).
 pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
-/// How much of serde's message a bad answer's reason keeps.
+/// Most of serde's message a bad answer's reason keeps (its own words, never a quoted value: see `parse_error`).
 const MAX_PARSE_ERROR: usize = 160;
 /// Longest model name kept from an answer (it names the trace's model); a longer one, or one with control
 /// characters, is not a model's name, and the configured one is kept instead.
@@ -357,15 +357,19 @@ impl ChatModel for OpenAiCompatible {
     }
 }
 
-/// Why an answer is not a chat completion: the start of serde's message (which quotes a mistyped value whole, up to six
-/// times the body, and is not copied further) and where it stopped.
+/// Why an answer is not a chat completion: serde's message up to any quote, and where it stopped. What follows a
+/// quote is the peer's own text (a mistyped value, quoted whole: up to six times the body while the error lives),
+/// which may hold anything, the presented key included; it is neither kept nor copied.
 fn parse_error(e: &serde_json::Error) -> String {
-    /// Keeps the first `MAX_PARSE_ERROR` bytes written to it, then refuses the rest.
-    struct Start(String);
+    /// Keeps the first `limit` bytes written to it, then refuses the rest.
+    struct Start {
+        kept: String,
+        limit: usize,
+    }
     impl fmt::Write for Start {
         fn write_str(&mut self, s: &str) -> fmt::Result {
-            let room = MAX_PARSE_ERROR.saturating_sub(self.0.len());
-            self.0.push_str(&s[..s.floor_char_boundary(room)]);
+            let room = self.limit.saturating_sub(self.kept.len());
+            self.kept.push_str(&s[..s.floor_char_boundary(room)]);
             if s.len() > room {
                 Err(fmt::Error)
             } else {
@@ -373,12 +377,17 @@ fn parse_error(e: &serde_json::Error) -> String {
             }
         }
     }
-    let mut start = Start(String::new());
-    // The message without its position (`Display` ends with it; the position is added below, whole).
+    // `Display` ends the message with its position, given whole below.
+    let position = format!(" at line {} column {}", e.line(), e.column());
+    let mut start = Start {
+        kept: String::new(),
+        limit: MAX_PARSE_ERROR + position.len(),
+    };
     let _ = fmt::write(&mut start, format_args!("{e}"));
+    let message = start.kept.strip_suffix(&position).unwrap_or(&start.kept);
+    let message = message.split('"').next().unwrap_or_default().trim_end();
     format!(
-        "not a chat completion: {} (line {}, column {})",
-        start.0.split(" at line ").next().unwrap_or_default(),
+        "not a chat completion: {message} (line {}, column {})",
         e.line(),
         e.column()
     )

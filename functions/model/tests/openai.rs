@@ -73,6 +73,8 @@ async fn handler(
         "emptyusage" => Json(json!({"choices": [{"message": {"content": "the patch"}}], "usage": {}})).into_response(),
         "mistyped" => Json(json!({"choices": "\u{7f}".repeat(100_000), "usage": {"prompt_tokens": 1, "completion_tokens": 1}}))
             .into_response(),
+        "keyed" => Json(json!({"choices": format!("echo {KEY} echo"),
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1}})).into_response(),
         "name256" => named(&"m".repeat(256)),
         "name257" => named(&"m".repeat(257)),
         "namectl" => named("deepseek\u{1b}[31m"),
@@ -263,7 +265,8 @@ async fn a_model_name_no_model_has_is_not_kept() {
 
 #[tokio::test]
 async fn a_reasoning_models_long_answer_is_read_and_counted() {
-    // Over 2 MiB with its thoughts: too long for the engine to use, but billed, so it must come back with its tokens.
+    // Over 2 MiB, almost all of it `reasoning_content`: past a tighter bound on bodies, but billed, so it must be read
+    // and come back with its tokens.
     let (base, _) = mock().await;
     let answer = client(&base, "thoughtful", KEY)
         .complete(&request())
@@ -282,6 +285,7 @@ async fn a_bad_answer_says_what_serde_found_and_where() {
         ("halfusage", "invalid type: null, expected u64"),
         ("emptyusage", "missing field `prompt_tokens`"),
         ("mistyped", "invalid type: string"),
+        ("keyed", "invalid type: string"),
     ] {
         let err = client(&base, scenario, KEY)
             .complete(&request())
@@ -290,6 +294,11 @@ async fn a_bad_answer_says_what_serde_found_and_where() {
             .to_string();
         assert!(
             err.contains(says) && err.contains("(line 1, column "),
+            "{scenario}: {err}"
+        );
+        // A peer may echo the key it was given; the reason keeps none of the peer's text.
+        assert!(
+            !err.contains(KEY) && !err.contains("sk-") && !err.contains("echo"),
             "{scenario}: {err}"
         );
     }
@@ -330,7 +339,7 @@ async fn malformed_oversized_and_unbelievable_answers_are_bad_responses() {
             matches!(err, ModelError::BadResponse(_)),
             "{scenario}: {err:?}"
         );
-        // A bad answer's reason is kept with the run: it never quotes the answer.
+        // A bad answer's reason is kept with the run: it is short and quotes nothing of the answer.
         assert!(
             err.to_string().len() < 300,
             "{scenario}: {} bytes",
