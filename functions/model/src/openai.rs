@@ -18,7 +18,7 @@ pub const DEFAULT_MODEL: &str = "deepseek-chat";
 /// broken or hostile peer. Parsing a body this size costs memory in proportion: serde's error for a mistyped value
 /// quotes it whole, at up to six bytes a byte, for as long as the error lives (see `parse_error`).
 pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
-/// Most of serde's message a bad answer's reason keeps (its own words, never a quoted value: see `parse_error`).
+/// Most of serde's message a bad answer's reason keeps (never a quoted string of the answer: see `parse_error`).
 const MAX_PARSE_ERROR: usize = 160;
 /// Longest model name kept from an answer (it names the trace's model); a longer one, or one with control
 /// characters, is not a model's name, and the configured one is kept instead.
@@ -357,9 +357,9 @@ impl ChatModel for OpenAiCompatible {
     }
 }
 
-/// Why an answer is not a chat completion: serde's message up to any quote, and where it stopped. What follows a
-/// quote is the peer's own text (a mistyped value, quoted whole: up to six times the body while the error lives),
-/// which may hold anything, the presented key included; it is neither kept nor copied.
+/// Why an answer is not a chat completion: at most `MAX_PARSE_ERROR` bytes of serde's message, up to any `"`, and where
+/// it stopped. What follows a `"` is a string of the answer (a mistyped value, quoted whole: up to six times the body
+/// while the error lives), which may hold anything, the presented key included; it is neither kept nor copied.
 fn parse_error(e: &serde_json::Error) -> String {
     /// Keeps the first `limit` bytes written to it, then refuses the rest.
     struct Start {
@@ -384,7 +384,11 @@ fn parse_error(e: &serde_json::Error) -> String {
         limit: MAX_PARSE_ERROR + position.len(),
     };
     let _ = fmt::write(&mut start, format_args!("{e}"));
-    let message = start.kept.strip_suffix(&position).unwrap_or(&start.kept);
+    // A message cut short lost its position too: it is cut to the limit instead.
+    let message = match start.kept.strip_suffix(&position) {
+        Some(message) => message,
+        None => &start.kept[..start.kept.floor_char_boundary(MAX_PARSE_ERROR)],
+    };
     let message = message.split('"').next().unwrap_or_default().trim_end();
     format!(
         "not a chat completion: {message} (line {}, column {})",
@@ -407,6 +411,25 @@ fn error_type(e: &ModelError) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_parse_error_keeps_at_most_its_limit_and_no_half_position() {
+        // serde quotes a number in backticks, not `"`: a long one (as a float it may print whole) makes a message
+        // longer than the limit, which cuts off its position too.
+        let long = format!(
+            "invalid type: floating point `{}.0`, expected u64",
+            "1".repeat(200)
+        );
+        let e = <serde_json::Error as serde::de::Error>::custom(long);
+        let reason = super::parse_error(&e);
+        let message = reason
+            .strip_prefix("not a chat completion: ")
+            .and_then(|r| r.split(" (line ").next())
+            .unwrap();
+        assert_eq!(message.len(), super::MAX_PARSE_ERROR, "{reason}");
+        assert!(!reason.contains(" at line"), "{reason}");
+    }
+
     use super::*;
 
     #[tokio::test]

@@ -339,7 +339,7 @@ async fn malformed_oversized_and_unbelievable_answers_are_bad_responses() {
             matches!(err, ModelError::BadResponse(_)),
             "{scenario}: {err:?}"
         );
-        // A bad answer's reason is kept with the run: it is short and quotes nothing of the answer.
+        // A bad answer's reason is kept with the run: it stays short however long the answer.
         assert!(
             err.to_string().len() < 300,
             "{scenario}: {} bytes",
