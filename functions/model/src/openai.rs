@@ -411,26 +411,33 @@ fn error_type(e: &ModelError) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
-    #[test]
-    fn a_parse_error_keeps_at_most_its_limit_and_no_half_position() {
-        // serde quotes a number in backticks, not `"`: a long one (as a float it may print whole) makes a message
-        // longer than the limit, which cuts off its position too.
-        let long = format!(
-            "invalid type: floating point `{}.0`, expected u64",
-            "1".repeat(200)
-        );
-        let e = <serde_json::Error as serde::de::Error>::custom(long);
-        let reason = super::parse_error(&e);
-        let message = reason
-            .strip_prefix("not a chat completion: ")
-            .and_then(|r| r.split(" (line ").next())
-            .unwrap();
-        assert_eq!(message.len(), super::MAX_PARSE_ERROR, "{reason}");
-        assert!(!reason.contains(" at line"), "{reason}");
+    /// The message a bad answer keeps of an error serde reports as `message`.
+    fn kept(message: String) -> String {
+        let reason = parse_error(&<serde_json::Error as serde::de::Error>::custom(message));
+        let kept = reason.strip_prefix("not a chat completion: ").unwrap();
+        kept.split(" (line ").next().unwrap().to_string()
     }
 
-    use super::*;
+    #[test]
+    fn a_parse_error_keeps_at_most_its_limit_and_no_part_of_its_position() {
+        // Built directly (serde prints numbers short, so a real answer's message rarely gets this long). Just over the
+        // limit, the position is half kept before the cut; far over it, none is; either way the limit holds.
+        let just_over = format!("{} at line 1 column 2", "x".repeat(MAX_PARSE_ERROR + 5));
+        let e = <serde_json::Error as serde::de::Error>::custom(just_over.clone());
+        assert_eq!(
+            (e.line(), e.column()),
+            (1, 2),
+            "the error lost its position"
+        );
+        let far_over = format!("invalid type: `{}`, expected u64", "1".repeat(200));
+        for message in [just_over, far_over] {
+            let kept = kept(message);
+            assert_eq!(kept.len(), MAX_PARSE_ERROR, "{kept}");
+            assert!(!kept.contains(" at line"), "{kept}");
+        }
+    }
 
     #[tokio::test]
     async fn the_http_client_is_built_on_the_first_request_and_kept() {
