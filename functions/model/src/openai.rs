@@ -20,8 +20,8 @@ pub const DEFAULT_MODEL: &str = "deepseek-chat";
 pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
 /// Most of serde's message a bad answer's reason keeps (never a quoted string of the answer: see `parse_error`).
 const MAX_PARSE_ERROR: usize = 160;
-/// Longest model name kept from an answer (it names the trace's model); a longer one, or one with control
-/// characters, is not a model's name, and the configured one is kept instead.
+/// Longest model name kept from an answer (it names the trace's model); a longer one, or one with a character no
+/// model's name has (see `is_model_name`), is not kept, and the configured one is used instead.
 const MAX_MODEL_NAME: usize = 256;
 /// Most tokens an answer may say it used on either side: the largest context window of a model on offer (Llama 4
 /// Scout, 10M), five times the largest the common hosted models take (2M). A count beyond it is a broken or hostile
@@ -263,7 +263,7 @@ impl OpenAiCompatible {
             Ok(text) => Ok(ChatResponse {
                 text,
                 model: (parsed.model)
-                    .filter(|m| m.len() <= MAX_MODEL_NAME && !m.chars().any(char::is_control))
+                    .filter(|m| is_model_name(m))
                     .unwrap_or_else(|| self.model.clone()),
                 input_tokens: usage.prompt_tokens,
                 output_tokens: usage.completion_tokens,
@@ -355,6 +355,16 @@ impl ChatModel for OpenAiCompatible {
         }
         result
     }
+}
+
+/// Whether an answer's `model` reads as a model's name (`deepseek-chat`, `meta-llama/Llama-4-Scout`, `llama3.1:8b`):
+/// short, and of the characters such names use. Anything else (control characters, bidirectional overrides, line
+/// separators) could disguise what a trace shows.
+fn is_model_name(name: &str) -> bool {
+    name.len() <= MAX_MODEL_NAME
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._:/@+-".contains(c))
 }
 
 /// Why an answer is not a chat completion: at most `MAX_PARSE_ERROR` bytes of serde's message, up to any `"`, and where

@@ -78,6 +78,8 @@ async fn handler(
         "name256" => named(&"m".repeat(256)),
         "name257" => named(&"m".repeat(257)),
         "namectl" => named("deepseek\u{1b}[31m"),
+        "namebidi" => named("deepseek-chat\u{202e}tahc"),
+        "namepath" => named("meta-llama/Llama-4-Scout-17B-16E-Instruct:v1.0@2025+fp8"),
         "thoughtful" => Json(json!({"choices": [{"message": {"content": "the patch",
                 "reasoning_content": "hmm ".repeat(512 * 1024)}}],
             "usage": {"prompt_tokens": 1, "completion_tokens": 600_000}})).into_response(),
@@ -254,6 +256,11 @@ async fn a_model_name_no_model_has_is_not_kept() {
         ("name256", longest.as_str()),
         ("name257", "deepseek-chat"),
         ("namectl", "deepseek-chat"),
+        ("namebidi", "deepseek-chat"),
+        (
+            "namepath",
+            "meta-llama/Llama-4-Scout-17B-16E-Instruct:v1.0@2025+fp8",
+        ),
     ] {
         let answer = client(&base, scenario, KEY)
             .complete(&request())
