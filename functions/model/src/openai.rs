@@ -357,14 +357,16 @@ impl ChatModel for OpenAiCompatible {
     }
 }
 
-/// Whether an answer's `model` reads as a model's name (`deepseek-chat`, `meta-llama/Llama-4-Scout`, `llama3.1:8b`):
-/// short, and of the characters such names use. Anything else (control characters, bidirectional overrides, line
+/// Whether an answer's `model` reads as a model's name (`deepseek-chat`, `meta-llama/Llama-4-Scout`,
+/// `llama3.1:8b-instruct-q4_K_M`, `ft:gpt-4o-mini:my-org:custom_suffix:id`): not empty, short, and of the characters
+/// such names use. Anything else (control characters, bidirectional overrides, line
 /// separators) could disguise what a trace shows.
 fn is_model_name(name: &str) -> bool {
-    name.len() <= MAX_MODEL_NAME
+    !name.is_empty()
+        && name.len() <= MAX_MODEL_NAME
         && name
             .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "._:/@+-".contains(c))
+            .all(|c| c.is_ascii_alphanumeric() || "._:/@+-_".contains(c))
 }
 
 /// Why an answer is not a chat completion: at most `MAX_PARSE_ERROR` bytes of serde's message, up to any `"`, and where

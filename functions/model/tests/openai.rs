@@ -79,6 +79,8 @@ async fn handler(
         "name257" => named(&"m".repeat(257)),
         "namectl" => named("deepseek\u{1b}[31m"),
         "namebidi" => named("deepseek-chat\u{202e}tahc"),
+        "nameempty" => named(""),
+        "nameollama" => named("llama3.1:8b-instruct-q4_K_M"),
         "namepath" => named("meta-llama/Llama-4-Scout-17B-16E-Instruct:v1.0@2025+fp8"),
         "thoughtful" => Json(json!({"choices": [{"message": {"content": "the patch",
                 "reasoning_content": "hmm ".repeat(512 * 1024)}}],
@@ -257,6 +259,8 @@ async fn a_model_name_no_model_has_is_not_kept() {
         ("name257", "deepseek-chat"),
         ("namectl", "deepseek-chat"),
         ("namebidi", "deepseek-chat"),
+        ("nameempty", "deepseek-chat"),
+        ("nameollama", "llama3.1:8b-instruct-q4_K_M"),
         (
             "namepath",
             "meta-llama/Llama-4-Scout-17B-16E-Instruct:v1.0@2025+fp8",
