@@ -366,7 +366,7 @@ fn is_model_name(name: &str) -> bool {
         && name.len() <= MAX_MODEL_NAME
         && name
             .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "._:/@+-_".contains(c))
+            .all(|c| c.is_ascii_alphanumeric() || "._:/@+-".contains(c))
 }
 
 /// Why an answer is not a chat completion: at most `MAX_PARSE_ERROR` bytes of serde's message, up to any `"`, and where
