@@ -27,15 +27,21 @@ fn quote(text: &str) -> String {
 /// The last `max` bytes of `text`, cut on a character boundary, without control characters but newlines and tabs:
 /// the run keeps such texts as JSON, where each would take six bytes (`\u001b`), and the room a run has for them
 /// is counted in bytes (`MAX_RUN_BYTES`). A CI log's colour codes lose their escape character and nothing more.
+/// Read from the end, so a long CI log costs only the tail it keeps.
 pub(crate) fn tail(text: &str, max: usize) -> String {
-    let text: String = text
+    let mut room = max;
+    let mut kept: Vec<char> = text
         .chars()
+        .rev()
         .filter(|c| !c.is_control() || matches!(c, '\n' | '\t'))
+        .take_while(|c| {
+            let fits = c.len_utf8() <= room;
+            room = room.saturating_sub(c.len_utf8());
+            fits
+        })
         .collect();
-    if text.len() <= max {
-        return text;
-    }
-    text[text.ceil_char_boundary(text.len() - max)..].to_string()
+    kept.reverse();
+    kept.into_iter().collect()
 }
 
 fn signal_block(run: &Run) -> String {

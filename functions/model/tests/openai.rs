@@ -9,7 +9,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use loams_model::{
-    ChatMessage, ChatModel, ChatRequest, MAX_TOKENS_TOLD, ModelConfig, ModelError, OpenAiCompatible,
+    ChatMessage, ChatModel, ChatRequest, ChatResponse, MAX_TOKENS_TOLD, ModelConfig, ModelError,
+    OpenAiCompatible,
 };
 use serde_json::{Value, json};
 
@@ -127,6 +128,11 @@ fn client(base: &str, scenario: &str, key: &str) -> OpenAiCompatible {
     .unwrap()
 }
 
+/// What the mock answers for `scenario`, asked with the right key.
+async fn ask(base: &str, scenario: &str) -> Result<ChatResponse, ModelError> {
+    client(base, scenario, KEY).complete(&request()).await
+}
+
 fn request() -> ChatRequest {
     ChatRequest {
         purpose: "fix".into(),
@@ -141,7 +147,7 @@ fn request() -> ChatRequest {
 #[tokio::test]
 async fn success_parses_content_and_usage_and_sends_openai_shape() {
     let (base, seen) = mock().await;
-    let resp = client(&base, "ok", KEY).complete(&request()).await.unwrap();
+    let resp = ask(&base, "ok").await.unwrap();
     assert_eq!(resp.text, "the patch");
     assert_eq!(resp.model, "deepseek-chat");
     assert_eq!((resp.input_tokens, resp.output_tokens), (120, 34));
@@ -175,10 +181,7 @@ async fn wrong_key_is_a_status_error_without_the_key() {
 #[tokio::test]
 async fn rate_limit_carries_retry_after() {
     let (base, _) = mock().await;
-    let err = client(&base, "rate", KEY)
-        .complete(&request())
-        .await
-        .unwrap_err();
+    let err = ask(&base, "rate").await.unwrap_err();
     assert!(
         matches!(err, ModelError::RateLimited { retry_after: Some(d) } if d == Duration::from_secs(7)),
         "{err:?}"
@@ -189,10 +192,7 @@ async fn rate_limit_carries_retry_after() {
 #[tokio::test]
 async fn server_error_is_retryable_and_redacted() {
     let (base, _) = mock().await;
-    let err = client(&base, "fail", KEY)
-        .complete(&request())
-        .await
-        .unwrap_err();
+    let err = ask(&base, "fail").await.unwrap_err();
     let ModelError::Status { status, body } = &err else {
         panic!("unexpected {err:?}")
     };
@@ -212,10 +212,7 @@ async fn an_answer_without_a_choice_or_content_is_unusable_but_its_tokens_are_to
         ("nomessage", ("choice has no content", 5, 6)),
         ("nullchoice", ("no choices", 8, 9)),
     ] {
-        let err = client(&base, scenario, KEY)
-            .complete(&request())
-            .await
-            .unwrap_err();
+        let err = ask(&base, scenario).await.unwrap_err();
         let ModelError::Unusable {
             why,
             input_tokens,
@@ -236,10 +233,7 @@ async fn an_answer_without_a_choice_or_content_is_unusable_but_its_tokens_are_to
 #[tokio::test]
 async fn the_first_choice_is_the_answer_whatever_follows_it() {
     let (base, _) = mock().await;
-    let answer = client(&base, "manychoices", KEY)
-        .complete(&request())
-        .await
-        .unwrap();
+    let answer = ask(&base, "manychoices").await.unwrap();
     assert_eq!(
         (
             answer.text.as_str(),
@@ -266,10 +260,7 @@ async fn a_model_name_no_model_has_is_not_kept() {
             "meta-llama/Llama-4-Scout-17B-16E-Instruct:v1.0@2025+fp8",
         ),
     ] {
-        let answer = client(&base, scenario, KEY)
-            .complete(&request())
-            .await
-            .unwrap();
+        let answer = ask(&base, scenario).await.unwrap();
         assert_eq!(answer.model, kept, "{scenario}");
     }
 }
@@ -279,10 +270,7 @@ async fn a_reasoning_models_long_answer_is_read_and_counted() {
     // Over 2 MiB, almost all of it `reasoning_content`: past a tighter bound on bodies, but billed, so it must be read
     // and come back with its tokens.
     let (base, _) = mock().await;
-    let answer = client(&base, "thoughtful", KEY)
-        .complete(&request())
-        .await
-        .unwrap();
+    let answer = ask(&base, "thoughtful").await.unwrap();
     assert_eq!(
         (answer.text.as_str(), answer.output_tokens),
         ("the patch", 600_000)
@@ -298,11 +286,7 @@ async fn a_bad_answer_says_what_serde_found_and_where() {
         ("mistyped", "invalid type: string"),
         ("keyed", "invalid type: string"),
     ] {
-        let err = client(&base, scenario, KEY)
-            .complete(&request())
-            .await
-            .unwrap_err()
-            .to_string();
+        let err = ask(&base, scenario).await.unwrap_err().to_string();
         assert!(
             err.contains(says) && err.contains("(line 1, column "),
             "{scenario}: {err}"
@@ -318,10 +302,7 @@ async fn a_bad_answer_says_what_serde_found_and_where() {
 #[tokio::test]
 async fn an_answer_at_the_most_tokens_believed_is_an_answer() {
     let (base, _) = mock().await;
-    let answer = client(&base, "most", KEY)
-        .complete(&request())
-        .await
-        .unwrap();
+    let answer = ask(&base, "most").await.unwrap();
     assert_eq!(
         (answer.input_tokens, answer.output_tokens),
         (MAX_TOKENS_TOLD, MAX_TOKENS_TOLD)
@@ -342,10 +323,7 @@ async fn malformed_oversized_and_unbelievable_answers_are_bad_responses() {
         "emptyusage",
         "mistyped",
     ] {
-        let err = client(&base, scenario, KEY)
-            .complete(&request())
-            .await
-            .unwrap_err();
+        let err = ask(&base, scenario).await.unwrap_err();
         assert!(
             matches!(err, ModelError::BadResponse(_)),
             "{scenario}: {err:?}"
