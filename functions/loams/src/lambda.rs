@@ -1406,10 +1406,16 @@ mod tests {
         let sdk = aws_config::SdkConfig::builder().build();
         let mut config = Config::default();
         let refused = Backend::open_on(&config, &sdk).await.err().unwrap();
-        assert!(refused.to_string().starts_with("setting `backend`"), "{refused}");
+        assert!(
+            refused.to_string().starts_with("setting `backend`"),
+            "{refused}"
+        );
         config.backend.store = StoreKind::Dynamodb;
         let refused = Backend::open_on(&config, &sdk).await.err().unwrap();
-        assert!(refused.to_string().starts_with("setting `backend`"), "{refused}");
+        assert!(
+            refused.to_string().starts_with("setting `backend`"),
+            "{refused}"
+        );
     }
 
     /// An SQS event as Lambda delivers it, through the handler, against the SQLite backend.
@@ -1515,12 +1521,9 @@ mod template_tests {
         }
     }
 
-    #[test]
-    fn every_function_of_the_template_starts_with_its_variables() {
-        let (globals, resources) = TEMPLATE.split_once("\nResources:\n").unwrap();
-        let common = variables(globals.split_once("\nGlobals:\n").unwrap().1);
-        assert!(common.iter().any(|(k, _)| k == "LOAMS_TABLE"), "{common:?}");
-        let mut seen = Vec::new();
+    /// The template's resources, each as the text of its block (its first line `Name:`).
+    fn resources() -> Vec<String> {
+        let resources = TEMPLATE.split_once("\nResources:\n").unwrap().1;
         // A resource starts at a line indented by exactly two spaces.
         let mut blocks: Vec<String> = Vec::new();
         for line in resources.lines() {
@@ -1530,6 +1533,52 @@ mod template_tests {
                 _ => blocks.push(line.trim().to_string()),
             }
         }
+        blocks
+    }
+
+    /// The number a resource sets `property` to.
+    fn seconds(resource: &str, property: &str) -> u64 {
+        let block = resources()
+            .into_iter()
+            .find(|b| b.starts_with(&format!("{resource}:")))
+            .unwrap_or_else(|| panic!("no resource {resource}"));
+        let line = block
+            .lines()
+            .find_map(|l| {
+                l.trim()
+                    .strip_prefix(&format!("{property}: "))
+                    .map(str::to_string)
+            })
+            .unwrap_or_else(|| panic!("{resource} sets no {property}"));
+        line.parse()
+            .unwrap_or_else(|e| panic!("{resource}.{property} = {line}: {e}"))
+    }
+
+    /// A model answer may take minutes: the worker's invocation must hold a whole step (else the answer is paid
+    /// and lost, then bought again), within Lambda's 900 s, and its queue must not deliver a batch again while
+    /// the invocation that holds it may still run.
+    #[test]
+    fn the_worker_function_outlasts_its_longest_step_and_its_queue_outlasts_the_worker() {
+        let timeout = seconds("WorkerFunction", "Timeout");
+        assert!(
+            (loams_worker::MAX_STEP.as_secs()..=900).contains(&timeout),
+            "worker Timeout {timeout} s, a step up to {:?}",
+            loams_worker::MAX_STEP
+        );
+        let visibility = seconds("WorkQueue", "VisibilityTimeout");
+        assert!(
+            visibility >= timeout,
+            "visibility {visibility} s < worker Timeout {timeout} s"
+        );
+    }
+
+    #[test]
+    fn every_function_of_the_template_starts_with_its_variables() {
+        let globals = TEMPLATE.split_once("\nResources:\n").unwrap().0;
+        let common = variables(globals.split_once("\nGlobals:\n").unwrap().1);
+        assert!(common.iter().any(|(k, _)| k == "LOAMS_TABLE"), "{common:?}");
+        let mut seen = Vec::new();
+        let blocks = resources();
         for block in blocks
             .iter()
             .filter(|b| b.contains("Type: AWS::Serverless::Function"))

@@ -526,7 +526,7 @@ pub fn model(config: &Config) -> anyhow::Result<Arc<dyn ChatModel>> {
         base_url: config.model.base_url.clone(),
         model: config.model.model.clone(),
         api_key: config.model_api_key()?,
-        timeout: Duration::from_secs(120),
+        timeout: loams_model::ANSWER_TIMEOUT,
     })
     .context("setting `model`")?;
     Ok(Arc::new(client))

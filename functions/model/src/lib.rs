@@ -10,8 +10,8 @@ mod replay;
 
 pub use error::ModelError;
 pub use openai::{
-    DEFAULT_BASE_URL, DEFAULT_MODEL, MAX_RESPONSE_BYTES, MAX_TOKENS_TOLD, ModelConfig,
-    OpenAiCompatible,
+    ANSWER_TIMEOUT, DEFAULT_BASE_URL, DEFAULT_MODEL, MAX_RESPONSE_BYTES, MAX_TOKENS_TOLD,
+    ModelConfig, OpenAiCompatible,
 };
 pub use replay::{MAX_CASSETTE_BYTES, Replay};
 

@@ -27,6 +27,11 @@ const MAX_MODEL_NAME: usize = 256;
 /// Scout, 10M), five times the largest the common hosted models take (2M). A count beyond it is a broken or hostile
 /// peer, not a model a client of this kind talks to.
 pub const MAX_TOKENS_TOLD: u64 = 10_000_000;
+/// How long an answer may take, body included: ten minutes, as the official OpenAI SDKs wait. Answers take minutes
+/// when the model writes the complete new content of a long file (thousands of tokens at tens a second) or reasons
+/// first; a shorter limit fails such a call after the provider has done, and billed, the work, and every retry of
+/// the step pays for it again. The worker's lease on a call and the steps it starts are sized from this.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(600);
 /// How much of an error body is kept in [`ModelError::Status`].
 const ERROR_EXCERPT_CHARS: usize = 512;
 
@@ -38,7 +43,7 @@ pub struct ModelConfig {
     pub model: String,
     /// Sent as `Authorization: Bearer`; empty means no header (local servers). Never logged.
     pub api_key: String,
-    /// Whole-request timeout, body included.
+    /// Whole-request timeout, body included ([`ANSWER_TIMEOUT`] by default).
     pub timeout: Duration,
 }
 
@@ -48,7 +53,7 @@ impl Default for ModelConfig {
             base_url: DEFAULT_BASE_URL.into(),
             model: DEFAULT_MODEL.into(),
             api_key: String::new(),
-            timeout: Duration::from_secs(120),
+            timeout: ANSWER_TIMEOUT,
         }
     }
 }

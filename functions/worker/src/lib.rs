@@ -17,4 +17,4 @@ mod worker;
 pub use agents::{A2aAgents, AgentCaller, AgentReply};
 pub use error::WorkerError;
 pub use scheduler::Scheduler;
-pub use worker::{Opened, Settlement, Worker, WorkerDeps};
+pub use worker::{MAX_STEP, Opened, Settlement, Worker, WorkerDeps};

@@ -12,7 +12,7 @@ use loams_factory::{
     Ctx, Effect, Envelope, Event, Input, KillSwitches, LastRun, LastRunStatus, OrgSpend, Outcome,
     Policy, Prices, Run, RunState, Signal, run_kill_switch_id,
 };
-use loams_model::{ChatMessage, ChatModel, ChatRequest, ModelError};
+use loams_model::{ANSWER_TIMEOUT, ChatMessage, ChatModel, ChatRequest, ModelError};
 use loams_platform::limits::MAX_RECEIVE;
 use loams_platform::{Claim, Clock, Cond, Delivery, Item, Page, Queue, Store, StoreError, Timers};
 use serde_json::json;
@@ -37,8 +37,9 @@ const _: () = assert!(
     loams_factory::MAX_RUN_BYTES + loams_factory::RUN_HEADROOM_BYTES
         <= loams_platform::limits::MAX_BODY
 );
-/// A model call's idempotency lease: another worker may take the call over only after this.
-const MODEL_LEASE_MS: u64 = 180_000;
+/// A model call's idempotency lease: another worker may take the call over only after this. It outlasts the call's
+/// timeout, so a slow answer is never bought a second time by a worker that thinks the first one died.
+const MODEL_LEASE_MS: u64 = ANSWER_TIMEOUT.as_millis() as u64 + 60_000;
 /// Delay before a step whose model call is held by someone else is tried again. A third of the lease, so that a
 /// holder that crashed is taken over after a few receives rather than after the queue gave up on the message.
 const IN_PROGRESS_DELAY_MS: u64 = MODEL_LEASE_MS / 3;
@@ -48,9 +49,10 @@ const AGENT_IN_PROGRESS_DELAY_MS: u64 = 2_000;
 /// Steps one queue message carries a run through before the rest goes back on the queue: a bound on how long one
 /// run holds a worker slot while others wait.
 const STEPS_PER_MESSAGE: usize = 16;
-/// The longest one step may take: a model call's timeout (120 s) with room for the records around it. A caller with
-/// a deadline starts a further step only while this much time is left.
-const MAX_STEP: Duration = Duration::from_secs(150);
+/// The longest one step may take: a model call's timeout with room for the records around it. A caller with a
+/// deadline starts a further step only while this much time is left; the worker function's Lambda timeout
+/// (infra/template.yaml) must leave room for one.
+pub const MAX_STEP: Duration = Duration::from_secs(ANSWER_TIMEOUT.as_secs() + 30);
 /// Messages `run_once` takes from the queue and handles concurrently.
 const BATCH: u32 = 8;
 /// Steps `run` handles at once. Steps mostly wait on agents, the model and the store, so this is well above the
@@ -223,7 +225,9 @@ impl Worker {
         async {
             let (org, run_id) = (envelope.org.as_str(), envelope.run.as_str());
             let mut current = self.load(org, run_id).await?;
-            let mut ctx = self.ctx(org, Some(run_id), self.deps.clock.now_ms()).await?;
+            let mut ctx = self
+                .ctx(org, Some(run_id), self.deps.clock.now_ms())
+                .await?;
             // Before the message's own input: the approval's deadline timer must not expire a decision that is
             // stored but whose message was lost.
             if let Some(settled) = self.stored_settlement(&current.run).await? {
@@ -251,7 +255,9 @@ impl Worker {
                 // The guards (kill switches, budget) see the latest world before every effect: read afresh for
                 // each step after the first (the first uses the read made for this message a moment ago).
                 if taken > 0 {
-                    ctx = self.ctx(org, Some(run_id), self.deps.clock.now_ms()).await?;
+                    ctx = self
+                        .ctx(org, Some(run_id), self.deps.clock.now_ms())
+                        .await?;
                 }
                 current = self.record(org, run_id, &input, current, &mut ctx).await?;
                 self.open_follow_up(org, &current.run).await?;
@@ -823,7 +829,11 @@ impl Worker {
     /// step of every run slower as the killed runs add up. Items come in the byte order of their ids and
     /// `agent:<name>` < `org` < `run:<id>`, so the listing stops at the first run switch; a scope added later must
     /// sort before `run:` too, or it is never read.
-    async fn kill_switches(&self, org: &str, run: Option<&str>) -> Result<KillSwitches, WorkerError> {
+    async fn kill_switches(
+        &self,
+        org: &str,
+        run: Option<&str>,
+    ) -> Result<KillSwitches, WorkerError> {
         // The five agents' switches and the organisation's fit one page. In an organisation with killed runs, the
         // page also holds up to 8 run switches (each with its signed proof): when the listing ends there they answer
         // for the run's own; when run switches go on past the page they were read for nothing and a `get_item`
@@ -833,7 +843,10 @@ impl Worker {
         let mut page = Page::first(PAGE);
         loop {
             let listed = self.deps.store.list_items(org, "kill", None, page).await?;
-            let runs_from = listed.items.iter().position(|item| item.id.starts_with("run:"));
+            let runs_from = listed
+                .items
+                .iter()
+                .position(|item| item.id.starts_with("run:"));
             for item in &listed.items[..runs_from.unwrap_or(listed.items.len())] {
                 match item.id.split_once(':') {
                     None if item.id == "org" => kill.org = true,

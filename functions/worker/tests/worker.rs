@@ -614,7 +614,8 @@ async fn a_model_call_claimed_elsewhere_is_retried_later_and_a_finished_one_reus
     )
     .await
     .unwrap();
-    h.clock.advance(61_000);
+    // The retry is due a third of the way into the lease, before the answer timeout the lease outlasts.
+    h.clock.advance(loams_model::ANSWER_TIMEOUT.as_millis() as u64);
     assert_eq!(h.scheduler.fire_due().await.unwrap(), 1);
     assert_eq!(h.worker.run_once().await.unwrap(), 1);
     // The message carries the run on past the fix (to the reviews, which are paid): the fix itself is not.
