@@ -1555,8 +1555,8 @@ mod template_tests {
     }
 
     /// A model answer may take minutes: the worker's invocation must hold a whole step (else the answer is paid
-    /// and lost, then bought again), within Lambda's 900 s, and its queue must not deliver a batch again while
-    /// the invocation that holds it may still run.
+    /// and lost, then bought again), within Lambda's 900 s; its queue must not deliver a batch again while the
+    /// invocation that holds it may still run, nor page about a message that waits on one.
     #[test]
     fn the_worker_function_outlasts_its_longest_step_and_its_queue_outlasts_the_worker() {
         let timeout = seconds("WorkerFunction", "Timeout");
@@ -1569,6 +1569,12 @@ mod template_tests {
         assert!(
             visibility >= timeout,
             "visibility {visibility} s < worker Timeout {timeout} s"
+        );
+        // A message stays in the queue, its age growing, while its batch's invocation runs.
+        let alarm = seconds("WorkQueueAgeAlarm", "Threshold");
+        assert!(
+            alarm > timeout,
+            "age alarm at {alarm} s pages on a worker invocation of {timeout} s"
         );
     }
 

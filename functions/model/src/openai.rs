@@ -30,10 +30,16 @@ pub const MAX_TOKENS_TOLD: u64 = 10_000_000;
 /// How long an answer may take, body included: ten minutes, as the official OpenAI SDKs wait. Answers take minutes
 /// when the model writes the complete new content of a long file (thousands of tokens at tens a second) or reasons
 /// first; a shorter limit fails such a call after the provider has done, and billed, the work, and every retry of
-/// the step pays for it again. The worker's lease on a call and the steps it starts are sized from this.
+/// the step pays for it again. The worker's lease on a call and the steps it starts are sized from this, so no
+/// client may wait longer.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(600);
 /// How much of an error body is kept in [`ModelError::Status`].
 const ERROR_EXCERPT_CHARS: usize = 512;
+/// How much of an error body is read: far past the excerpt, so a key the peer echoes within the excerpt is read
+/// whole and redacted, never cut by the read into a part the redaction cannot recognise.
+const ERROR_BODY_BYTES: usize = 64 * 1024;
+/// How long an error body may take to arrive.
+const ERROR_BODY_TIME: Duration = Duration::from_secs(10);
 
 /// Where and how to reach an OpenAI-compatible endpoint.
 #[derive(Clone)]
@@ -173,8 +179,12 @@ impl OpenAiCompatible {
         if config.model.trim().is_empty() {
             return Err(ModelError::Config("model name is empty".into()));
         }
-        if config.timeout.is_zero() {
-            return Err(ModelError::Config("timeout must be positive".into()));
+        // Longer, a call could outlive the worker's lease on it and be bought a second time.
+        if config.timeout.is_zero() || config.timeout > ANSWER_TIMEOUT {
+            return Err(ModelError::Config(format!(
+                "timeout must be positive and at most {ANSWER_TIMEOUT:?}, got {:?}",
+                config.timeout
+            )));
         }
         if HeaderValue::from_str(&format!("Bearer {}", config.api_key)).is_err() {
             // Do not echo the key: say only what is wrong with it.
@@ -233,21 +243,24 @@ impl OpenAiCompatible {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map(Duration::from_secs);
-        let bytes = read_limited(&mut resp, MAX_RESPONSE_BYTES).await;
         if status.as_u16() == 429 {
             return Err(ModelError::RateLimited { retry_after });
         }
         if !status.is_success() {
-            let body = match bytes {
-                Ok(b) => self.excerpt(&b),
-                Err(_) => String::from("<unreadable body>"),
+            // The status already says what happened: a peer that trickles its error body does not hold the call
+            // for the whole answer timeout.
+            let read =
+                tokio::time::timeout(ERROR_BODY_TIME, read_start(&mut resp, ERROR_BODY_BYTES));
+            let body = match read.await {
+                Ok(Ok(b)) => self.excerpt(&b),
+                _ => String::from("<unreadable body>"),
             };
             return Err(ModelError::Status {
                 status: status.as_u16(),
                 body,
             });
         }
-        let bytes = bytes?;
+        let bytes = read_limited(&mut resp, MAX_RESPONSE_BYTES).await?;
         let parsed: WireResponse =
             serde_json::from_slice(&bytes).map_err(|e| ModelError::BadResponse(parse_error(&e)))?;
         let usage = parsed
@@ -295,6 +308,22 @@ impl OpenAiCompatible {
             .take(ERROR_EXCERPT_CHARS)
             .collect()
     }
+}
+
+/// The first `limit` bytes of the body (all of it if shorter); the rest is not read.
+async fn read_start(resp: &mut reqwest::Response, limit: usize) -> Result<Vec<u8>, ModelError> {
+    let mut out = Vec::new();
+    while out.len() < limit {
+        let Some(chunk) = resp
+            .chunk()
+            .await
+            .map_err(|e| ModelError::Transport(e.without_url().to_string()))?
+        else {
+            break;
+        };
+        out.extend_from_slice(&chunk[..chunk.len().min(limit - out.len())]);
+    }
+    Ok(out)
 }
 
 /// Reads the body, refusing more than `limit` bytes so a hostile peer cannot exhaust memory.

@@ -9,8 +9,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use loams_model::{
-    ChatMessage, ChatModel, ChatRequest, ChatResponse, MAX_TOKENS_TOLD, ModelConfig, ModelError,
-    OpenAiCompatible,
+    ANSWER_TIMEOUT, ChatMessage, ChatModel, ChatRequest, ChatResponse, MAX_TOKENS_TOLD,
+    ModelConfig, ModelError, OpenAiCompatible,
 };
 use serde_json::{Value, json};
 
@@ -54,6 +54,8 @@ async fn handler(
         .into_response(),
         "rate" => (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "7")], "slow down").into_response(),
         "fail" => (StatusCode::INTERNAL_SERVER_ERROR, format!("upstream exploded; key was {KEY}")).into_response(),
+        "hugefail" => (StatusCode::BAD_GATEWAY,
+            format!("proxy said no; key was {KEY}; {}", "x".repeat(loams_model::MAX_RESPONSE_BYTES))).into_response(),
         "malformed" => (StatusCode::OK, [("content-type", "application/json")], "{\"choices\": [").into_response(),
         "nochoice" => Json(json!({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 0}})).into_response(),
         "nochoices" => Json(json!({"usage": {"prompt_tokens": 2, "completion_tokens": 0}})).into_response(),
@@ -200,6 +202,18 @@ async fn server_error_is_retryable_and_redacted() {
     assert!(body.starts_with("upstream exploded"));
     assert!(!body.contains(KEY) && !err.to_string().contains(KEY));
     assert!(err.is_retryable());
+
+    // An error body past what an answer may be: its start is read, the rest is not, and the key is still redacted.
+    let err = ask(&base, "hugefail").await.unwrap_err();
+    let ModelError::Status { status, body } = &err else {
+        panic!("unexpected {err:?}")
+    };
+    assert_eq!(*status, 502);
+    assert!(
+        body.starts_with("proxy said no; key was <redacted>; xxx"),
+        "{body}"
+    );
+    assert!(!err.to_string().contains(KEY));
 }
 
 #[tokio::test]
@@ -378,6 +392,10 @@ fn config_is_validated_and_debug_hides_the_key() {
         },
         ModelConfig {
             timeout: Duration::ZERO,
+            ..cfg.clone()
+        },
+        ModelConfig {
+            timeout: ANSWER_TIMEOUT + Duration::from_millis(1),
             ..cfg.clone()
         },
         ModelConfig {
