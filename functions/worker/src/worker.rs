@@ -53,6 +53,9 @@ const STEPS_PER_MESSAGE: usize = 16;
 /// deadline starts a further step only while this much time is left; the worker function's Lambda timeout
 /// (infra/template.yaml) must leave room for one.
 pub const MAX_STEP: Duration = Duration::from_secs(ANSWER_TIMEOUT.as_secs() + 30);
+/// How often a step still waiting for a model answer looks at the kill switches: a kill stops the spending within
+/// this, instead of when the answer comes (up to `ANSWER_TIMEOUT`).
+const KILL_WATCH: Duration = Duration::from_secs(5);
 /// Messages `run_once` takes from the queue and handles concurrently.
 const BATCH: u32 = 8;
 /// Steps `run` handles at once. Steps mostly wait on agents, the model and the store, so this is well above the
@@ -269,7 +272,13 @@ impl Worker {
                 self.cross(Boundary::AfterEffect, &step);
                 // Recorded against the world read before the effect rather than a second read per step: whatever
                 // changed meanwhile (a kill switch, the org's spend) is seen by the guards of the next step before
-                // its effect, in this message or the next.
+                // its effect, in this message or the next. A model answer may take minutes, so after one the world
+                // is read again: a kill that stopped it, or came meanwhile, ends the run now.
+                if matches!(effect, Effect::Model { .. }) {
+                    ctx = self
+                        .ctx(org, Some(run_id), self.deps.clock.now_ms())
+                        .await?;
+                }
                 let completed = Input::Completed {
                     step: step.clone(),
                     outcome,
@@ -684,7 +693,7 @@ impl Worker {
                 step,
                 purpose,
                 messages,
-            } => self.complete(&run.org, step, purpose, messages).await,
+            } => self.complete(run, step, purpose, messages).await,
             Effect::RequestApproval { approval, .. } => {
                 let record = approval.to_approval();
                 let item = Item {
@@ -722,15 +731,17 @@ impl Worker {
         }
     }
 
-    /// A model call, paid at most once: the step id is claimed before calling and the answer stored after.
+    /// A model call, paid at most once: the step id is claimed before calling and the answer stored after. A kill
+    /// of the run or its organisation stops the wait for the answer.
     async fn complete(
         &self,
-        org: &str,
+        run: &Run,
         step: &str,
         purpose: &str,
         messages: &[loams_factory::ChatMessage],
     ) -> Result<Outcome, WorkerError> {
         let d = &self.deps;
+        let org = run.org.as_str();
         let key = format!("model:{step}");
         match d
             .store
@@ -762,7 +773,21 @@ impl Worker {
         };
         let span =
             info_span!("chat", gen_ai.operation.name = "chat", purpose = %purpose, step = %step);
-        let answered = match d.model.complete(&request).instrument(span).await {
+        let call = d.model.complete(&request).instrument(span);
+        let answer = tokio::select! {
+            answer = call => answer,
+            () = self.killed(org, &run.id) => {
+                // Dropping the call closes its connection, so the provider stops generating. What it made so far
+                // is billed without being told, so it is not counted; the step is not tried again, the run being
+                // killed.
+                d.store.release(org, &key).await?;
+                return Ok(Outcome::Failed {
+                    error: "stopped waiting for the model's answer: a kill switch is on".into(),
+                    retryable: true,
+                });
+            }
+        };
+        let answered = match answer {
             Ok(answer) => Outcome::Model {
                 text: answer.text,
                 input_tokens: answer.input_tokens,
@@ -801,6 +826,21 @@ impl Worker {
             error!(error = %e, %org, micros, tokens, "the organisation's model spend was not counted");
         }
         Ok(outcome)
+    }
+
+    /// Returns once a kill switch of `run` or of its organisation is on, looking every `KILL_WATCH`; a failed look
+    /// is logged and the next one made.
+    async fn killed(&self, org: &str, run: &str) {
+        loop {
+            tokio::time::sleep(KILL_WATCH).await;
+            match self.kill_switches(org, Some(run)).await {
+                Ok(kill) if kill.org || !kill.runs.is_empty() => return,
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(error = %e, %org, %run, "cannot read the kill switches during a model call")
+                }
+            }
+        }
     }
 
     /// The world outside the run that the engine may look at, read fresh (kill switches are read strongly), for a

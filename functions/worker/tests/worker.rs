@@ -124,12 +124,20 @@ struct FakeModel {
     fix: Mutex<Option<String>>,
     /// Why the "fix" purpose answers a completion with nothing to use, its tokens told.
     fix_unusable: Mutex<Option<String>>,
+    /// While the "fix" purpose is asked, someone turns on the organisation's kill switch in this store, and the
+    /// answer never comes.
+    fix_killed: Mutex<Option<Arc<Sqlite>>>,
 }
 
 #[async_trait]
 impl ChatModel for FakeModel {
     async fn complete(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
         self.paid.lock().unwrap().push(req.purpose.clone());
+        let killed = self.fix_killed.lock().unwrap().clone();
+        if let Some(db) = killed.filter(|_| req.purpose == "fix") {
+            db.put_item(&kill_switch("org"), Cond::Any).await.unwrap();
+            std::future::pending::<()>().await;
+        }
         let unusable = self.fix_unusable.lock().unwrap().clone();
         if let Some(why) = unusable.filter(|_| req.purpose == "fix") {
             return Err(ModelError::Unusable {
@@ -567,6 +575,29 @@ async fn until_fix(h: &Harness, id: &str) -> String {
             .unwrap();
     }
     panic!("the run never reached its fix");
+}
+
+#[tokio::test]
+async fn a_kill_stops_the_wait_for_a_model_answer_and_ends_the_run() {
+    // An answer may take minutes: a kill meanwhile stops the wait (and the provider's generating) within seconds and
+    // ends the run, instead of when the answer comes.
+    let h = Harness::new(FakeAgents::default(), 2);
+    let id = h.worker.open(ORG, signal("fp-kill-answer")).await.unwrap().run_id;
+    let step = until_fix(&h, &id).await;
+    *h.model.fix_killed.lock().unwrap() = Some(h.db.clone());
+    let envelope = continuation(&id);
+    let handled = h.worker.handle_steps(&envelope, 1, None);
+    tokio::time::timeout(std::time::Duration::from_secs(60), handled)
+        .await
+        .expect("still waiting for the answer after the kill")
+        .unwrap();
+    let run = h.run(&id).await;
+    assert_eq!(run.state, RunState::Killed, "{:?}", run.ending);
+    assert_eq!(*h.model.paid.lock().unwrap(), ["fix"]);
+    // The call's claim is given up, not held for its lease.
+    let key = format!("model:{step}");
+    let claim = h.db.claim(ORG, &key, h.clock.now_ms(), 1_000).await;
+    assert_eq!(claim.unwrap(), Claim::New);
 }
 
 #[tokio::test]
