@@ -35,8 +35,7 @@ pub const MAX_TOKENS_TOLD: u64 = 10_000_000;
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(600);
 /// How much of an error body is kept in [`ModelError::Status`].
 const ERROR_EXCERPT_CHARS: usize = 512;
-/// How much of an error body is read: far past the excerpt, so a key the peer echoes within the excerpt is read
-/// whole and redacted, never cut by the read into a part the redaction cannot recognise.
+/// How much of an error body is read: far past the excerpt (a key the read cuts is trimmed away, see `excerpt`).
 const ERROR_BODY_BYTES: usize = 64 * 1024;
 /// How long an error body may take to arrive.
 const ERROR_BODY_TIME: Duration = Duration::from_secs(10);
@@ -49,7 +48,7 @@ pub struct ModelConfig {
     pub model: String,
     /// Sent as `Authorization: Bearer`; empty means no header (local servers). Never logged.
     pub api_key: String,
-    /// Whole-request timeout, body included ([`ANSWER_TIMEOUT`] by default).
+    /// Whole-request timeout, body included: positive and at most [`ANSWER_TIMEOUT`], the default.
     pub timeout: Duration,
 }
 
@@ -252,7 +251,7 @@ impl OpenAiCompatible {
             let read =
                 tokio::time::timeout(ERROR_BODY_TIME, read_start(&mut resp, ERROR_BODY_BYTES));
             let body = match read.await {
-                Ok(Ok(b)) => self.excerpt(&b),
+                Ok(Ok(b)) => self.excerpt(&b, b.len() == ERROR_BODY_BYTES),
                 _ => String::from("<unreadable body>"),
             };
             return Err(ModelError::Status {
@@ -294,19 +293,26 @@ impl OpenAiCompatible {
         }
     }
 
-    /// A short, key-free excerpt of an error body (some providers echo the presented key back).
-    fn excerpt(&self, body: &[u8]) -> String {
+    /// A short, key-free excerpt of an error body (some providers echo the presented key back); `cut` says the read
+    /// stopped before the body's end.
+    fn excerpt(&self, body: &[u8], cut: bool) -> String {
         let text = String::from_utf8_lossy(body);
         if self.api_key.is_empty() {
             return text.chars().take(ERROR_EXCERPT_CHARS).collect();
         }
-        // The whole body is redacted before the cut: cut first, a key straddling the end keeps its first
-        // characters; redacting a window only, each shorter `<redacted>` pulls later text (a key cut at the
-        // window's edge too) into the excerpt. The body is at most MAX_RESPONSE_BYTES, and this is the error path.
-        text.replace(self.api_key.as_str(), "<redacted>")
-            .chars()
-            .take(ERROR_EXCERPT_CHARS)
-            .collect()
+        // The whole body read (at most ERROR_BODY_BYTES) is redacted before the excerpt is taken: cut first, a key
+        // straddling the end keeps its first characters; redacting a window only, each shorter `<redacted>` pulls
+        // later text (a key cut at the window's edge too) into the excerpt.
+        const REDACTED: &str = "<redacted>";
+        let mut redacted = text.replace(self.api_key.as_str(), REDACTED);
+        if cut {
+            // What is left of a key the read cut lies within its length of the end, after the last whole key: a
+            // long key echoed many times can bring it into the excerpt.
+            let after_last_key = redacted.rfind(REDACTED).map_or(0, |i| i + REDACTED.len());
+            let keep = (redacted.len().saturating_sub(self.api_key.len())).max(after_last_key);
+            redacted.truncate(redacted.floor_char_boundary(keep));
+        }
+        redacted.chars().take(ERROR_EXCERPT_CHARS).collect()
     }
 }
 
@@ -509,13 +515,32 @@ mod tests {
         })
         .unwrap();
         let body = format!("{}{key} and more", "x".repeat(ERROR_EXCERPT_CHARS - 5));
-        let excerpt = model.excerpt(body.as_bytes());
+        let excerpt = model.excerpt(body.as_bytes(), false);
         assert_eq!(excerpt.chars().count(), ERROR_EXCERPT_CHARS);
         assert!(!excerpt.contains(&key[..5]), "{excerpt}");
 
         // A full key first, then one that reaches past the excerpt's end once the first is redacted.
         let body = format!("{key}{}{key}", "y".repeat(ERROR_EXCERPT_CHARS - 14));
-        let excerpt = model.excerpt(body.as_bytes());
+        let excerpt = model.excerpt(body.as_bytes(), false);
         assert!(!excerpt.contains("sk-"), "{excerpt}");
+    }
+
+    #[test]
+    fn a_long_key_cut_by_the_read_leaves_none_of_it() {
+        // A bearer token of a few KB, echoed until the read stops in the middle of one: redacted, the whole keys
+        // shrink so far that the cut one's start would come into the excerpt.
+        let key = format!("eyJ{}", "k".repeat(1_997));
+        let model = OpenAiCompatible::new(ModelConfig {
+            api_key: key.clone(),
+            ..ModelConfig::default()
+        })
+        .unwrap();
+        let body = key.repeat(40);
+        let read = &body.as_bytes()[..ERROR_BODY_BYTES];
+        let excerpt = model.excerpt(read, true);
+        assert!(excerpt.starts_with("<redacted><redacted>"), "{excerpt}");
+        assert!(!excerpt.contains("eyJ"), "{excerpt}");
+        // Without the cut's trim the start of the cut key is in it: the test reaches the case.
+        assert!(model.excerpt(read, false).contains("eyJ"));
     }
 }

@@ -16,6 +16,9 @@ pub enum WorkerError {
     /// the same step id, after `retry_ms`.
     #[error("effect {step} still in progress elsewhere")]
     InProgress { step: String, retry_ms: u64 },
+    /// A kill switch stopped the effect before it finished: it has no outcome to record.
+    #[error("stopped by a kill switch before the effect finished")]
+    Killed,
 }
 
 impl WorkerError {

@@ -53,8 +53,8 @@ const STEPS_PER_MESSAGE: usize = 16;
 /// deadline starts a further step only while this much time is left; the worker function's Lambda timeout
 /// (infra/template.yaml) must leave room for one.
 pub const MAX_STEP: Duration = Duration::from_secs(ANSWER_TIMEOUT.as_secs() + 30);
-/// How often a step still waiting for a model answer looks at the kill switches: a kill stops the spending within
-/// this, instead of when the answer comes (up to `ANSWER_TIMEOUT`).
+/// How often a step still waiting for a model answer looks at the run's and the organisation's kill switches: a kill
+/// ends the wait within this, instead of when the answer comes (up to `ANSWER_TIMEOUT`).
 const KILL_WATCH: Duration = Duration::from_secs(5);
 /// Messages `run_once` takes from the queue and handles concurrently.
 const BATCH: u32 = 8;
@@ -249,35 +249,50 @@ impl Worker {
             // recorded before the next is made, so a crash anywhere resumes from the last record. Going back
             // through the queue between steps would cost a send, a receive and an ack per step and decide
             // nothing more.
+            // Whether `ctx` was read since the last record (the first step's was, for this message a moment ago).
+            let mut world_read = true;
             for taken in 0..steps {
                 if taken > 0
                     && deadline.is_some_and(|deadline| Instant::now() + MAX_STEP > deadline)
                 {
                     break;
                 }
-                // The guards (kill switches, budget) see the latest world before every effect: read afresh for
-                // each step after the first (the first uses the read made for this message a moment ago).
-                if taken > 0 {
+                // The guards (kill switches, budget) see the latest world before every effect.
+                if !world_read {
                     ctx = self
                         .ctx(org, Some(run_id), self.deps.clock.now_ms())
                         .await?;
                 }
+                world_read = false;
                 current = self.record(org, run_id, &input, current, &mut ctx).await?;
                 self.open_follow_up(org, &current.run).await?;
                 let Some(effect) = current.run.next_effect() else {
                     return Ok(());
                 };
-                let outcome = self.perform(&current.run, &effect).await?;
+                input = Input::Continue;
+                let outcome = match self.perform(&current.run, &effect).await {
+                    // Nothing came back, so nothing is recorded: the guards of the next step, on the world read
+                    // now, end the run (or, the switch gone by then, make the step again).
+                    Err(WorkerError::Killed) => {
+                        ctx = self
+                            .ctx(org, Some(run_id), self.deps.clock.now_ms())
+                            .await?;
+                        world_read = true;
+                        continue;
+                    }
+                    performed => performed?,
+                };
                 let step = effect.step().to_string();
                 self.cross(Boundary::AfterEffect, &step);
                 // Recorded against the world read before the effect rather than a second read per step: whatever
                 // changed meanwhile (a kill switch, the org's spend) is seen by the guards of the next step before
                 // its effect, in this message or the next. A model answer may take minutes, so after one the world
-                // is read again: a kill that stopped it, or came meanwhile, ends the run now.
+                // is read now, and that read serves the next step: a kill that came meanwhile ends the run at once.
                 if matches!(effect, Effect::Model { .. }) {
                     ctx = self
                         .ctx(org, Some(run_id), self.deps.clock.now_ms())
                         .await?;
+                    world_read = true;
                 }
                 let completed = Input::Completed {
                     step: step.clone(),
@@ -288,7 +303,6 @@ impl Worker {
                     .await?;
                 self.open_follow_up(org, &current.run).await?;
                 self.cross(Boundary::AfterRecord, &step);
-                input = Input::Continue;
             }
             // This message's share is used up: the rest of the run goes behind the other runs' messages, in a
             // message of its own.
@@ -775,16 +789,15 @@ impl Worker {
             info_span!("chat", gen_ai.operation.name = "chat", purpose = %purpose, step = %step);
         let call = d.model.complete(&request).instrument(span);
         let answer = tokio::select! {
+            // An answer that is there is kept, kill or not: it is paid.
+            biased;
             answer = call => answer,
             () = self.killed(org, &run.id) => {
-                // Dropping the call closes its connection, so the provider stops generating. What it made so far
-                // is billed without being told, so it is not counted; the step is not tried again, the run being
-                // killed.
+                // The request is cancelled and the wait ends; a provider may stop generating then, or finish and
+                // bill the answer all the same, which is then not counted. The claim is given up: the step is
+                // made again only if the switch is gone by the time the guards look.
                 d.store.release(org, &key).await?;
-                return Ok(Outcome::Failed {
-                    error: "stopped waiting for the model's answer: a kill switch is on".into(),
-                    retryable: true,
-                });
+                return Err(WorkerError::Killed);
             }
         };
         let answered = match answer {
@@ -828,17 +841,27 @@ impl Worker {
         Ok(outcome)
     }
 
-    /// Returns once a kill switch of `run` or of its organisation is on, looking every `KILL_WATCH`; a failed look
-    /// is logged and the next one made.
+    /// Returns once the kill switch of `run` or of its organisation is on, reading the two every `KILL_WATCH`. A
+    /// failed read is logged (the first of a call only) and the next one made; the guards read them all again
+    /// after the call in any case.
     async fn killed(&self, org: &str, run: &str) {
+        let store = self.deps.store.as_ref();
+        let run_switch = run_kill_switch_id(run);
+        let mut logged = false;
         loop {
             tokio::time::sleep(KILL_WATCH).await;
-            match self.kill_switches(org, Some(run)).await {
-                Ok(kill) if kill.org || !kill.runs.is_empty() => return,
-                Ok(_) => {}
-                Err(e) => {
-                    warn!(error = %e, %org, %run, "cannot read the kill switches during a model call")
+            let read = tokio::try_join!(
+                store.get_item(org, "kill", "org"),
+                store.get_item(org, "kill", &run_switch)
+            );
+            match read {
+                Ok((None, None)) => {}
+                Ok(_) => return,
+                Err(e) if !logged => {
+                    logged = true;
+                    warn!(error = %e, %org, %run, "cannot read the kill switches during a model call");
                 }
+                Err(_) => {}
             }
         }
     }

@@ -124,18 +124,27 @@ struct FakeModel {
     fix: Mutex<Option<String>>,
     /// Why the "fix" purpose answers a completion with nothing to use, its tokens told.
     fix_unusable: Mutex<Option<String>>,
-    /// While the "fix" purpose is asked, someone turns on the organisation's kill switch in this store, and the
-    /// answer never comes.
-    fix_killed: Mutex<Option<Arc<Sqlite>>>,
+    /// How many "fix" calls fail in transit before one gets through.
+    fix_failures: Mutex<u32>,
+    /// While the "fix" purpose is asked, someone turns on the kill switch of this id in this store, and the answer
+    /// never comes.
+    fix_killed: Mutex<Option<(Arc<Sqlite>, String)>>,
 }
 
 #[async_trait]
 impl ChatModel for FakeModel {
     async fn complete(&self, req: &ChatRequest) -> Result<ChatResponse, ModelError> {
         self.paid.lock().unwrap().push(req.purpose.clone());
+        if req.purpose == "fix" {
+            let mut failures = self.fix_failures.lock().unwrap();
+            if *failures > 0 {
+                *failures -= 1;
+                return Err(ModelError::Transport("connection reset".into()));
+            }
+        }
         let killed = self.fix_killed.lock().unwrap().clone();
-        if let Some(db) = killed.filter(|_| req.purpose == "fix") {
-            db.put_item(&kill_switch("org"), Cond::Any).await.unwrap();
+        if let Some((db, switch)) = killed.filter(|_| req.purpose == "fix") {
+            db.put_item(&kill_switch(&switch), Cond::Any).await.unwrap();
             std::future::pending::<()>().await;
         }
         let unusable = self.fix_unusable.lock().unwrap().clone();
@@ -579,25 +588,33 @@ async fn until_fix(h: &Harness, id: &str) -> String {
 
 #[tokio::test]
 async fn a_kill_stops_the_wait_for_a_model_answer_and_ends_the_run() {
-    // An answer may take minutes: a kill meanwhile stops the wait (and the provider's generating) within seconds and
-    // ends the run, instead of when the answer comes.
-    let h = Harness::new(FakeAgents::default(), 2);
-    let id = h.worker.open(ORG, signal("fp-kill-answer")).await.unwrap().run_id;
-    let step = until_fix(&h, &id).await;
-    *h.model.fix_killed.lock().unwrap() = Some(h.db.clone());
-    let envelope = continuation(&id);
-    let handled = h.worker.handle_steps(&envelope, 1, None);
-    tokio::time::timeout(std::time::Duration::from_secs(60), handled)
-        .await
-        .expect("still waiting for the answer after the kill")
-        .unwrap();
-    let run = h.run(&id).await;
-    assert_eq!(run.state, RunState::Killed, "{:?}", run.ending);
-    assert_eq!(*h.model.paid.lock().unwrap(), ["fix"]);
-    // The call's claim is given up, not held for its lease.
-    let key = format!("model:{step}");
-    let claim = h.db.claim(ORG, &key, h.clock.now_ms(), 1_000).await;
-    assert_eq!(claim.unwrap(), Claim::New);
+    // An answer may take minutes: a kill of the run or of its organisation meanwhile ends the wait within seconds,
+    // and the run with it, instead of when the answer comes; during the step's last try too, which a recorded
+    // failure would have turned into the run's failure.
+    for scope in ["org", "run"] {
+        let h = Harness::new(FakeAgents::default(), 2);
+        let id = h.worker.open(ORG, signal("fp-kill-answer")).await.unwrap().run_id;
+        let step = until_fix(&h, &id).await;
+        let switch = match scope {
+            "org" => "org".to_string(),
+            _ => run_kill_switch_id(&id),
+        };
+        *h.model.fix_failures.lock().unwrap() = loams_factory::MAX_STEP_RETRIES - 1;
+        *h.model.fix_killed.lock().unwrap() = Some((h.db.clone(), switch));
+        let envelope = continuation(&id);
+        let handled = h.worker.handle_steps(&envelope, 16, None);
+        tokio::time::timeout(std::time::Duration::from_secs(60), handled)
+            .await
+            .unwrap_or_else(|_| panic!("{scope}: still waiting for the answer after the kill"))
+            .unwrap();
+        let run = h.run(&id).await;
+        assert_eq!(run.state, RunState::Killed, "{scope}: {:?}", run.ending);
+        assert_eq!(*h.model.paid.lock().unwrap(), ["fix", "fix", "fix"], "{scope}");
+        // The stopped call's claim is given up, not held for its lease.
+        let key = format!("model:{step}~{}", loams_factory::MAX_STEP_RETRIES);
+        let claim = h.db.claim(ORG, &key, h.clock.now_ms(), 1_000).await;
+        assert_eq!(claim.unwrap(), Claim::New, "{scope}: {key}");
+    }
 }
 
 #[tokio::test]
