@@ -303,15 +303,16 @@ impl OpenAiCompatible {
         // The whole body read (at most ERROR_BODY_BYTES) is redacted before the excerpt is taken: cut first, a key
         // straddling the end keeps its first characters; redacting a window only, each shorter `<redacted>` pulls
         // later text (a key cut at the window's edge too) into the excerpt.
-        const REDACTED: &str = "<redacted>";
-        let mut redacted = text.replace(self.api_key.as_str(), REDACTED);
+        let mut text = text.into_owned();
         if cut {
-            // What is left of a key the read cut lies within its length of the end, after the last whole key: a
-            // long key echoed many times can bring it into the excerpt.
-            let after_last_key = redacted.rfind(REDACTED).map_or(0, |i| i + REDACTED.len());
-            let keep = (redacted.len().saturating_sub(self.api_key.len())).max(after_last_key);
-            redacted.truncate(redacted.floor_char_boundary(keep));
+            // The read may have stopped inside an echoed key: its start, which no redaction recognises, goes.
+            let key = self.api_key.as_bytes();
+            let started = (1..key.len())
+                .rev()
+                .find(|&n| text.as_bytes().ends_with(&key[..n]));
+            text.truncate(text.len() - started.unwrap_or(0));
         }
+        let redacted = text.replace(self.api_key.as_str(), "<redacted>");
         redacted.chars().take(ERROR_EXCERPT_CHARS).collect()
     }
 }
@@ -528,19 +529,24 @@ mod tests {
     #[test]
     fn a_long_key_cut_by_the_read_leaves_none_of_it() {
         // A bearer token of a few KB, echoed until the read stops in the middle of one: redacted, the whole keys
-        // shrink so far that the cut one's start would come into the excerpt.
-        let key = format!("eyJ{}", "k".repeat(1_997));
-        let model = OpenAiCompatible::new(ModelConfig {
-            api_key: key.clone(),
-            ..ModelConfig::default()
-        })
-        .unwrap();
-        let body = key.repeat(40);
-        let read = &body.as_bytes()[..ERROR_BODY_BYTES];
-        let excerpt = model.excerpt(read, true);
-        assert!(excerpt.starts_with("<redacted><redacted>"), "{excerpt}");
-        assert!(!excerpt.contains("eyJ"), "{excerpt}");
-        // Without the cut's trim the start of the cut key is in it: the test reaches the case.
-        assert!(model.excerpt(read, false).contains("eyJ"));
+        // shrink so far that the cut one's start would come into the excerpt. The second key holds the very text
+        // that replaces it.
+        for key in [
+            format!("eyJ{}", "k".repeat(1_997)),
+            format!("eyJ<redacted>{}", "k".repeat(1_987)),
+        ] {
+            let model = OpenAiCompatible::new(ModelConfig {
+                api_key: key.clone(),
+                ..ModelConfig::default()
+            })
+            .unwrap();
+            let body = key.repeat(40);
+            let read = &body.as_bytes()[..ERROR_BODY_BYTES];
+            let excerpt = model.excerpt(read, true);
+            assert!(excerpt.starts_with("<redacted><redacted>"), "{excerpt}");
+            assert!(!excerpt.contains("eyJ"), "{excerpt}");
+            // Without the cut's trim the start of the cut key is in it: the test reaches the case.
+            assert!(model.excerpt(read, false).contains("eyJ"));
+        }
     }
 }

@@ -17,7 +17,7 @@ use loams_platform::limits::MAX_RECEIVE;
 use loams_platform::{Claim, Clock, Cond, Delivery, Item, Page, Queue, Store, StoreError, Timers};
 use serde_json::json;
 use tokio::time::Instant;
-use tracing::{Instrument, error, info_span, warn};
+use tracing::{Instrument, error, info, info_span, warn};
 
 use crate::WorkerError;
 use crate::agents::{AgentCaller, AgentReply};
@@ -249,7 +249,8 @@ impl Worker {
             // recorded before the next is made, so a crash anywhere resumes from the last record. Going back
             // through the queue between steps would cost a send, a receive and an ack per step and decide
             // nothing more.
-            // Whether `ctx` was read since the last record (the first step's was, for this message a moment ago).
+            // Whether `ctx` is fresh enough for the next step's guards: read for this message a moment ago, after a
+            // model answer, or after a kill stopped one.
             let mut world_read = true;
             for taken in 0..steps {
                 if taken > 0
@@ -271,12 +272,15 @@ impl Worker {
                 };
                 input = Input::Continue;
                 let outcome = match self.perform(&current.run, &effect).await {
-                    // Nothing came back, so nothing is recorded: the guards of the next step, on the world read
-                    // now, end the run (or, the switch gone by then, make the step again).
+                    // Nothing came back, so no outcome is recorded: the guards, on the world read now, end the run
+                    // in this message, however many steps it has left (or, the switch gone by then, decide nothing
+                    // and the step is made again).
                     Err(WorkerError::Killed) => {
                         ctx = self
                             .ctx(org, Some(run_id), self.deps.clock.now_ms())
                             .await?;
+                        current = self.record(org, run_id, &input, current, &mut ctx).await?;
+                        self.open_follow_up(org, &current.run).await?;
                         world_read = true;
                         continue;
                     }
@@ -793,6 +797,7 @@ impl Worker {
             biased;
             answer = call => answer,
             () = self.killed(org, &run.id) => {
+                info!(%org, run = %run.id, %step, %purpose, "a kill switch stopped the wait for the model's answer");
                 // The request is cancelled and the wait ends; a provider may stop generating then, or finish and
                 // bill the answer all the same, which is then not counted. The claim is given up: the step is
                 // made again only if the switch is gone by the time the guards look.
@@ -850,18 +855,19 @@ impl Worker {
         let mut logged = false;
         loop {
             tokio::time::sleep(KILL_WATCH).await;
-            let read = tokio::try_join!(
+            let (org_switch, own_switch) = tokio::join!(
                 store.get_item(org, "kill", "org"),
                 store.get_item(org, "kill", &run_switch)
             );
-            match read {
-                Ok((None, None)) => {}
-                Ok(_) => return,
-                Err(e) if !logged => {
-                    logged = true;
-                    warn!(error = %e, %org, %run, "cannot read the kill switches during a model call");
-                }
-                Err(_) => {}
+            // Either switch found on is a kill, whatever became of the other read.
+            if matches!(org_switch, Ok(Some(_))) || matches!(own_switch, Ok(Some(_))) {
+                return;
+            }
+            if let (Err(e), _) | (_, Err(e)) = (org_switch, own_switch)
+                && !logged
+            {
+                logged = true;
+                warn!(error = %e, %org, %run, "cannot read the kill switches during a model call");
             }
         }
     }
