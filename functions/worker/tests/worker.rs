@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use loams_factory::approval::{Approval, ApprovalState};
 use loams_factory::{
-    AUDIT_APPROVAL, Envelope, Input, LEAD_APPROVAL, Outcome, Run, RunState, Signal, run_kill_switch_id,
+    AUDIT_APPROVAL, Envelope, Input, LEAD_APPROVAL, Outcome, Run, RunState, Signal,
+    run_kill_switch_id,
 };
 use loams_model::{ChatModel, ChatRequest, ChatResponse, ModelError};
 use loams_platform::{
@@ -595,13 +596,22 @@ async fn a_kill_stops_the_wait_for_a_model_answer_and_ends_the_run() {
     // the run in that message (the announcing of its end follows in the next).
     for (scope, steps) in [("org", 16), ("run", 16), ("run", 1)] {
         let h = Harness::new(FakeAgents::default(), 2);
-        let id = h.worker.open(ORG, signal("fp-kill-answer")).await.unwrap().run_id;
+        let id = h
+            .worker
+            .open(ORG, signal("fp-kill-answer"))
+            .await
+            .unwrap()
+            .run_id;
         let step = until_fix(&h, &id).await;
         let switch = match scope {
             "org" => "org".to_string(),
             _ => run_kill_switch_id(&id),
         };
-        let failures = if steps == 1 { 0 } else { loams_factory::MAX_STEP_RETRIES - 1 };
+        let failures = if steps == 1 {
+            0
+        } else {
+            loams_factory::MAX_STEP_RETRIES - 1
+        };
         *h.model.fix_failures.lock().unwrap() = failures;
         *h.model.fix_killed.lock().unwrap() = Some((h.db.clone(), switch));
         for d in h.db.receive(10, 1_000).await.unwrap() {
@@ -615,9 +625,23 @@ async fn a_kill_stops_the_wait_for_a_model_answer_and_ends_the_run() {
             .unwrap();
         let run = h.run(&id).await;
         let ended = run.ending.as_ref().map(|ending| ending.state);
-        assert_eq!(ended, Some(RunState::Killed), "{scope}, {steps} steps: {run:?}");
+        assert_eq!(
+            ended,
+            Some(RunState::Killed),
+            "{scope}, {steps} steps: {run:?}"
+        );
         if steps > 1 {
             assert_eq!(run.state, RunState::Killed, "{scope}: {:?}", run.ending);
+        } else {
+            let queued = h.db.receive(10, 1_000).await.unwrap();
+            let runs: Vec<String> = (queued.iter())
+                .map(|d| serde_json::from_slice::<Envelope>(&d.body).unwrap().run)
+                .collect();
+            assert_eq!(
+                runs,
+                [id.clone()],
+                "the announcing of the end is not queued"
+            );
         }
         let tries = failures as usize + 1;
         assert_eq!(*h.model.paid.lock().unwrap(), vec!["fix"; tries], "{scope}");
@@ -677,7 +701,8 @@ async fn a_model_call_claimed_elsewhere_is_retried_later_and_a_finished_one_reus
     .await
     .unwrap();
     // The retry is due a third of the way into the lease, before the answer timeout the lease outlasts.
-    h.clock.advance(loams_model::ANSWER_TIMEOUT.as_millis() as u64);
+    h.clock
+        .advance(loams_model::ANSWER_TIMEOUT.as_millis() as u64);
     assert_eq!(h.scheduler.fire_due().await.unwrap(), 1);
     assert_eq!(h.worker.run_once().await.unwrap(), 1);
     // The message carries the run on past the fix (to the reviews, which are paid): the fix itself is not.
@@ -1147,7 +1172,11 @@ impl AfterKilledRuns {
             &Arc::new(FakeModel::default()),
             loams_factory::Config::default(),
         );
-        let id = worker.open(ORG, signal("fp-many-killed")).await.unwrap().run_id;
+        let id = worker
+            .open(ORG, signal("fp-many-killed"))
+            .await
+            .unwrap()
+            .run_id;
         for d in db.inner().receive(10, 1_000).await.unwrap() {
             db.inner().ack(&d.receipt).await.unwrap();
         }
@@ -1191,7 +1220,8 @@ impl AfterKilledRuns {
 }
 
 #[tokio::test]
-async fn the_switches_of_runs_killed_before_cost_a_step_one_read_at_most_and_its_own_switch_still_stops_it() {
+async fn the_switches_of_runs_killed_before_cost_a_step_one_read_at_most_and_its_own_switch_still_stops_it()
+ {
     let fresh = AfterKilledRuns::new(0).await;
     let few = AfterKilledRuns::new(20).await;
     let crowded = AfterKilledRuns::new(500).await;
@@ -1261,7 +1291,8 @@ async fn a_run_switch_on_a_later_last_listing_page_stops_its_run_without_another
 }
 
 #[tokio::test]
-async fn the_organisation_and_agent_switches_are_read_past_a_listing_page_among_the_switches_of_killed_runs() {
+async fn the_organisation_and_agent_switches_are_read_past_a_listing_page_among_the_switches_of_killed_runs()
+ {
     for last in ["agent:zulip", "org"] {
         let run = AfterKilledRuns::new(500).await;
         // More agent switches than one listing page holds, the one that matters after them all.
