@@ -406,6 +406,10 @@ fn config_is_validated_and_debug_hides_the_key() {
             api_key: "sk-clé".into(),
             ..cfg.clone()
         },
+        ModelConfig {
+            api_key: "sk-key ".into(),
+            ..cfg.clone()
+        },
     ] {
         let err = OpenAiCompatible::new(bad).unwrap_err();
         assert!(matches!(err, ModelError::Config(_)), "{err:?}");

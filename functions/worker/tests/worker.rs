@@ -639,7 +639,7 @@ async fn a_kill_stops_the_wait_for_a_model_answer_and_ends_the_run() {
                 .collect();
             assert_eq!(
                 runs,
-                [id.clone()],
+                std::slice::from_ref(&id),
                 "the announcing of the end is not queued"
             );
         }
