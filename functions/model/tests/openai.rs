@@ -410,9 +410,40 @@ fn config_is_validated_and_debug_hides_the_key() {
             api_key: "sk-key ".into(),
             ..cfg.clone()
         },
+        ModelConfig {
+            api_key: " sk-key".into(),
+            ..cfg.clone()
+        },
+        ModelConfig {
+            api_key: "sk-live-a1 sk-old-b2".into(),
+            ..cfg.clone()
+        },
+        ModelConfig {
+            api_key: "sk-key\tnote".into(),
+            ..cfg.clone()
+        },
+        ModelConfig {
+            api_key: "\"sk-key\"".into(),
+            ..cfg.clone()
+        },
+        ModelConfig {
+            api_key: "==".into(),
+            ..cfg.clone()
+        },
     ] {
+        let key = bad.api_key.clone();
         let err = OpenAiCompatible::new(bad).unwrap_err();
         assert!(matches!(err, ModelError::Config(_)), "{err:?}");
-        assert!(!err.to_string().contains("bad\nkey"));
+        if key.contains("sk-") {
+            assert!(!err.to_string().contains(key.trim()), "{err}");
+        }
+    }
+    // Keys as providers issue them, JWTs included, and none for a local server.
+    for key in ["sk-proj-Ab_c.d~e+f/g==", "eyJhbGciOi.eyJzdWIi.c2ln-_", ""] {
+        OpenAiCompatible::new(ModelConfig {
+            api_key: key.into(),
+            ..cfg.clone()
+        })
+        .unwrap_or_else(|e| panic!("{key}: {e}"));
     }
 }
