@@ -35,6 +35,8 @@ pub const MAX_TOKENS_TOLD: u64 = 10_000_000;
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(600);
 /// How much of an error body is kept in [`ModelError::Status`].
 const ERROR_EXCERPT_CHARS: usize = 512;
+/// Shortest key (without its padding) an error body is shown with, redacted: a shorter one is withheld with it.
+const MIN_REDACTED_KEY: usize = 8;
 /// How much of an error body is read: far past the excerpt (a key the read cuts is trimmed away, see `excerpt`).
 const ERROR_BODY_BYTES: usize = 64 * 1024;
 /// How long an error body may take to arrive.
@@ -188,7 +190,7 @@ impl OpenAiCompatible {
         if !config.api_key.is_empty() && !is_bearer_token(&config.api_key) {
             // Do not echo the key: say only what is wrong with it.
             return Err(ModelError::Config(
-                "api_key must be a bearer token: letters, digits and - . _ ~ + / (then = for padding), no spaces"
+                "api_key must be a bearer token: ASCII letters, digits and - . _ ~ + / (then = for padding), no spaces"
                     .into(),
             ));
         }
@@ -301,6 +303,12 @@ impl OpenAiCompatible {
         if self.api_key.is_empty() {
             return text.chars().take(ERROR_EXCERPT_CHARS).collect();
         }
+        // Echoed with or without its padding, the key is found by what precedes it.
+        let key = self.api_key.trim_end_matches('=');
+        if key.len() < MIN_REDACTED_KEY {
+            // Such a key matches ordinary text (`1` in `401`), and where the marks land would spell it out.
+            return "<body withheld: the key is too short to redact>".into();
+        }
         // The whole body read (at most ERROR_BODY_BYTES) is redacted before the excerpt is taken: cut first, a key
         // straddling the end keeps its first characters; redacting a window only, each shorter `<redacted>` pulls
         // later text (a key cut at the window's edge too) into the excerpt.
@@ -308,7 +316,6 @@ impl OpenAiCompatible {
         if cut {
             // The read may have stopped inside an echoed key, after the last whole one: that key's start, which no
             // redaction recognises, goes. (Keys are ASCII, so the lossy conversion kept it as it came.)
-            let key = self.api_key.as_str();
             let after_last_key = text
                 .match_indices(key)
                 .last()
@@ -318,7 +325,7 @@ impl OpenAiCompatible {
             let keep = (text.len().saturating_sub(key.len() - 1)).max(after_last_key);
             text.truncate(text.floor_char_boundary(keep));
         }
-        let redacted = text.replace(self.api_key.as_str(), "<redacted>");
+        let redacted = text.replace(key, "<redacted>");
         redacted.chars().take(ERROR_EXCERPT_CHARS).collect()
     }
 }
@@ -584,5 +591,25 @@ mod tests {
         assert_eq!(body.len(), ERROR_BODY_BYTES);
         let expected = format!("{}x", "<redacted>".repeat(31));
         assert_eq!(model.excerpt(body.as_bytes(), true), expected);
+    }
+
+    #[test]
+    fn a_key_is_redacted_without_its_padding_and_a_short_one_withholds_the_body() {
+        let model = |key: &str| {
+            OpenAiCompatible::new(ModelConfig {
+                api_key: key.into(),
+                ..ModelConfig::default()
+            })
+            .unwrap()
+        };
+        let padded = model("sk-AbCdEfGh==");
+        let excerpt = padded.excerpt(b"invalid key sk-AbCdEfGh, was sk-AbCdEfGh==", false);
+        assert_eq!(excerpt, "invalid key <redacted>, was <redacted>==");
+        let short = model("sk-1234");
+        let excerpt = short.excerpt(b"{\"code\":401,\"error\":\"bad key sk-1234\"}", false);
+        assert!(
+            !excerpt.contains("1234") && !excerpt.contains("401"),
+            "{excerpt}"
+        );
     }
 }
