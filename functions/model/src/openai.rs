@@ -605,11 +605,17 @@ mod tests {
         let padded = model("sk-AbCdEfGh==");
         let excerpt = padded.excerpt(b"invalid key sk-AbCdEfGh, was sk-AbCdEfGh==", false);
         assert_eq!(excerpt, "invalid key <redacted>, was <redacted>==");
-        let short = model("sk-1234");
-        let excerpt = short.excerpt(b"{\"code\":401,\"error\":\"bad key sk-1234\"}", false);
-        assert!(
-            !excerpt.contains("1234") && !excerpt.contains("401"),
-            "{excerpt}"
-        );
+        // Eight characters are redacted; seven are too few, padding not counted.
+        let eight = model("sk-12345");
+        let excerpt = eight.excerpt(b"{\"code\":401,\"error\":\"bad key sk-12345\"}", false);
+        assert_eq!(excerpt, "{\"code\":401,\"error\":\"bad key <redacted>\"}");
+        for key in ["sk-1234", "sk-1234="] {
+            let body = format!("{{\"code\":401,\"error\":\"bad key {key}\"}}");
+            let excerpt = model(key).excerpt(body.as_bytes(), false);
+            assert!(
+                !excerpt.contains("1234") && !excerpt.contains("401"),
+                "{key}: {excerpt}"
+            );
+        }
     }
 }
